@@ -1,0 +1,31 @@
+# `make demo` and `make test` create (or reuse) .venv and install what they need.
+# Torch: a torch already importable in the venv is kept (e.g. a user's CUDA build); a system-wide
+# CUDA torch is reused through --system-site-packages; otherwise the CPU build torch==2.13.0.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lipstream-installed
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
+	    echo "reusing the system's CUDA torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else $(PYTHON) -m venv $(VENV); fi; \
+	fi
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(PY) -m lipstream.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,56 @@
+"""One call from an audio file to the per-frame windows the UNet consumes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import WhisperFeatureExtractor
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+from lipstream.audio.decode import load_audio
+from lipstream.audio.features import whisper_features
+from lipstream.audio.windows import as_fps, audio_windows, num_frames
+from lipstream.models.config import SAMPLE_RATE
+
+
+@dataclass
+class Speech:
+    """Decoded speech and its features, aligned to a video frame rate."""
+
+    samples: np.ndarray  # [n] float32, 16 kHz mono
+    fps: Fraction
+    features: torch.Tensor  # [T, 5, 384], T = ceil(n / 320)
+    windows: torch.Tensor  # [frames, 50, 384], no positional encoding
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.samples.size / SAMPLE_RATE
+
+    @property
+    def frames(self) -> int:
+        return self.windows.shape[0]
+
+
+def prepare_speech(audio: str | Path | np.ndarray, fps: float | Fraction, encoder: WhisperEncoder,
+                   feature_extractor: WhisperFeatureExtractor) -> Speech:
+    """Decode (if given a path), extract Whisper features and gather per-frame windows, on the encoder's device."""
+    fps = as_fps(fps)
+    sync = (lambda: torch.cuda.synchronize()) if next(encoder.parameters()).is_cuda else (lambda: None)
+    t0 = time.perf_counter()
+    samples = audio if isinstance(audio, np.ndarray) else load_audio(audio)
+    t1 = time.perf_counter()
+    features = whisper_features(samples, encoder, feature_extractor)
+    sync()
+    t2 = time.perf_counter()
+    windows = audio_windows(features, fps, num_frames(samples.size, fps))
+    sync()
+    t3 = time.perf_counter()
+    timings = {"decode": (t1 - t0) * 1e3, "features": (t2 - t1) * 1e3, "windows": (t3 - t2) * 1e3,
+               "total": (t3 - t0) * 1e3}
+    return Speech(samples, fps, features, windows, timings)

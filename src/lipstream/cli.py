@@ -1,0 +1,136 @@
+"""`lipstream` command line. Each flag maps onto a function argument; user errors are one line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+
+from lipstream.errors import LipStreamError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="LipStream: fast MuseTalk v1.5 lip-sync for AI presenters.")
+weights_app = typer.Typer(no_args_is_help=True, help="Get, check or fake the MuseTalk v1.5 model files.")
+app.add_typer(weights_app, name="weights")
+err = Console(stderr=True)
+out = Console()
+
+ModelsOpt = Annotated[Optional[Path], typer.Option(
+    "--models", help="Models folder (upstream layout). Default: $LIPSTREAM_MODELS or ~/.cache/lipstream/models.")]
+RandomOpt = Annotated[bool, typer.Option(
+    "--random-weights", help="Use untrained, seeded random networks (speed tests only: no real mouth).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cuda, cpu, or auto (cuda when present).")]
+
+
+def warn_random_weights() -> None:
+    from lipstream.models import RANDOM_WARNING
+
+    err.print(Panel(RANDOM_WARNING, title="WARNING", style="bold red"))
+    logging.getLogger("lipstream.models.load").setLevel(logging.ERROR)  # said once, loudly, is enough
+
+
+def pick_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LipStreamError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+    return name
+
+
+@weights_app.command("download")
+def weights_download(models: ModelsOpt = None,
+                     force: Annotated[bool, typer.Option(help="Download again even if present.")] = False) -> None:
+    """Fetch musetalkV15/, sd-vae/ and whisper/ from Hugging Face into the models folder."""
+    from lipstream.models.download import download
+    from lipstream.models.layout import models_dir
+
+    root = models_dir(models)
+    fetched = download(root, force=force, report=lambda s: err.print(s))
+    out.print(f"{len(fetched)} files downloaded; models folder: {root}")
+
+
+@weights_app.command("verify")
+def weights_verify(models: ModelsOpt = None,
+                   sha256: Annotated[bool, typer.Option(help="Also hash whole files (slow for unet.pth).")] = False
+                   ) -> None:
+    """Load every file of a models folder strictly and print what it holds."""
+    from lipstream.models.verify import verify
+
+    report = verify(models, sha256=sha256)
+    out.print(f"models folder {report.root}")
+    for row in report.rows:
+        colour = "green" if row.status == "ok" else "red"
+        out.print(f"[bold]{row.component:8}[/] [{colour}]{row.status}[/]  {row.file}  {row.size}  {row.format}",
+                  highlight=False)
+        if row.status == "ok":
+            out.print(f"         {row.tensors} tensors, {row.parameters} parameters, {row.dtype}, "
+                      f"fingerprint {row.fingerprint}", highlight=False)
+        if row.detail:
+            out.print(f"         {row.detail}", highlight=False, soft_wrap=True)
+    if not report.ok:
+        raise LipStreamError(f"{report.failures} of {len(report.rows)} components failed to load: {report.root}")
+
+
+@weights_app.command("random")
+def weights_random(folder: Annotated[Path, typer.Argument(help="Folder to write (upstream layout).")],
+                   size: Annotated[str, typer.Option(help="full or tiny")] = "tiny",
+                   seed: int = 0) -> None:
+    """Write seeded random weights in the upstream layout (to test loading; NOT a real model)."""
+    from lipstream.models.export import write_random_checkpoint
+
+    warn_random_weights()
+    write_random_checkpoint(folder, size=size, seed=seed)
+    out.print(f"wrote random {size} weights to {folder}")
+
+
+@app.command("features")
+def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
+             fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",
+             output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Save features + windows (.safetensors).")] = None,
+             models: ModelsOpt = None, random_weights: RandomOpt = False, device: DeviceOpt = "auto") -> None:
+    """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
+    from lipstream.audio import as_fps, prepare_speech
+    from lipstream.models import load_musetalk
+
+    if random_weights:
+        warn_random_weights()
+    dev = pick_device(device)
+    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights)
+    speech = prepare_speech(audio, as_fps(fps), m.whisper, m.feature_extractor)
+    out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
+              f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {dev}")
+    out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))
+    if output is not None:
+        from lipstream.io import save_safetensors_atomic
+
+        save_safetensors_atomic(output, {"features": speech.features, "windows": speech.windows},
+                                {"fps": str(speech.fps), "samples": str(speech.samples.size),
+                                 "weights": m.source, **{f"fingerprint.{k}": v for k, v in m.fingerprints.items()}})
+        out.print(f"wrote {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LIPSTREAM_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app(args=argv, prog_name="lipstream")  # click handles usage errors and exits through SystemExit
+    except LipStreamError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Atomic outputs: a file appears under its name only when it is complete."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from lipstream.errors import InputError
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`; rename it to `dest` on success, delete it on any failure."""
+    dest = Path(dest)
+    if dest.is_dir():
+        raise InputError(dest, "is a folder, expected an output file name")
+    parent = dest.parent if str(dest.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(dest, f"output folder {parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=parent)
+    except OSError as e:
+        raise InputError(dest, f"cannot write here ({e.strerror})") from None
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, dest)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def save_safetensors_atomic(dest: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(dest) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)

@@ -1,0 +1,67 @@
+"""Where the model files live: the upstream MuseTalk download layout, and how to find the folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_VAR = "LIPSTREAM_MODELS"
+DEFAULT_DIR = Path("~/.cache/lipstream/models")
+
+UNET_DIR = "musetalkV15"
+VAE_DIR = "sd-vae"
+WHISPER_DIR = "whisper"
+
+
+@dataclass(frozen=True)
+class UpstreamFile:
+    """A file of the layout and the Hugging Face repository it comes from."""
+
+    path: str  # relative to the models folder
+    repo: str  # Hugging Face repo id
+    repo_path: str  # path inside that repo
+    alternatives: tuple[str, ...] = ()  # other accepted names (relative), first found wins
+
+
+# What `lipstream weights download` fetches; the loader accepts each file or one of its alternatives.
+UPSTREAM_FILES: tuple[UpstreamFile, ...] = (
+    UpstreamFile(f"{UNET_DIR}/musetalk.json", "TMElyralab/MuseTalk", "musetalkV15/musetalk.json"),
+    UpstreamFile(f"{UNET_DIR}/unet.pth", "TMElyralab/MuseTalk", "musetalkV15/unet.pth",
+                 alternatives=(f"{UNET_DIR}/unet.safetensors",)),
+    UpstreamFile(f"{VAE_DIR}/config.json", "stabilityai/sd-vae-ft-mse", "config.json"),
+    UpstreamFile(f"{VAE_DIR}/diffusion_pytorch_model.safetensors", "stabilityai/sd-vae-ft-mse",
+                 "diffusion_pytorch_model.safetensors", alternatives=(f"{VAE_DIR}/diffusion_pytorch_model.bin",)),
+    UpstreamFile(f"{WHISPER_DIR}/config.json", "openai/whisper-tiny", "config.json"),
+    UpstreamFile(f"{WHISPER_DIR}/preprocessor_config.json", "openai/whisper-tiny", "preprocessor_config.json"),
+    UpstreamFile(f"{WHISPER_DIR}/model.safetensors", "openai/whisper-tiny", "model.safetensors",
+                 alternatives=(f"{WHISPER_DIR}/pytorch_model.bin",)),
+)
+
+HOW_TO_GET = "run `lipstream weights download` (needs internet), or pass --models DIR / set LIPSTREAM_MODELS"
+
+
+def models_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The models folder: `--models`, else $LIPSTREAM_MODELS, else ~/.cache/lipstream/models."""
+    if explicit:
+        return Path(explicit).expanduser()
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
+    return DEFAULT_DIR.expanduser()
+
+
+def upstream_file(rel_path: str) -> UpstreamFile:
+    for f in UPSTREAM_FILES:
+        if f.path == rel_path:
+            return f
+    raise KeyError(rel_path)
+
+
+def find(root: Path, rel_path: str) -> Path | None:
+    """The first existing file among `rel_path` and its alternatives, or None."""
+    entry = upstream_file(rel_path)
+    for candidate in (entry.path, *entry.alternatives):
+        p = root / candidate
+        if p.is_file():
+            return p
+    return None

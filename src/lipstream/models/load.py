@@ -1,0 +1,188 @@
+"""Load MuseTalk v1.5 from a models folder in the upstream layout, or build it with random weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import WhisperFeatureExtractor
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+from lipstream.errors import WeightsError
+from lipstream.models import build
+from lipstream.models.checkpoint import (
+    fingerprint, load_strict, read_json, read_state_dict, rename_old_vae_attention)
+from lipstream.models.config import (
+    AUDIO_DIM, HIDDEN_STATES, N_FFT, HOP_LENGTH, N_MELS, SAMPLE_RATE, SEGMENT_SECONDS, ModelConfig, preset)
+from lipstream.models.layout import HOW_TO_GET, UNET_DIR, VAE_DIR, WHISPER_DIR, find, models_dir, upstream_file
+from lipstream.models.positional import PositionalEncoding
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("unet", "vae", "whisper")
+RANDOM_WARNING = ("RANDOM WEIGHTS: these networks are untrained. Output will not look like a mouth; "
+                  "use it only to test the pipeline or measure speed.")
+
+
+@dataclass
+class MuseTalk:
+    """The networks of one MuseTalk v1.5 model set, on one device in one dtype."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    feature_extractor: WhisperFeatureExtractor
+    pe: PositionalEncoding
+    unet: UNet2DConditionModel | None = None
+    vae: AutoencoderKL | None = None
+    whisper: WhisperEncoder | None = None
+    random_weights: bool = False
+    source: str = ""
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on CUDA (what MuseTalk runs in), fp32 elsewhere."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_musetalk(
+    models: str | Path | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    components: Iterable[str] = COMPONENTS,
+    random_weights: bool = False,
+    size: str = "full",
+    seed: int = 0,
+) -> MuseTalk:
+    """MuseTalk networks ready for inference.
+
+    With `random_weights`, the `size` preset ("full" or "tiny") is built with seeded random
+    weights and nothing is read from disk; otherwise every requested component is loaded strictly
+    from `models` (or $LIPSTREAM_MODELS, or ~/.cache/lipstream/models).
+    """
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    wanted = set(components)
+    unknown = wanted - set(COMPONENTS)
+    if unknown:
+        raise ValueError(f"unknown components {sorted(unknown)}; choose from {COMPONENTS}")
+    if random_weights:
+        log.warning(RANDOM_WARNING)
+        m = _random(preset(size), wanted, device, seed)
+    else:
+        m = _from_folder(models_dir(models), wanted)
+    m.device, m.dtype = device, dtype
+    for name in COMPONENTS:
+        net = getattr(m, name)
+        if net is not None:
+            setattr(m, name, net.to(device=device, dtype=dtype))
+    m.pe = m.pe.to(device)
+    return m
+
+
+def _random(config: ModelConfig, wanted: set[str], device: torch.device, seed: int) -> MuseTalk:
+    m = MuseTalk(config=config, device=device, dtype=torch.float32, feature_extractor=WhisperFeatureExtractor(),
+                 pe=PositionalEncoding(), random_weights=True, source=f"random weights ({config.name}, seed {seed})")
+    builders = {"unet": (build.build_unet, config.unet), "vae": (build.build_vae, config.vae),
+                "whisper": (build.build_whisper_encoder, config.whisper)}
+    for offset, name in enumerate(COMPONENTS):
+        if name in wanted:
+            make, cfg = builders[name]
+            net = make(cfg, device=device, seed=seed + offset)
+            setattr(m, name, net)
+            m.fingerprints[name] = fingerprint(net.state_dict())
+    return m
+
+
+def missing_message(root: Path, rel: str) -> str:
+    alternatives = upstream_file(rel).alternatives
+    also = f" (or {', '.join(str(root / a) for a in alternatives)})" if alternatives else ""
+    return f"missing {root / rel}{also}; {HOW_TO_GET}"
+
+
+def _require(root: Path, rel: str) -> Path:
+    path = find(root, rel)
+    if path is None:
+        raise WeightsError(missing_message(root, rel))
+    return path
+
+
+def _from_folder(root: Path, wanted: set[str]) -> MuseTalk:
+    if not root.is_dir():
+        raise WeightsError(f"models folder {root} does not exist; {HOW_TO_GET}")
+    unet_cfg = read_json(_require(root, f"{UNET_DIR}/musetalk.json")) if "unet" in wanted else {}
+    vae_cfg = read_json(_require(root, f"{VAE_DIR}/config.json")) if "vae" in wanted else {}
+    whisper_cfg = read_json(_require(root, f"{WHISPER_DIR}/config.json")) if "whisper" in wanted else {}
+    fe = load_feature_extractor(root) if "whisper" in wanted else WhisperFeatureExtractor()
+    m = MuseTalk(config=ModelConfig(f"folder:{root}", unet_cfg, vae_cfg, whisper_cfg), device=torch.device("cpu"),
+                 dtype=torch.float32, feature_extractor=fe, pe=PositionalEncoding(), source=str(root))
+    if "unet" in wanted:
+        m.unet, m.fingerprints["unet"] = load_unet(root, unet_cfg)
+    if "vae" in wanted:
+        m.vae, m.fingerprints["vae"] = load_vae(root, vae_cfg)
+    if "whisper" in wanted:
+        m.whisper, m.fingerprints["whisper"] = load_whisper_encoder(root, whisper_cfg)
+    return m
+
+
+def load_unet(root: Path, cfg: dict) -> tuple[UNet2DConditionModel, str]:
+    path = _require(root, f"{UNET_DIR}/unet.pth")
+    sd = read_state_dict(path)
+    unet = _construct(build.build_unet, cfg, root / UNET_DIR / "musetalk.json")
+    load_strict(unet, sd, path)
+    return unet, fingerprint(sd)
+
+
+def load_vae(root: Path, cfg: dict) -> tuple[AutoencoderKL, str]:
+    path = _require(root, f"{VAE_DIR}/diffusion_pytorch_model.safetensors")
+    sd = rename_old_vae_attention(read_state_dict(path))
+    vae = _construct(build.build_vae, cfg, root / VAE_DIR / "config.json")
+    load_strict(vae, sd, path)
+    return vae, fingerprint(sd)
+
+
+def load_whisper_encoder(root: Path, cfg: dict) -> tuple[WhisperEncoder, str]:
+    """Only the encoder of the HF checkpoint (keys `model.encoder.*` or `encoder.*`): MuseTalk never decodes."""
+    path = _require(root, f"{WHISPER_DIR}/model.safetensors")
+    sd = read_state_dict(path)
+    encoder_sd = {}
+    for prefix in ("model.encoder.", "encoder."):
+        encoder_sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        if encoder_sd:
+            break
+    if not encoder_sd:
+        raise WeightsError(f"{path}: holds no Whisper encoder tensors (no 'model.encoder.*' keys); {HOW_TO_GET}")
+    encoder = _construct(build.build_whisper_encoder, cfg, root / WHISPER_DIR / "config.json")
+    if encoder.config.d_model != AUDIO_DIM or encoder.config.encoder_layers + 1 != HIDDEN_STATES:
+        raise WeightsError(f"{root / WHISPER_DIR / 'config.json'}: MuseTalk v1.5 needs whisper-tiny "
+                           f"(d_model {AUDIO_DIM}, 4 layers), found d_model {encoder.config.d_model}, "
+                           f"{encoder.config.encoder_layers} layers")
+    load_strict(encoder, encoder_sd, path)
+    return encoder, fingerprint(encoder_sd)
+
+
+def load_feature_extractor(root: Path) -> WhisperFeatureExtractor:
+    path = _require(root, f"{WHISPER_DIR}/preprocessor_config.json")
+    cfg = read_json(path)
+    try:
+        fe = WhisperFeatureExtractor(**{k: v for k, v in cfg.items() if k != "feature_extractor_type"})
+    except Exception as e:
+        raise WeightsError(f"{path}: not a Whisper feature-extractor config ({e}); {HOW_TO_GET}") from None
+    got = (fe.feature_size, fe.sampling_rate, fe.n_fft, fe.hop_length, fe.chunk_length)
+    want = (N_MELS, SAMPLE_RATE, N_FFT, HOP_LENGTH, SEGMENT_SECONDS)
+    if got != want:
+        raise WeightsError(f"{path}: expected whisper-tiny's (mel bins, rate, n_fft, hop, chunk) = {want}, found {got}")
+    return fe
+
+
+def _construct(make, cfg: dict, config_path: Path):
+    try:
+        return make(cfg)
+    except Exception as e:
+        raise WeightsError(f"{config_path}: cannot build the model from this config ({e}); {HOW_TO_GET}") from None
