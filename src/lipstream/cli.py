@@ -112,7 +112,7 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
         from lipstream.io import save_safetensors_atomic
 
         save_safetensors_atomic(output, {"features": speech.features, "windows": speech.windows},
-                                {"fps": str(speech.fps), "samples": str(speech.samples.size),
+                                {"fps": str(speech.fps), "samples": str(speech.samples.numel()),
                                  "weights": m.source, **{f"fingerprint.{k}": v for k, v in m.fingerprints.items()}})
         out.print(f"wrote {output}")
 

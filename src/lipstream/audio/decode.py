@@ -1,4 +1,8 @@
-"""Decode any audio (or a video's audio track) to 16 kHz mono float32 with PyAV, in-process."""
+"""Decode any audio (or a video's audio track) to 16 kHz mono float32, in-process with PyAV.
+
+PyAV demuxes and decodes; sample-format conversion, the channel mix and resampling
+(resample.py) are a few torch kernels over the whole clip, on the GPU when there is one. Mono is the mean of the channels, as librosa (MuseTalk's loader) does.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,30 @@ from pathlib import Path
 
 import av
 import numpy as np
+import torch
 
+from lipstream.audio.resample import resample
 from lipstream.errors import InputError, check_file
 from lipstream.models.config import SAMPLE_RATE
 
 MAX_SECONDS = 4 * 3600  # a longer "speech" file is a mistake, and would need GBs of features
-TRUNCATION_TOLERANCE_S = 0.5  # decoded vs declared duration before a file counts as cut short
+TRUNCATION_TOLERANCE_S = 0.5  # decoded vs declared duration before a compressed file counts as cut short
+WAV_TOLERANCE_S = 0.01  # a WAV header states its data size exactly
+
+# integer sample formats -> (offset, scale) that map them to [-1, 1)
+_INT_SCALE = {torch.uint8: (128.0, 1 / 128), torch.int16: (0.0, 1 / 2**15),
+              torch.int32: (0.0, 1 / 2**31), torch.int64: (0.0, 1 / 2**63)}
 
 
-def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Mono float32 samples in [-1, 1] at `sample_rate`, from any container/codec FFmpeg reads.
+def decode_audio(path: str | Path) -> tuple[np.ndarray, int]:
+    """The decoded samples as [channels, n] in the codec's own dtype, and the sample rate.
 
     Raises InputError (naming the file) for a missing file, a folder, a file with no audio
     stream, undecodable or truncated data, and audio with no samples.
     """
     path = check_file(path, "audio file")
+    if path.stat().st_size == 0:
+        raise InputError(path, "is empty (0 bytes)")
     try:
         container = av.open(str(path), metadata_errors="ignore")
     except av.error.FFmpegError as e:
@@ -30,37 +43,84 @@ def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
         if stream is None:
             raise InputError(path, "has no audio stream")
         declared = _declared_seconds(container, stream)
-        resampler: av.AudioResampler | None = None
-        chunks: list[np.ndarray] = []
-        count = 0
+        tolerance = WAV_TOLERANCE_S if container.format.name == "wav" else TRUNCATION_TOLERANCE_S
         try:
-            for frame in container.decode(stream):
-                frame.pts = None  # let the resampler count samples; broken timestamps must not drop audio
-                if resampler is None:  # keep the channels: mono is their mean, as librosa/whisper do
-                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
-                for out in resampler.resample(frame):
-                    chunks.append(_mono(out.to_ndarray()))
-                    count += out.samples
-                if count > MAX_SECONDS * sample_rate:
-                    raise InputError(path, f"is longer than {MAX_SECONDS // 3600} hours; split it first")
-            for out in resampler.resample(None) if resampler is not None else ():
-                chunks.append(_mono(out.to_ndarray()))
+            planes, rate = _decode_planes(path, container, stream)
         except av.error.FFmpegError as e:
             raise InputError(path, f"corrupt audio data ({_reason(e)})") from None
-    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    if samples.size == 0:
+    data = np.concatenate(planes, axis=1) if planes else np.zeros((1, 0), np.float32)
+    if data.shape[1] == 0:
         raise InputError(path, "contains no audio samples (zero-length audio)")
-    decoded = samples.size / sample_rate
-    if declared is not None and declared - decoded > max(TRUNCATION_TOLERANCE_S, 0.02 * declared):
+    decoded = data.shape[1] / rate
+    if declared is not None and declared - decoded > max(tolerance, 0.02 * declared if tolerance > WAV_TOLERANCE_S else 0):
         raise InputError(path, f"is truncated or damaged: its header says {declared:.2f} s, "
                                f"only {decoded:.2f} s could be decoded")
-    if not np.isfinite(samples).all():
+    return data, rate
+
+
+def load_audio_tensor(path: str | Path, device: str | torch.device = "cpu",
+                      sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """[n] float32 mono samples at `sample_rate` on `device`; conversion and resampling run there."""
+    data, rate = decode_audio(path)
+    x = to_mono_float(torch.from_numpy(data).to(device, non_blocking=True))
+    if data.dtype.kind == "f" and not bool(torch.isfinite(x).all()):
         raise InputError(path, "decoded to non-finite samples (corrupt data)")
-    return np.ascontiguousarray(samples, dtype=np.float32)
+    return resample(x, rate, sample_rate)
 
 
-def _mono(planar: np.ndarray) -> np.ndarray:
-    return planar[0] if planar.shape[0] == 1 else planar.mean(axis=0, dtype=np.float32)
+def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Mono float32 samples at `sample_rate` (16 kHz), from any format FFmpeg reads.
+
+    Full scale is [-1, 1]; float files that exceed it are returned as they are, not clipped.
+    """
+    return load_audio_tensor(path, "cpu", sample_rate).numpy()
+
+
+def to_mono_float(data: torch.Tensor) -> torch.Tensor:
+    """[channels, n] samples of any PCM dtype -> [n] float32 in [-1, 1): scale, then mean of channels."""
+    if data.dtype in _INT_SCALE:
+        offset, scale = _INT_SCALE[data.dtype]
+        x = (data.to(torch.float64 if data.dtype in (torch.int32, torch.int64) else torch.float32) - offset) * scale
+    else:
+        x = data
+    x = x.mean(dim=0) if x.shape[0] > 1 else x[0]
+    return x.to(torch.float32).contiguous()
+
+
+def _decode_planes(path: Path, container: av.container.InputContainer,
+                   stream: av.audio.stream.AudioStream) -> tuple[list[np.ndarray], int]:
+    """Decoded samples as [channels, n] arrays in the codec's own dtype, plus the sample rate.
+
+    Frames whose format, layout or rate differ from the first (rare mid-stream changes) are
+    converted to the first frame's with libswresample.
+    """
+    planes: list[np.ndarray] = []
+    first: tuple[str, str, int] | None = None
+    fixer: av.AudioResampler | None = None
+    count = 0
+    for frame in container.decode(stream):
+        key = (frame.format.name, frame.layout.name, frame.sample_rate)
+        if first is None:
+            first = key
+        frames = [frame]
+        if key != first:
+            frame.pts = None
+            fixer = fixer or av.AudioResampler(format=first[0], layout=first[1], rate=first[2])
+            frames = fixer.resample(frame)
+        for f in frames:
+            planes.append(_planar(f))
+            count += f.samples
+        if first and count > MAX_SECONDS * first[2]:
+            raise InputError(path, f"is longer than {MAX_SECONDS // 3600} hours; split it first")
+    return planes, (first[2] if first else SAMPLE_RATE)
+
+
+def _planar(frame: av.AudioFrame) -> np.ndarray:
+    data = frame.to_ndarray()
+    if frame.format.is_planar:
+        return data[:, : frame.samples]
+    channels = len(frame.layout.channels)
+    return data.reshape(-1, channels)[: frame.samples].T  # packed: interleaved samples
 
 
 def _declared_seconds(container: av.container.InputContainer, stream: av.audio.stream.AudioStream) -> float | None:
@@ -85,8 +145,7 @@ def _wav_declared_seconds(name: str, stream: av.audio.stream.AudioStream) -> flo
     while pos + 8 <= len(head):
         chunk, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
         if chunk == b"data":
-            ctx = stream.codec_context
-            bytes_per_second = (ctx.bit_rate or 0) / 8
+            bytes_per_second = (stream.codec_context.bit_rate or 0) / 8
             if size in (0, 0xFFFFFFFF) or bytes_per_second <= 0:
                 return None
             return size / bytes_per_second

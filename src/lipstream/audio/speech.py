@@ -12,7 +12,7 @@ import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from lipstream.audio.decode import load_audio
+from lipstream.audio.decode import load_audio_tensor
 from lipstream.audio.features import whisper_features
 from lipstream.audio.windows import as_fps, audio_windows, num_frames
 from lipstream.models.config import SAMPLE_RATE
@@ -22,7 +22,7 @@ from lipstream.models.config import SAMPLE_RATE
 class Speech:
     """Decoded speech and its features, aligned to a video frame rate."""
 
-    samples: np.ndarray  # [n] float32, 16 kHz mono
+    samples: torch.Tensor  # [n] float32, 16 kHz mono, on the encoder's device
     fps: Fraction
     features: torch.Tensor  # [T, 5, 384], T = ceil(n / 320)
     windows: torch.Tensor  # [frames, 50, 384], no positional encoding
@@ -30,25 +30,33 @@ class Speech:
 
     @property
     def duration(self) -> float:
-        return self.samples.size / SAMPLE_RATE
+        return self.samples.numel() / SAMPLE_RATE
 
     @property
     def frames(self) -> int:
         return self.windows.shape[0]
 
 
-def prepare_speech(audio: str | Path | np.ndarray, fps: float | Fraction, encoder: WhisperEncoder,
+def prepare_speech(audio: str | Path | np.ndarray | torch.Tensor, fps: float | Fraction, encoder: WhisperEncoder,
                    feature_extractor: WhisperFeatureExtractor) -> Speech:
-    """Decode (if given a path), extract Whisper features and gather per-frame windows, on the encoder's device."""
+    """Decode (if given a path), extract Whisper features and gather per-frame windows, on the encoder's device.
+
+    Arrays and tensors are taken as 16 kHz mono samples.
+    """
     fps = as_fps(fps)
-    sync = (lambda: torch.cuda.synchronize()) if next(encoder.parameters()).is_cuda else (lambda: None)
+    device = next(encoder.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    samples = audio if isinstance(audio, np.ndarray) else load_audio(audio)
+    if isinstance(audio, (str, Path)):
+        samples = load_audio_tensor(audio, device)
+    else:
+        samples = torch.as_tensor(audio, dtype=torch.float32).to(device)
+    sync()
     t1 = time.perf_counter()
     features = whisper_features(samples, encoder, feature_extractor)
     sync()
     t2 = time.perf_counter()
-    windows = audio_windows(features, fps, num_frames(samples.size, fps))
+    windows = audio_windows(features, fps, num_frames(samples.numel(), fps))
     sync()
     t3 = time.perf_counter()
     timings = {"decode": (t1 - t0) * 1e3, "features": (t2 - t1) * 1e3, "windows": (t3 - t2) * 1e3,

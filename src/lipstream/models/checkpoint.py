@@ -38,7 +38,7 @@ def read_state_dict(path: Path) -> StateDict:
 
             sd = load_file(str(path), device="cpu")
         else:
-            sd = _torch_load(path)
+            sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
     except WeightsError:
         raise
     except Exception as e:  # corrupt, truncated or foreign files raise many different types
@@ -49,15 +49,6 @@ def read_state_dict(path: Path) -> StateDict:
     if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise WeightsError(f"{path}: not a state dict of tensors; {HOW_TO_GET}")
     return sd
-
-
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped; anything else is real
-            raise
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_strict(module: nn.Module, sd: StateDict, source: Path | str) -> None:

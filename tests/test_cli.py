@@ -1,0 +1,109 @@
+"""The `lipstream` command: only working commands are listed, errors are one line, outputs are atomic."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from lipstream.cli import main
+from lipstream.fixtures import speech_like, write_audio
+
+
+def lipstream(*args, env=None):
+    """Run the installed console script the way a user does."""
+    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or "lipstream"
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def test_help_lists_only_working_commands():
+    r = lipstream("--help")
+    assert r.returncode == 0
+    for cmd in ("features", "weights"):
+        assert cmd in r.stdout
+    for future in ("compile", "render", "broadcast", "bench", "serve"):
+        assert future not in r.stdout
+
+
+def test_verify_reports_each_component(tiny_checkpoint):
+    r = lipstream("weights", "verify", "--models", tiny_checkpoint)
+    assert r.returncode == 0, r.stderr
+    for name in ("unet", "vae", "whisper"):
+        assert name in r.stdout
+    assert r.stdout.count(" ok ") == 3 and "fingerprint" in r.stdout and "parameters" in r.stdout
+    assert "conv_in.weight [32, 8, 3, 3]" in r.stdout
+
+
+def test_verify_fails_on_a_corrupt_file(tmp_path, tiny_checkpoint):
+    root = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, root)
+    (root / "sd-vae/diffusion_pytorch_model.bin").write_bytes(os.urandom(2000))
+    r = lipstream("weights", "verify", "--models", root)
+    assert r.returncode == 1
+    assert "FAILED" in r.stdout and "diffusion_pytorch_model.bin: cannot read weights" in r.stdout
+    assert r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_download_offline_says_so(tmp_path):
+    r = lipstream("weights", "download", "--models", tmp_path / "m", env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1
+    assert "cannot download TMElyralab/MuseTalk" in r.stderr and "offline" in r.stderr
+    assert "musetalkV15/unet.pth" in r.stderr  # tells which files to fetch by hand
+    assert "Traceback" not in r.stderr
+
+
+def test_download_skips_present_files(tiny_checkpoint, capsys):
+    assert main(["weights", "download", "--models", str(tiny_checkpoint)]) == 0
+    assert "0 files downloaded" in capsys.readouterr().out
+
+
+def test_features_writes_windows(tmp_path):
+    audio = write_audio(tmp_path / "speech.wav", speech_like(1.3), 16000)
+    out = tmp_path / "f.safetensors"
+    r = lipstream("features", audio, "--fps", "30", "--random-weights", "--device", "cpu", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM WEIGHTS" in r.stderr
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("windows").shape == (39, 50, 384)
+        assert f.get_tensor("features").shape == (65, 5, 384)
+        assert f.metadata()["fps"] == "30" and f.metadata()["samples"] == "20800"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors", "speech.wav"]
+
+
+def test_features_without_weights_explains(tmp_path):
+    audio = write_audio(tmp_path / "speech.wav", speech_like(0.5), 16000)
+    r = lipstream("features", audio, "--models", tmp_path / "none", "--device", "cpu")
+    assert r.returncode == 1
+    assert "does not exist" in r.stderr and "lipstream weights download" in r.stderr
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: p, "no such audio file"),
+    (lambda p: (p.mkdir(), p)[1], "is a folder"),
+    (lambda p: (p.write_bytes(b""), p)[1], "is empty (0 bytes)"),
+    (lambda p: (p.write_bytes(os.urandom(4096)), p)[1], "not a readable audio"),
+])
+def test_features_bad_audio_is_one_line(tmp_path, make, problem, capsys):
+    path = make(tmp_path / "in.wav")
+    code = main(["features", str(path), "--random-weights", "--device", "cpu", "-o", str(tmp_path / "o.st")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert problem in err and str(path) in err and "Traceback" not in err
+    assert not (tmp_path / "o.st").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def test_cuda_requested_without_a_gpu(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    audio = write_audio(tmp_path / "s.wav", speech_like(0.2), 16000)
+    assert main(["features", str(audio), "--random-weights", "--device", "cuda"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
