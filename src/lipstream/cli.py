@@ -32,7 +32,6 @@ def warn_random_weights() -> None:
     from lipstream.models import RANDOM_WARNING
 
     err.print(Panel(RANDOM_WARNING, title="WARNING", style="bold red"))
-    logging.getLogger("lipstream.models.load").setLevel(logging.ERROR)  # said once, loudly, is enough
 
 
 def pick_device(name: str) -> str:
@@ -103,7 +102,7 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
     if random_weights:
         warn_random_weights()
     dev = pick_device(device)
-    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights)
+    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights, warn=False)
     speech = prepare_speech(audio, as_fps(fps), m.whisper, m.feature_extractor)
     out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
               f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {dev}")

