@@ -26,6 +26,8 @@ ModelsOpt = Annotated[Optional[Path], typer.Option(
 RandomOpt = Annotated[bool, typer.Option(
     "--random-weights", help="Use untrained, seeded random networks (speed tests only: no real mouth).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cuda, cpu, or auto (cuda when present).")]
+RandomSizeOpt = Annotated[str, typer.Option(
+    "--random-size", help="With --random-weights: 'full' (real cost) or 'tiny' (CPU tests and demos).")]
 
 
 def warn_random_weights() -> None:
@@ -90,11 +92,53 @@ def weights_random(folder: Annotated[Path, typer.Argument(help="Folder to write 
     out.print(f"wrote random {size} weights to {folder}")
 
 
+@app.command("compile")
+def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or images (stills), or folders of them.")],
+                output: Annotated[Path, typer.Option("-o", "--output", help="Avatars folder (one sub-folder per avatar).")],
+                force: Annotated[bool, typer.Option(help="Compile again even if the input is unchanged.")] = False,
+                track: Annotated[Optional[Path], typer.Option(
+                    help="Precomputed landmarks or boxes (JSON) for one input, or a folder of <name>.track.json.")] = None,
+                save_track: Annotated[Optional[Path], typer.Option(
+                    help="Write the tracked landmarks to DIR/<name>.track.json.")] = None,
+                extra_margin: Annotated[int, typer.Option(help="Pixels added below the chin (MuseTalk v1.5: 10).")] = 10,
+                bbox_shift: Annotated[int, typer.Option(help="Move the box's centre line down (+) or up (-), px.")] = 0,
+                fps: Annotated[Optional[str], typer.Option(help="Override the loop's frame rate (stills: 25).")] = None,
+                models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+                device: DeviceOpt = "auto") -> None:
+    """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
+    from rich.table import Table
+
+    from lipstream.avatar import CompileOptions, compile_many
+    from lipstream.models import load_musetalk
+
+    if random_weights:
+        warn_random_weights()
+    dev = pick_device(device)
+    m = load_musetalk(models, device=dev, components=["vae"], random_weights=random_weights, size=random_size,
+                      warn=False)
+    results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
+                           options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force)
+    table = Table(title=f"avatars in {output}")
+    for col in ("avatar", "status", "frames", "size", "fps", "face box", "time", "note"):
+        table.add_column(col)
+    colours = {"compiled": "green", "skipped": "cyan", "failed": "red"}
+    for r in results:
+        table.add_row(r.name, f"[{colours[r.status]}]{r.status}[/]", str(r.frames or ""),
+                      f"{r.size[0]}x{r.size[1]}" if r.frames else "", r.fps,
+                      f"{r.face[0]}x{r.face[1]}" if r.frames else "", f"{r.seconds:.1f} s" if r.seconds else "",
+                      r.message)
+    out.print(table)
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
+
+
 @app.command("features")
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",
              output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Save features + windows (.safetensors).")] = None,
-             models: ModelsOpt = None, random_weights: RandomOpt = False, device: DeviceOpt = "auto") -> None:
+             models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+             device: DeviceOpt = "auto") -> None:
     """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
     from lipstream.audio import as_fps, prepare_speech
     from lipstream.models import load_musetalk
@@ -102,7 +146,8 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
     if random_weights:
         warn_random_weights()
     dev = pick_device(device)
-    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights, warn=False)
+    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights, size=random_size,
+                      warn=False)
     speech = prepare_speech(audio, as_fps(fps), m.whisper, m.feature_extractor)
     out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
               f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {dev}")

@@ -1,0 +1,55 @@
+"""Face crops (256x256 RGB) and their VAE latents: the UNet's image input, computed once per avatar.
+
+As upstream (musetalk/models/vae.py, get_latents_for_unet): the crop in [-1, 1], once with its
+lower half blacked out and once whole, each encoded by the SD VAE and scaled by 0.18215, then
+concatenated to [8, 32, 32]. We take the mean of the latent distribution where upstream draws a
+sample: the cache is then deterministic, and the sample's noise (std ~exp(logvar/2), small for
+this VAE) carries no information.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import torch
+from diffusers import AutoencoderKL
+
+from lipstream.avatar.colour import i420_to_rgb, split_i420
+from lipstream.models.config import CROP_SIZE, VAE_SCALING_FACTOR
+
+
+def face_crop(frame: np.ndarray, box: np.ndarray, width: int, height: int, matrix: str,
+              size: int = CROP_SIZE) -> np.ndarray:
+    """The box of one I420 frame as [size, size, 3] uint8 RGB (Lanczos, as upstream's cv2 resize)."""
+    x1, y1, x2, y2 = (int(v) for v in box)
+    ex1, ey1 = x1 & ~1, y1 & ~1  # chroma is subsampled 2x2: convert an even-aligned region
+    ex2, ey2 = min(width, (x2 + 1) & ~1), min(height, (y2 + 1) & ~1)
+    y, u, v = split_i420(torch.from_numpy(frame), height, width)
+    rgb = i420_to_rgb(y[ey1:ey2, ex1:ex2], u[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2],
+                      v[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2], matrix)
+    rgb = (rgb * 255).round_().to(torch.uint8).permute(1, 2, 0).numpy()
+    region = rgb[y1 - ey1:y2 - ey1, x1 - ex1:x2 - ex1]
+    return cv2.resize(region, (size, size), interpolation=cv2.INTER_LANCZOS4)
+
+
+def to_vae_input(crops: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 256, 256, 3] uint8 -> (masked, reference) [B, 3, 256, 256] in [-1, 1]."""
+    x = crops.permute(0, 3, 1, 2).to(dtype) / 255.0
+    masked = x.clone()
+    masked[:, :, x.shape[2] // 2:, :] = 0  # upstream zeroes the lower half before normalising
+    return masked * 2 - 1, x * 2 - 1
+
+
+@torch.inference_mode()
+def encode_latents(crops: np.ndarray | torch.Tensor, vae: AutoencoderKL, batch: int = 32) -> torch.Tensor:
+    """[N, 256, 256, 3] uint8 RGB crops -> [N, 8, 32, 32] UNet image input on the VAE's device/dtype."""
+    param = next(vae.parameters())
+    crops = torch.as_tensor(crops)
+    out = []
+    for start in range(0, crops.shape[0], batch):
+        chunk = crops[start:start + batch].to(param.device, non_blocking=True)
+        masked, reference = to_vae_input(chunk, param.dtype)
+        both = vae.encode(torch.cat([masked, reference])).latent_dist.mean * VAE_SCALING_FACTOR
+        n = chunk.shape[0]
+        out.append(torch.cat([both[:n], both[n:]], dim=1))
+    return torch.cat(out)
