@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -83,30 +84,64 @@ def ping_pong(step: torch.Tensor | int, frames: int) -> torch.Tensor | int:
     return 2 * (frames - 1) - k if k >= frames else k
 
 
-def write_avatar(dest: Path, meta: dict, tensors: dict[str, torch.Tensor], frames: list[np.ndarray]) -> Path:
-    """Build the avatar folder beside `dest` and rename it into place (replacing an older one)."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent))
-    try:
+class AvatarWriter:
+    """Builds an avatar folder beside `dest` and renames it into place when complete.
+
+    The lossless frame encode (the slowest part of writing) starts in a background thread as soon
+    as the frames are decoded, overlapping tracking, masks and latents; PyAV releases the GIL
+    while x264 works. Use as a context manager: on any exception the folder is removed and an
+    older avatar at `dest` stays as it was.
+    """
+
+    def __init__(self, dest: Path):
+        self.dest = Path(dest)
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.", suffix=".part", dir=self.dest.parent))
         umask = os.umask(0)
         os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a cache is as shareable as any folder
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSORS),
+        self.tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a cache is as shareable as any folder
+        self._frames: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avatar-frames")
+
+    def __enter__(self) -> "AvatarWriter":
+        return self
+
+    def start_frames(self, frames: list[np.ndarray], width: int, height: int, fps: Fraction) -> None:
+        self._frames = self._pool.submit(write_frames, self.tmp / FRAMES, frames, width, height, fps)
+
+    def finish(self, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(self.tmp / TENSORS),
                   metadata={"format": str(FORMAT_VERSION)})
-        write_frames(tmp / FRAMES, frames, meta["width"], meta["height"], Fraction(meta["fps"]))
-        (tmp / META).write_text(json.dumps(meta, indent=2))
+        if self._frames is None:
+            raise RuntimeError("start_frames() was not called")
+        self._frames.result()
+        (self.tmp / META).write_text(json.dumps(meta, indent=2))  # last: its presence marks a complete avatar
         old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{time.time_ns()}")
-            dest.rename(old)
-        tmp.rename(dest)
+        if self.dest.exists():
+            old = self.dest.with_name(f".{self.dest.name}.old-{time.time_ns()}")
+            self.dest.rename(old)
+        self.tmp.rename(self.dest)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+        return self.dest
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._frames is not None and exc_type is not None:
+            self._frames.cancel()
+            try:
+                self._frames.result()
+            except BaseException:  # the encode's own failure is secondary to the one being raised
+                pass
+        self._pool.shutdown(wait=True)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_avatar(dest: Path, meta: dict, tensors: dict[str, torch.Tensor], frames: list[np.ndarray]) -> Path:
+    """Write a whole avatar folder atomically (see AvatarWriter)."""
+    with AvatarWriter(dest) as writer:
+        writer.start_frames(frames, meta["width"], meta["height"], Fraction(meta["fps"]))
+        return writer.finish(meta, tensors)
 
 
 def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, fps: Fraction) -> None:

@@ -7,6 +7,7 @@ video) and used both ways, so a round trip does not shift colours.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # (Kr, Kb) of each matrix; limited ("TV") range: Y in [16, 235], Cb/Cr in [16, 240].
@@ -45,6 +46,18 @@ def i420_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, matrix: str) 
     b = yf + 2 * (1 - kb) * uf
     g = (yf - kr * r - kb * b) / kg
     return torch.stack([r, g, b], dim=-3).clamp_(0, 1)
+
+
+def yuv_to_rgb_affine(matrix: str) -> np.ndarray:
+    """[3, 4] affine map from 8-bit (Y, U, V) code values to 8-bit (R, G, B), for cv2.transform."""
+    kr, kg, kb, _ = _coefficients(matrix)
+    to_rgb = np.array([[1, 0, 2 * (1 - kr)],
+                       [1, -2 * (1 - kb) * kb / kg, -2 * (1 - kr) * kr / kg],
+                       [1, 2 * (1 - kb), 0]])  # rows: R, G, B from (y, u, v) normalised
+    norm = np.diag([1 / 219, 1 / 224, 1 / 224])
+    offset = -norm @ np.array([16.0, 128.0, 128.0])
+    m = 255 * to_rgb @ norm
+    return np.hstack([m, (255 * to_rgb @ offset)[:, None]]).astype(np.float64)
 
 
 def rgb_to_yuv(rgb: torch.Tensor, matrix: str) -> torch.Tensor:

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 import lipstream
 from lipstream.avatar import boxes as box_rule
-from lipstream.avatar.cache import FORMAT_VERSION, META, write_avatar
+from lipstream.avatar.cache import FORMAT_VERSION, META, AvatarWriter
 from lipstream.avatar.face import DlibBackend, FaceBackend, fill_gaps, smooth, track
 from lipstream.avatar.latents import encode_latents, face_crop
-from lipstream.avatar.masks import lower_face_masks
+from lipstream.avatar.masks import lower_face_mask
 from lipstream.avatar.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, Loop, read_loop
 from lipstream.errors import InputError, LipStreamError
 from lipstream.models.checkpoint import file_sha256
@@ -140,51 +140,64 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
     loop = read_loop(source, Fraction(options.fps) if options.fps else None)
     n = len(loop.frames)
     timings["decode"] = time.perf_counter() - t0
+    with AvatarWriter(dest) as writer:
+        writer.start_frames(loop.frames, loop.width, loop.height, loop.fps)  # encodes while we work
 
-    t = time.perf_counter()
-    if track_file:
-        landmarks = load_track(track_file, n, loop.width, loop.height)
-    else:
-        backend = backend or DlibBackend()
-        with tqdm(total=n, desc=f"{name}: tracking", unit="frame", disable=not progress, leave=False) as bar:
-            landmarks = track(loop.luma, n, backend, bar.update)
-        found = int((~np.isnan(landmarks).any(axis=(1, 2))).sum())
-        if found == 0:
-            raise InputError(source, "no face found in any frame")
-        result.message = f"face found in {found}/{n} frames" if found < n else ""
-        if save_track_dir:
-            save_track(Path(save_track_dir) / f"{name}.track.json", landmarks, source)
-    landmarks = smooth(fill_gaps(landmarks), options.smoothing)
-    timings["track"] = time.perf_counter() - t
+        t = time.perf_counter()
+        landmarks = _landmarks(loop, source, name, track_file, save_track_dir, backend, progress, result)
+        landmarks = smooth(fill_gaps(landmarks), options.smoothing)
+        timings["track"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    boxes = box_rule.face_boxes(landmarks, loop.width, loop.height, extra_margin=options.extra_margin,
-                                bbox_shift=options.bbox_shift)
-    sizes = box_rule.box_sizes(boxes)
-    small = int(np.argmin(sizes.min(axis=1)))
-    if sizes[small].min() < box_rule.MIN_FACE:
-        raise InputError(source, f"face too small: {sizes[small][0]}x{sizes[small][1]} px in frame {small} "
-                                 f"(need at least {box_rule.MIN_FACE} px a side); use a closer shot or a larger video")
-    masks = lower_face_masks(landmarks, boxes)
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        crops = np.stack(list(pool.map(lambda i: face_crop(loop.frames[i], boxes[i], loop.width, loop.height,
-                                                            loop.matrix), range(n))))
-    timings["masks_crops"] = time.perf_counter() - t
+        t = time.perf_counter()
+        boxes = box_rule.face_boxes(landmarks, loop.width, loop.height, extra_margin=options.extra_margin,
+                                    bbox_shift=options.bbox_shift)
+        sizes = box_rule.box_sizes(boxes)
+        small = int(np.argmin(sizes.min(axis=1)))
+        if sizes[small].min() < box_rule.MIN_FACE:
+            raise InputError(source, f"face too small: {sizes[small][0]}x{sizes[small][1]} px in frame {small} "
+                                     f"(need at least {box_rule.MIN_FACE} px a side); use a closer shot or a "
+                                     "larger video")
 
-    t = time.perf_counter()
-    latents = encode_latents(crops, vae).to("cpu", torch.float16)
-    timings["latents"] = time.perf_counter() - t
+        def prepare(i: int) -> tuple[np.ndarray, np.ndarray]:
+            crop = face_crop(loop.frames[i], boxes[i], loop.width, loop.height, loop.matrix)
+            return crop, lower_face_mask(landmarks[i], boxes[i])
 
-    t = time.perf_counter()
-    result.frames, result.size, result.fps = n, (loop.width, loop.height), str(loop.fps)
-    result.face = tuple(int(v) for v in np.median(sizes, axis=0))
-    meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, track_file)
-    tensors = {"latents": latents, "boxes": torch.from_numpy(boxes), "masks": torch.from_numpy(masks),
-               "landmarks": torch.from_numpy(np.ascontiguousarray(landmarks, dtype=np.float32))}
-    write_avatar(dest, meta, tensors, loop.frames)
-    timings["write"] = time.perf_counter() - t
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # OpenCV releases the GIL
+            crops, masks = (np.stack(x) for x in zip(*pool.map(prepare, range(n))))
+        timings["masks_crops"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        latents = encode_latents(crops, vae).to("cpu", torch.float16)
+        timings["latents"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        result.frames, result.size, result.fps = n, (loop.width, loop.height), str(loop.fps)
+        result.face = tuple(int(v) for v in np.median(sizes, axis=0))
+        meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, track_file)
+        tensors = {"latents": latents, "boxes": torch.from_numpy(boxes), "masks": torch.from_numpy(masks),
+                   "landmarks": torch.from_numpy(np.ascontiguousarray(landmarks, dtype=np.float32))}
+        writer.finish(meta, tensors)
+        timings["write_wait"] = time.perf_counter() - t
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _landmarks(loop: Loop, source: Path, name: str, track_file: Path | None, save_track_dir: Path | None,
+               backend: FaceBackend | None, progress: bool, result: CompileResult) -> np.ndarray:
+    """Landmarks from the track file, or tracked (optionally saved for reuse)."""
+    n = len(loop.frames)
+    if track_file:
+        return load_track(track_file, n, loop.width, loop.height)
+    backend = backend or DlibBackend()
+    with tqdm(total=n, desc=f"{result.name}: tracking", unit="frame", disable=not progress, leave=False) as bar:
+        landmarks = track(loop.luma, n, backend, bar.update)
+    found = int((~np.isnan(landmarks).any(axis=(1, 2))).sum())
+    if found == 0:
+        raise InputError(source, "no face found in any frame")
+    result.message = f"face found in {found}/{n} frames" if found < n else ""
+    if save_track_dir:
+        save_track(Path(save_track_dir) / f"{name}.track.json", landmarks, source)
+    return landmarks
 
 
 def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOptions, vae, vae_fingerprint: str,

@@ -14,20 +14,29 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
-from lipstream.avatar.colour import i420_to_rgb, split_i420
+from lipstream.avatar.colour import yuv_to_rgb_affine
 from lipstream.models.config import CROP_SIZE, VAE_SCALING_FACTOR
 
 
 def face_crop(frame: np.ndarray, box: np.ndarray, width: int, height: int, matrix: str,
               size: int = CROP_SIZE) -> np.ndarray:
-    """The box of one I420 frame as [size, size, 3] uint8 RGB (Lanczos, as upstream's cv2 resize)."""
+    """The box of one I420 frame as [size, size, 3] uint8 RGB (Lanczos, as upstream's cv2 resize).
+
+    Only the box is converted to RGB (chroma replicated 2x2, one SIMD affine per pixel); OpenCV
+    releases the GIL, so frames convert in parallel threads.
+    """
     x1, y1, x2, y2 = (int(v) for v in box)
     ex1, ey1 = x1 & ~1, y1 & ~1  # chroma is subsampled 2x2: convert an even-aligned region
     ex2, ey2 = min(width, (x2 + 1) & ~1), min(height, (y2 + 1) & ~1)
-    y, u, v = split_i420(torch.from_numpy(frame), height, width)
-    rgb = i420_to_rgb(y[ey1:ey2, ex1:ex2], u[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2],
-                      v[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2], matrix)
-    rgb = (rgb * 255).round_().to(torch.uint8).permute(1, 2, 0).numpy()
+    y = frame[ey1:ey2, ex1:ex2]
+    quarter = (height // 2) * (width // 2)
+    chroma = frame[height:].reshape(-1)
+    u = chroma[:quarter].reshape(height // 2, width // 2)[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2]
+    v = chroma[quarter:].reshape(height // 2, width // 2)[ey1 // 2:ey2 // 2, ex1 // 2:ex2 // 2]
+    full = (y.shape[1], y.shape[0])
+    yuv = cv2.merge([y, cv2.resize(u, full, interpolation=cv2.INTER_NEAREST),
+                     cv2.resize(v, full, interpolation=cv2.INTER_NEAREST)])
+    rgb = cv2.transform(yuv, yuv_to_rgb_affine(matrix))  # rounds and saturates to uint8
     region = rgb[y1 - ey1:y2 - ey1, x1 - ex1:x2 - ex1]
     return cv2.resize(region, (size, size), interpolation=cv2.INTER_LANCZOS4)
 
