@@ -157,10 +157,19 @@ def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, 
             container.mux(packet)
 
 
-def read_frames(path: Path, count: int, width: int, height: int) -> torch.Tensor:
-    """[count, H*3/2, W] uint8 I420 frames, decoded with FFmpeg's frame threads into one pinned buffer."""
-    out = torch.empty((count, height * 3 // 2, width), dtype=torch.uint8,
-                      pin_memory=torch.cuda.is_available())
+def read_frames(path: Path, count: int, width: int, height: int,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    """[count, H*3/2, W] uint8 I420 frames on `device`, decoded with FFmpeg's frame threads.
+
+    On CUDA each frame goes through a small ring of pinned staging buffers straight into the
+    GPU tensor, so the upload overlaps decoding and no GB-sized pinned buffer is allocated.
+    """
+    device = torch.device(device)
+    shape = (height * 3 // 2, width)
+    out = torch.empty((count, *shape), dtype=torch.uint8, device=device)
+    ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+    if device.type == "cuda":
+        ring = [(torch.empty(shape, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()) for _ in range(4)]
     n = 0
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
@@ -169,8 +178,18 @@ def read_frames(path: Path, count: int, width: int, height: int) -> torch.Tensor
         for frame in container.decode(stream):
             if n == count:
                 break
-            out[n].numpy()[:] = frame.to_ndarray()
+            planes = frame.to_ndarray()
+            if ring:
+                staging, done = ring[n % len(ring)]
+                done.synchronize()  # the copy that last used this buffer has finished
+                staging.numpy()[:] = planes
+                out[n].copy_(staging, non_blocking=True)
+                done.record()
+            else:
+                out[n].numpy()[:] = planes
             n += 1
+    if ring:
+        torch.cuda.current_stream(device).synchronize()
     if n != count:
         raise LipStreamError(f"{path}: holds {n} frames, avatar.json says {count}; compile it again")
     return out
@@ -210,8 +229,7 @@ def load_avatar(folder: str | Path, device: str | torch.device = "cpu", *, vae_f
     t1 = time.perf_counter()
     frames = None
     if with_frames:
-        frames = read_frames(folder / FRAMES, meta["frames"], meta["width"], meta["height"])
-        frames = frames.to(device, non_blocking=True)
+        frames = read_frames(folder / FRAMES, meta["frames"], meta["width"], meta["height"], device)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     latents = tensors["latents"] if dtype is None else tensors["latents"].to(dtype)
