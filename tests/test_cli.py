@@ -24,9 +24,9 @@ def lipstream(*args, env=None):
 def test_help_lists_only_working_commands():
     r = lipstream("--help")
     assert r.returncode == 0
-    for cmd in ("features", "weights"):
+    for cmd in ("compile", "features", "weights"):
         assert cmd in r.stdout
-    for future in ("compile", "render", "broadcast", "bench", "serve"):
+    for future in ("render", "broadcast", "bench", "serve"):
         assert future not in r.stdout
 
 
@@ -107,3 +107,24 @@ def test_cuda_requested_without_a_gpu(tmp_path, capsys):
     audio = write_audio(tmp_path / "s.wav", speech_like(0.2), 16000)
     assert main(["features", str(audio), "--random-weights", "--device", "cuda"]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_compile_command(tmp_path):
+    from lipstream.fixtures.avatar import action_loop, still_image
+
+    inputs = tmp_path / "loops"
+    inputs.mkdir()
+    action_loop(inputs / "anchor.mp4", width=480, height=270, seconds=0.6)
+    still_image(inputs / "photo.jpg", width=480, height=270)
+    (inputs / "broken.mov").write_bytes(os.urandom(3000))
+    out = tmp_path / "avatars"
+    args = ("compile", inputs, "-o", out, "--random-weights", "--random-size", "tiny", "--device", "cpu")
+    r = lipstream(*args)
+    assert r.returncode == 1  # one input failed; the others were still compiled
+    assert "anchor" in r.stdout and "photo" in r.stdout and r.stdout.count("compiled") == 2
+    assert "broken.mov: not a readable video" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["anchor", "photo"]
+    (inputs / "broken.mov").unlink()
+    again = lipstream(*args)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 2
+    assert lipstream(*args, "--force").stdout.count("compiled") == 2
