@@ -133,6 +133,76 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
 
 
+def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], crf: int, preset: str,
+            reference: bool, batch: int, models, random_weights: bool, random_size: str, device: str) -> None:
+    from fractions import Fraction
+
+    import torch
+
+    from lipstream.models import load_musetalk
+    from lipstream.render import render_program
+
+    if random_weights:
+        warn_random_weights()
+    dev = pick_device(device)
+    m = load_musetalk(models, device=dev, dtype=torch.float32 if reference else None, random_weights=random_weights,
+                      size=random_size, warn=False)
+    report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
+                            reference=reference, batch_size=batch, crf=crf, preset=preset)
+    out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
+              f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
+              f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
+              + (" [reference path]" if reference else ""))
+    if random_weights:
+        out.print("[bold red]random weights: the mouth is noise, not speech[/]")
+
+
+AvatarsOpt = Annotated[Optional[Path], typer.Option(
+    "--avatars", help="Folder of compiled avatars (default: $LIPSTREAM_AVATARS or ./avatars).")]
+CrfOpt = Annotated[int, typer.Option(help="x264 quality (0 = lossless, 18 = visually lossless, 23 = default).")]
+PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast .. veryslow.")]
+ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
+BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch.")]
+
+
+def _avatars_dir(value: Optional[Path]) -> Optional[Path]:
+    if value is not None:
+        return value
+    env = os.environ.get("LIPSTREAM_AVATARS")
+    return Path(env) if env else Path("avatars")
+
+
+@app.command("render")
+def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name in --avatars, or its folder.")],
+               audio: Annotated[Path, typer.Option(help="Speech: any audio file, or a video with audio.")],
+               output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
+               avatars: AvatarsOpt = None, start_frame: int = 0,
+               fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: the avatar's).")] = None,
+               crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False, batch: BatchOpt = 16,
+               models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+               device: DeviceOpt = "auto") -> None:
+    """Make an avatar speak an audio file: one lip-synced MP4."""
+    from lipstream.script import single_scene
+
+    _render(single_scene(avatar, audio, start_frame), output, _avatars_dir(avatars), fps, crf, preset, reference,
+            batch, models, random_weights, random_size, device)
+
+
+@app.command("broadcast")
+def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
+                  output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
+                  avatars: AvatarsOpt = None,
+                  fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: first scene's).")] = None,
+                  crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
+                  batch: BatchOpt = 16, models: ModelsOpt = None, random_weights: RandomOpt = False,
+                  random_size: RandomSizeOpt = "full", device: DeviceOpt = "auto") -> None:
+    """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
+    from lipstream.script import load_script
+
+    _render(load_script(script), output, _avatars_dir(avatars), fps, crf, preset, reference, batch, models,
+            random_weights, random_size, device)
+
+
 @app.command("features")
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",

@@ -27,6 +27,9 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     except OSError as e:
         raise InputError(dest, f"cannot write here ({e.strerror})") from None
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is an ordinary file
     tmp_path = Path(tmp)
     try:
         yield tmp_path

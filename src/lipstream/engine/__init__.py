@@ -1,0 +1,6 @@
+"""The GPU core: batches of frame requests -> blended frames."""
+
+from lipstream.engine.runner import Engine, FrameRequest
+from lipstream.engine.reference import ReferenceEngine
+
+__all__ = ["Engine", "FrameRequest", "ReferenceEngine"]

@@ -1,0 +1,204 @@
+"""Offline rendering: a program of scenes -> one H.264/AAC MP4, with nothing written in between.
+
+A producer thread schedules frames and runs the engine (GPU work); the main thread encodes and
+muxes. They meet in a bounded queue, so memory stays flat and both sides stay busy.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lipstream.audio.decode import decode_audio, to_mono_float
+from lipstream.audio.features import whisper_features
+from lipstream.audio.resample import resample
+from lipstream.audio.windows import audio_windows
+from lipstream.avatar import Avatar, load_avatar, ping_pong
+from lipstream.engine import Engine, FrameRequest, ReferenceEngine
+from lipstream.engine.blend import crossfade
+from lipstream.errors import InputError, LipStreamError
+from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
+from lipstream.models import MuseTalk
+from lipstream.models.config import SAMPLE_RATE
+from lipstream.script import Program
+
+QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
+
+
+@dataclass
+class Item:
+    """What one output frame is: a request, or two with a dissolve weight for the second."""
+
+    main: FrameRequest
+    previous: FrameRequest | None = None
+    weight: float = 1.0
+
+
+@dataclass
+class RenderReport:
+    output: Path
+    frames: int
+    fps: Fraction
+    duration_s: float
+    wall_s: float
+    first_frame_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def render_fps(self) -> float:
+        return self.frames / self.wall_s if self.wall_s else 0.0
+
+
+def resolve_avatar(name: str, avatars_dir: Path | None) -> Path:
+    """A compiled avatar by folder path, or by name inside the avatars folder."""
+    direct = Path(name)
+    if (direct / "avatar.json").is_file():
+        return direct
+    if avatars_dir is not None and (Path(avatars_dir) / name / "avatar.json").is_file():
+        return Path(avatars_dir) / name
+    where = f" in {avatars_dir}" if avatars_dir else ""
+    raise InputError(name, f"unknown avatar: no compiled avatar by that name{where} "
+                           "(compile it with `lipstream compile`, or pass --avatars DIR)")
+
+
+def _speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    """16 kHz samples on the device (for features) and 48 kHz samples on the CPU (for the output)."""
+    data, rate = decode_audio(path)
+    mono = to_mono_float(torch.from_numpy(data))
+    return resample(mono.to(device), rate, SAMPLE_RATE), resample(mono, rate, AUDIO_RATE).numpy()
+
+
+def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fraction,
+         scene_windows: list[torch.Tensor], bounds: list[int], silence: torch.Tensor) -> list[Item]:
+    """The frame schedule: which avatar frame and audio window every output frame shows."""
+    items: list[Item] = []
+
+    def request(scene_index: int, local: int, window: torch.Tensor) -> FrameRequest:
+        scene = program.scenes[scene_index]
+        t = Fraction(local) / fps
+        shot = [s for s in scene.shots if s.at <= t][-1]
+        slot = avatars[shot.avatar]
+        avatar = engine.avatars[slot]
+        step = scene.start_frame + math.floor(t * avatar.fps)  # loops step by time, not by frame count
+        return FrameRequest(slot, ping_pong(step, avatar.num_frames), window)
+
+    for k, scene in enumerate(program.scenes):
+        for local in range(bounds[k + 1] - bounds[k]):
+            item = Item(request(k, local, scene_windows[k][local]))
+            if k > 0 and local < scene.crossfade:  # the previous scene's camera runs on, mouth at rest
+                prev_local = bounds[k] - bounds[k - 1] + local
+                item.previous = request(k - 1, prev_local, silence)
+                item.weight = (local + 1) / (scene.crossfade + 1)
+            items.append(item)
+    return items
+
+
+def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
+                   fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
+                   preset: str = "veryfast", progress: bool = True) -> RenderReport:
+    """Render every scene of `program` into `output` (MP4). Nothing else is written."""
+    t0 = time.perf_counter()
+    output = Path(output)
+    device = models.device
+    engine = ReferenceEngine(models) if reference else Engine(models, batch_size)
+    avatars_dir = program.avatars_dir or avatars_dir
+    slots: dict[str, int] = {}
+    for scene in program.scenes:
+        for shot in scene.shots:
+            if shot.avatar not in slots:
+                avatar = load_avatar(resolve_avatar(shot.avatar, avatars_dir), device,
+                                     vae_fingerprint=models.fingerprints.get("vae"))
+                slots[shot.avatar] = engine.add_avatar(avatar)
+    first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
+    width, height = first.size
+    for a in engine.avatars:
+        if a.size != (width, height):
+            raise InputError(a.path, f"is {a.size[0]}x{a.size[1]}, the broadcast is {width}x{height}: "
+                                     "all avatars of one video must have the same frame size")
+    fps = Fraction(fps or program.fps or first.fps)
+    t_load = time.perf_counter()
+
+    speech = [_speech(scene.audio, device) for scene in program.scenes]
+    samples48 = np.concatenate([s[1] for s in speech])
+    starts = np.cumsum([0] + [s[1].size for s in speech])
+    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
+    bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
+    windows = []
+    for k, (s16, _) in enumerate(speech):
+        features = whisper_features(s16, models.whisper, models.feature_extractor)
+        windows.append(audio_windows(features, fps, max(1, bounds[k + 1] - bounds[k])))
+    quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), models.whisper, models.feature_extractor)
+    silence = audio_windows(quiet, fps)[int(fps) // 2]
+    items = plan(program, slots, engine, fps, windows, bounds, silence)
+    t_audio = time.perf_counter()
+
+    report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
+                          {"load_s": t_load - t0, "audio_s": t_audio - t_load})
+    _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
+         crf, preset, progress, report, t0)
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
+         audio: np.ndarray, matrix: str, crf: int, preset: str, progress: bool, report: RenderReport,
+         t0: float) -> None:
+    frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for start in range(0, len(items), batch_size):
+                if stop.is_set():
+                    return
+                chunk = items[start:start + batch_size]
+                requests = [i.main for i in chunk] + [i.previous for i in chunk if i.previous is not None]
+                rendered = engine.render(requests)
+                out, extra = [], len(chunk)
+                for j, item in enumerate(chunk):
+                    frame = rendered[j]
+                    if item.previous is not None:
+                        frame = crossfade(rendered[extra], frame, item.weight)
+                        extra += 1
+                    out.append(frame)
+                frames.put(torch.stack(out).cpu().numpy())
+            frames.put(done)
+        except BaseException as e:  # hand any failure to the consumer, which raises it
+            frames.put(e)
+
+    producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
+    bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
+    try:
+        with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix) as writer:
+            producer.start()
+            while True:
+                batch = frames.get()
+                if batch is done:
+                    break
+                if isinstance(batch, BaseException):
+                    raise batch
+                for planes in batch:
+                    writer.write(planes)
+                    if writer.frames == 1:
+                        report.first_frame_s = time.perf_counter() - t0
+                bar.update(len(batch))
+            if writer.frames != len(items):
+                raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
+    finally:
+        stop.set()
+        while producer.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                frames.get_nowait()
+            except queue.Empty:
+                producer.join(timeout=0.05)
+        bar.close()

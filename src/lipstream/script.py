@@ -1,0 +1,114 @@
+"""Broadcast scripts: scenes (avatar, audio, start frame, transition) and camera cuts, from YAML.
+
+    fps: 25                      # optional; default: the first scene's avatar
+    avatars: ./avatars           # optional; folder holding compiled avatars (relative to the script)
+    scenes:
+      - avatar: anchor           # one camera for the whole scene
+        audio: intro.wav
+        start_frame: 40          # where in its loop the avatar starts (default 0)
+      - audio: story.mp3
+        transition: {crossfade: 12}   # or "cut" (default)
+        cameras:                 # a studio cutting between cameras while the audio runs on
+          - {at: 0.0, avatar: wide}
+          - {at: 3.5, avatar: closeup}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+from lipstream.errors import InputError, check_file
+
+
+@dataclass(frozen=True)
+class Shot:
+    at: float  # seconds from the start of the scene
+    avatar: str
+
+
+@dataclass
+class Scene:
+    audio: Path
+    shots: list[Shot]
+    start_frame: int = 0
+    crossfade: int = 0  # frames of dissolve from the previous scene; 0 = cut
+
+
+@dataclass
+class Program:
+    scenes: list[Scene]
+    fps: Fraction | None = None
+    avatars_dir: Path | None = None
+    source: Path | None = field(default=None, repr=False)
+
+
+def single_scene(avatar: str, audio: Path, start_frame: int = 0) -> Program:
+    return Program([Scene(Path(audio), [Shot(0.0, avatar)], start_frame)])
+
+
+def load_script(path: str | Path) -> Program:
+    import yaml
+
+    path = check_file(path, "broadcast script")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise InputError(path, f"not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("scenes"), list) or not data["scenes"]:
+        raise InputError(path, "needs a non-empty 'scenes:' list")
+    base = path.parent
+    scenes = [_scene(path, base, i, s) for i, s in enumerate(data["scenes"])]
+    if scenes[0].crossfade:
+        raise InputError(path, "scene 1 cannot cross-fade: there is nothing before it")
+    fps = data.get("fps")
+    try:
+        fps = Fraction(str(fps)) if fps is not None else None
+    except (ValueError, ZeroDivisionError):
+        raise InputError(path, f"fps: {fps!r} is not a frame rate") from None
+    if fps is not None and fps <= 0:
+        raise InputError(path, "fps must be positive")
+    avatars = data.get("avatars")
+    return Program(scenes, fps, (base / avatars) if avatars else None, path)
+
+
+def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
+    where = f"scene {i + 1}"
+    if not isinstance(s, dict):
+        raise InputError(path, f"{where}: expected a mapping with 'audio' and 'avatar' or 'cameras'")
+    unknown = set(s) - {"audio", "avatar", "cameras", "start_frame", "transition"}
+    if unknown:
+        raise InputError(path, f"{where}: unknown keys {sorted(unknown)}")
+    if "audio" not in s:
+        raise InputError(path, f"{where}: missing 'audio'")
+    audio = Path(str(s["audio"]))
+    audio = audio if audio.is_absolute() else base / audio
+    if ("avatar" in s) == ("cameras" in s):
+        raise InputError(path, f"{where}: give either 'avatar' or 'cameras', not both or neither")
+    if "avatar" in s:
+        shots = [Shot(0.0, str(s["avatar"]))]
+    else:
+        cams = s["cameras"]
+        if not isinstance(cams, list) or not cams or not all(isinstance(c, dict) and {"at", "avatar"} <= set(c)
+                                                               for c in cams):
+            raise InputError(path, f"{where}: 'cameras' must be a list of {{at: seconds, avatar: name}}")
+        try:
+            shots = sorted((Shot(float(c["at"]), str(c["avatar"])) for c in cams), key=lambda c: c.at)
+        except (TypeError, ValueError):
+            raise InputError(path, f"{where}: camera 'at' must be a number of seconds") from None
+        if shots[0].at != 0:
+            raise InputError(path, f"{where}: the first camera must start at 0")
+    start = s.get("start_frame", 0)
+    if not isinstance(start, int) or start < 0:
+        raise InputError(path, f"{where}: start_frame must be a whole number >= 0")
+    crossfade = _transition(path, where, s.get("transition", "cut"))
+    return Scene(audio, shots, start, crossfade)
+
+
+def _transition(path: Path, where: str, t: object) -> int:
+    if t in (None, "cut"):
+        return 0
+    if isinstance(t, dict) and set(t) == {"crossfade"} and isinstance(t["crossfade"], int) and t["crossfade"] > 0:
+        return t["crossfade"]
+    raise InputError(path, f"{where}: transition must be 'cut' or {{crossfade: FRAMES}}, got {t!r}")

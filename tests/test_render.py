@@ -1,0 +1,279 @@
+"""Renderer: real avatars and audio in, MP4 out, decoded and checked frame by frame."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from lipstream.avatar import compile_avatar, load_avatar, ping_pong
+from lipstream.avatar.face import DlibBackend
+from lipstream.engine.blend import chroma_span
+from lipstream.errors import InputError
+from lipstream.fixtures import speech_like, write_audio
+from lipstream.fixtures.avatar import action_loop
+from lipstream.models import load_musetalk
+from lipstream.render import render_program
+from lipstream.script import load_script, single_scene
+
+W, H, FPS = 640, 360, 10
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory, tiny_models):
+    """Three compiled presenters (different motion) and some speech files."""
+    root = tmp_path_factory.mktemp("studio")
+    backend = DlibBackend()
+    for i, name in enumerate(("anna", "ben", "cleo")):
+        action_loop(root / f"{name}.mp4", width=W, height=H, seconds=1.0, fps=FPS, motion=1.5 + i, seed=10 + i)
+        compile_avatar(root / f"{name}.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
+                       backend=backend, progress=False)
+    for name, seconds in (("a", 0.8), ("b", 1.1), ("c", 0.7), ("long", 2.0)):
+        write_audio(root / f"{name}.wav", speech_like(seconds, 16000, seed=len(name)), 16000)
+    return root
+
+
+def decode(path: Path) -> tuple[list[np.ndarray], dict]:
+    with av.open(str(path)) as c:
+        v, a = c.streams.video[0], c.streams.audio[0]
+        info = {"fps": v.average_rate, "audio_s": float(a.duration * a.time_base), "colorspace": v.codec_context.colorspace}
+        frames = []
+        for f in c.decode(v):
+            if not frames:
+                info["video_start"] = float(f.time)
+            frames.append(f.to_ndarray())
+    with av.open(str(path)) as c:
+        first = next(c.decode(audio=0))
+        info["audio_start"] = float(first.time)
+    return frames, info
+
+
+def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
+    """The I420 samples no box may touch: luma outside the boxes, chroma outside their chroma spans."""
+    keep = np.ones(frame.shape, bool)
+    for x1, y1, x2, y2 in boxes:
+        keep[y1:y2, x1:x2] = False
+        (cx1, cx2), (cy1, cy2) = chroma_span(x1, x2), chroma_span(y1, y2)
+        chroma = keep[H:].reshape(2, H // 2, W // 2)
+        chroma[:, cy1:cy2, cx1:cx2] = False
+        keep[H:] = chroma.reshape(H // 2, W)
+    return keep
+
+
+def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path):
+    out = tmp_path / "talk.mp4"
+    report = render_program(single_scene("anna", studio / "long.wav", start_frame=3), out, tiny_models,
+                            avatars_dir=studio / "avatars", crf=0, progress=False)
+    frames, info = decode(out)
+    assert len(frames) == report.frames == math.ceil(2.0 * FPS)
+    assert abs(len(frames) - round(2.0 * FPS)) <= 1
+    assert info["fps"] == FPS and abs(info["audio_s"] - 2.0) < 0.03
+    assert info["video_start"] == 0 and abs(info["audio_start"]) < 1e-3
+    avatar = load_avatar(studio / "avatars" / "anna")
+    for j, frame in enumerate(frames):
+        k = ping_pong(3 + j, avatar.num_frames)
+        source = avatar.frames[k].numpy()
+        keep = outside_box(frame, [avatar.boxes[k].tolist()])
+        assert np.array_equal(frame[keep], source[keep]), j
+        assert not np.array_equal(frame, source)  # the mouth region was repainted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["talk.mp4"]
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * math.log10(255 ** 2 / mse)
+
+
+def test_fast_path_matches_reference(studio, tiny_models, tmp_path):
+    fast, ref = tmp_path / "fast.mp4", tmp_path / "ref.mp4"
+    program = single_scene("ben", studio / "b.wav")
+    render_program(program, fast, tiny_models, avatars_dir=studio / "avatars", crf=0, progress=False)
+    render_program(program, ref, tiny_models, avatars_dir=studio / "avatars", crf=0, reference=True, progress=False)
+    (fa, _), (fb, _) = decode(fast), decode(ref)
+    avatar = load_avatar(studio / "avatars" / "ben")
+    assert len(fa) == len(fb) == math.ceil(1.1 * FPS)
+    values = []
+    for j, (x, y) in enumerate(zip(fa, fb)):
+        x1, y1, x2, y2 = avatar.boxes[ping_pong(j, avatar.num_frames)].tolist()
+        values.append(psnr(x[y1:y2, x1:x2], y[y1:y2, x1:x2]))
+    assert min(values) >= 40, values
+
+
+def write_script(root: Path, text: str) -> Path:
+    path = root / "show.yaml"
+    path.write_text(text)
+    return path
+
+
+def which_avatar(frame: np.ndarray, avatars: dict, step: int) -> str:
+    """Name of the avatar whose source frame matches `frame` exactly outside all boxes."""
+    boxes = []
+    for a in avatars.values():
+        boxes.append(a.boxes[ping_pong(step, a.num_frames)].tolist())
+    keep = outside_box(frame, boxes)
+    hits = [n for n, a in avatars.items() if np.array_equal(frame[keep], a.frames[ping_pong(step, a.num_frames)].numpy()[keep])]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def test_broadcast_three_scenes_cuts_on_the_right_frames(studio, tiny_models, tmp_path):
+    script = write_script(studio, f"""
+avatars: avatars
+scenes:
+  - {{avatar: anna, audio: a.wav}}
+  - {{avatar: ben, audio: b.wav}}
+  - {{avatar: cleo, audio: c.wav}}
+""")
+    out = tmp_path / "show.mp4"
+    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    frames, info = decode(out)
+    assert len(frames) == math.ceil(2.6 * FPS) and abs(info["audio_s"] - 2.6) < 0.03
+    avatars = {n: load_avatar(studio / "avatars" / n) for n in ("anna", "ben", "cleo")}
+    starts = {"anna": 0, "ben": 8, "cleo": 19}  # round(0.8 * 10), round(1.9 * 10)
+    for j, frame in enumerate(frames):
+        expected = "anna" if j < 8 else "ben" if j < 19 else "cleo"
+        assert which_avatar(frame, avatars, j - starts[expected]) == expected, j
+
+
+def test_crossfade_blends_the_right_frames(studio, tiny_models, tmp_path):
+    script = write_script(studio, """
+avatars: avatars
+scenes:
+  - {avatar: anna, audio: a.wav}
+  - {avatar: ben, audio: b.wav, transition: {crossfade: 4}}
+""")
+    out = tmp_path / "fade.mp4"
+    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    frames, _ = decode(out)
+    anna, ben = load_avatar(studio / "avatars" / "anna"), load_avatar(studio / "avatars" / "ben")
+    for j in range(8, 12):  # the first 4 frames of scene 2
+        local, prev = j - 8, j
+        ka, kb = ping_pong(prev, anna.num_frames), ping_pong(local, ben.num_frames)
+        weight = (local + 1) / 5
+        keep = outside_box(frames[j], [anna.boxes[ka].tolist(), ben.boxes[kb].tolist()])
+        mix = np.round(anna.frames[ka].numpy().astype(np.float32) * (1 - weight)
+                       + ben.frames[kb].numpy().astype(np.float32) * weight)
+        assert np.abs(frames[j][keep].astype(int) - mix[keep]).max() <= 1, j
+    assert which_avatar(frames[7], {"anna": anna, "ben": ben}, 7) == "anna"
+    assert which_avatar(frames[12], {"anna": anna, "ben": ben}, 4) == "ben"
+
+
+def test_camera_cut_inside_a_scene(studio, tiny_models, tmp_path):
+    script = write_script(studio, """
+avatars: avatars
+scenes:
+  - audio: b.wav
+    cameras: [{at: 0, avatar: cleo}, {at: 0.5, avatar: anna}]
+""")
+    out = tmp_path / "cams.mp4"
+    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    frames, _ = decode(out)
+    avatars = {n: load_avatar(studio / "avatars" / n) for n in ("anna", "cleo")}
+    assert [which_avatar(f, avatars, j) for j, f in enumerate(frames)] == ["cleo"] * 5 + ["anna"] * 6
+
+
+# ---- bad inputs: a clear error and no file left ----
+
+@pytest.mark.parametrize("case", ["unknown-avatar", "corrupt-audio", "empty-audio", "no-audio-stream",
+                                  "missing-folder", "output-is-folder"])
+def test_bad_inputs_leave_no_file(studio, tiny_models, tmp_path, case):
+    audio, avatar, out = studio / "a.wav", "anna", tmp_path / "out.mp4"
+    if case == "unknown-avatar":
+        avatar, match = "nobody", "unknown avatar"
+    elif case == "corrupt-audio":
+        audio = tmp_path / "bad.wav"
+        audio.write_bytes((studio / "a.wav").read_bytes()[:3000])
+        match = "truncated"
+    elif case == "empty-audio":
+        audio = tmp_path / "empty.wav"
+        audio.write_bytes(b"")
+        match = "empty"
+    elif case == "no-audio-stream":
+        audio, match = studio / "anna.mp4", "no audio stream"
+    elif case == "missing-folder":
+        out, match = tmp_path / "nowhere" / "out.mp4", "does not exist"
+    else:
+        out, match = tmp_path, "is a folder"
+    with pytest.raises(InputError, match=match):
+        render_program(single_scene(avatar, audio), out, tiny_models, avatars_dir=studio / "avatars", progress=False)
+    assert not [p for p in tmp_path.rglob("*") if p.suffix in (".mp4", ".part")]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("scenes: [", "not valid YAML"),
+    ("fps: 25", "non-empty 'scenes:'"),
+    ("scenes: [{avatar: anna}]", "missing 'audio'"),
+    ("scenes: [{audio: a.wav, avatar: anna, cameras: []}]", "either 'avatar' or 'cameras'"),
+    ("scenes: [{audio: a.wav, avatar: anna}, {audio: a.wav, avatar: ben, transition: wipe}]", "transition"),
+    ("scenes: [{audio: a.wav, cameras: [{at: 1, avatar: anna}]}]", "first camera must start at 0"),
+    ("scenes: [{audio: a.wav, avatar: anna, volume: 3}]", "unknown keys"),
+])
+def test_malformed_scripts(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=match) as info:
+        load_script(path)
+    assert str(path) in str(info.value)
+
+
+def _cli(args, cwd, env_extra=None):
+    exe = Path(sys.executable).with_name("lipstream")
+    env = {**os.environ, "COLUMNS": "200", **(env_extra or {})}
+    return subprocess.Popen([str(exe), *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_render_writes_nothing_but_its_output(studio, tmp_path):
+    work, scratch = tmp_path / "cwd", tmp_path / "tmp"
+    work.mkdir()
+    scratch.mkdir()
+    before = sorted(p.name for p in studio.rglob("*"))
+    p = _cli(["render", "--avatar", "anna", "--avatars", studio / "avatars", "--audio", studio / "a.wav",
+              "-o", "out.mp4", "--random-weights", "--random-size", "tiny", "--device", "cpu"], work,
+             {"TMPDIR": str(scratch), "TEMP": str(scratch), "TMP": str(scratch)})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert sorted(x.name for x in work.iterdir()) == ["out.mp4"]
+    assert list(scratch.iterdir()) == []
+    assert sorted(p.name for p in studio.rglob("*")) == before
+
+
+def test_ctrl_c_stops_cleanly(studio, tmp_path):
+    audio = write_audio(tmp_path / "speech.wav", speech_like(40.0), 16000)
+    p = _cli(["render", "--avatar", "anna", "--avatars", studio / "avatars", "--audio", audio, "-o", "out.mp4",
+              "--random-weights", "--random-size", "tiny", "--device", "cpu", "--batch", "4"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(x.suffix == ".part" for x in tmp_path.iterdir()):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["speech.wav"]
+
+
+def test_output_tags_the_colour_matrix(studio, tiny_models, tmp_path):
+    out = tmp_path / "tag.mp4"
+    render_program(single_scene("cleo", studio / "c.wav"), out, tiny_models, avatars_dir=studio / "avatars",
+                   progress=False)
+    _, info = decode(out)
+    assert info["colorspace"] == 6  # bt601 (smpte170m), what the loop's YUV means
+
+
+def test_models_must_match_the_avatar_vae(studio, tmp_path):
+    other = load_musetalk(random_weights=True, size="tiny", seed=7, warn=False)
+    with pytest.raises(InputError, match="another VAE"):
+        render_program(single_scene("anna", studio / "a.wav"), tmp_path / "x.mp4", other,
+                       avatars_dir=studio / "avatars", progress=False)
+    assert not list(tmp_path.iterdir())
+    torch.manual_seed(0)
