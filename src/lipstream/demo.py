@@ -1,10 +1,9 @@
-"""`make demo`: the built-in example, end to end for what exists today.
+"""`make demo`: the built-in example, end to end.
 
 1. An action loop of a real face photo (the fixture generator) is compiled into an avatar.
-2. Speech (espeak-ng when installed, else a speech-like synthetic signal) becomes Whisper
-   features and per-frame windows.
-Both use untrained random weights (no download needed): tiny networks on a CPU, full-size ones
-on a GPU.
+2. Speech: espeak-ng when installed, else a speech-like synthetic signal.
+3. The avatar speaks it: an H.264/AAC MP4, rendered with untrained random weights (no download
+   needed), so the mouth region is noise, not speech. Tiny networks on a CPU, full-size on a GPU.
 """
 
 from __future__ import annotations
@@ -22,18 +21,27 @@ from lipstream.fixtures.avatar import action_loop
 def main(out_dir: str = "demo-out") -> int:
     out = Path(out_dir)
     out.mkdir(exist_ok=True)
-    size = "full" if torch.cuda.is_available() else "tiny"
-    loop = out / "anchor.mp4"
+    gpu = torch.cuda.is_available()
+    size = "full" if gpu else "tiny"
+    width, height = (1920, 1080) if gpu else (640, 360)
+    loop = out / f"anchor-{height}p.mp4"
     if not loop.exists():
-        action_loop(loop, width=1280, height=720, seconds=4.0, fps=25)
-    print(f"demo action loop: {loop} (generated from a photo)")
-    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), "--random-weights", "--random-size", size])
+        action_loop(loop, width=width, height=height, seconds=4.0, fps=25)
+    print(f"1. action loop: {loop} (generated from a photo)")
+    common = ["--random-weights", "--random-size", size]
+    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), *common])
     if code:
         return code
     speech, made_by = espeak_speech(out / "speech.wav")
-    print(f"demo speech: {speech} ({made_by})")
-    return cli_main(["features", str(speech), "--fps", "25", "--random-weights", "--random-size", size,
-                     "-o", str(out / "speech-features.safetensors")])
+    print(f"2. speech: {speech} ({made_by})")
+    video = out / "demo.mp4"
+    code = cli_main(["render", "--avatar", loop.stem, "--avatars", str(out / "avatars"), "--audio", str(speech),
+                     "-o", str(video), *common])
+    if code == 0:
+        print(f"3. output: {video.resolve()}")
+        print("   The weights are random (no MuseTalk download here), so the mouth is noise, not speech: use "
+              "`lipstream weights download` and drop --random-weights for a real lip-sync.")
+    return code
 
 
 if __name__ == "__main__":
