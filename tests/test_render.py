@@ -86,6 +86,24 @@ def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path)
         assert np.array_equal(frame[keep], source[keep]), j
         assert not np.array_equal(frame, source)  # the mouth region was repainted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["talk.mp4"]
+    data = out.read_bytes()
+    assert data.find(b"moov") < data.find(b"mdat")  # +faststart: the index comes first
+
+
+def test_loops_at_another_fps_step_by_time(studio, tiny_models, tmp_path):
+    from fractions import Fraction
+
+    out = tmp_path / "fps20.mp4"
+    render_program(single_scene("cleo", studio / "a.wav"), out, tiny_models, avatars_dir=studio / "avatars",
+                   fps=Fraction(20), crf=0, progress=False)
+    frames, info = decode(out)
+    assert info["fps"] == 20 and len(frames) == 16
+    avatars = {"cleo": load_avatar(studio / "avatars" / "cleo")}
+    a = avatars["cleo"]
+    for j, frame in enumerate(frames):  # output frame j shows loop step floor(j / 20 * 10)
+        k = ping_pong(j // 2, a.num_frames)
+        keep = outside_box(frame, [a.boxes[k].tolist()])
+        assert np.array_equal(frame[keep], a.frames[k].numpy()[keep]), j
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
