@@ -137,13 +137,6 @@ class AvatarWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def write_avatar(dest: Path, meta: dict, tensors: dict[str, torch.Tensor], frames: list[np.ndarray]) -> Path:
-    """Write a whole avatar folder atomically (see AvatarWriter)."""
-    with AvatarWriter(dest) as writer:
-        writer.start_frames(frames, meta["width"], meta["height"], Fraction(meta["fps"]))
-        return writer.finish(meta, tensors)
-
-
 def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, fps: Fraction) -> None:
     """Lossless H.264 (qp 0) of I420 frames: decodes back bit-exact."""
     with av.open(str(path), "w") as container:

@@ -25,32 +25,14 @@ def default_matrix(tagged: str | None = None) -> str:
     return "bt601"
 
 
-def _coefficients(matrix: str) -> tuple[float, float, float, float]:
+def _coefficients(matrix: str) -> tuple[float, float, float]:
     kr, kb = MATRICES[matrix]
-    kg = 1 - kr - kb
-    return kr, kg, kb, 0.0
-
-
-def i420_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, matrix: str) -> torch.Tensor:
-    """Planes y [..., H, W], u/v [..., H/2, W/2] uint8 -> RGB float [..., 3, H, W] in [0, 1].
-
-    Chroma is upsampled by pixel replication (what FFmpeg's default fast path does).
-    """
-    kr, kg, kb, _ = _coefficients(matrix)
-    yf = (y.float() - 16.0) / 219.0
-    uf = (u.float() - 128.0) / 224.0
-    vf = (v.float() - 128.0) / 224.0
-    uf = uf.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)[..., : y.shape[-2], : y.shape[-1]]
-    vf = vf.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)[..., : y.shape[-2], : y.shape[-1]]
-    r = yf + 2 * (1 - kr) * vf
-    b = yf + 2 * (1 - kb) * uf
-    g = (yf - kr * r - kb * b) / kg
-    return torch.stack([r, g, b], dim=-3).clamp_(0, 1)
+    return kr, 1 - kr - kb, kb
 
 
 def yuv_to_rgb_affine(matrix: str) -> np.ndarray:
     """[3, 4] affine map from 8-bit (Y, U, V) code values to 8-bit (R, G, B), for cv2.transform."""
-    kr, kg, kb, _ = _coefficients(matrix)
+    kr, kg, kb = _coefficients(matrix)
     to_rgb = np.array([[1, 0, 2 * (1 - kr)],
                        [1, -2 * (1 - kb) * kb / kg, -2 * (1 - kr) * kr / kg],
                        [1, 2 * (1 - kb), 0]])  # rows: R, G, B from (y, u, v) normalised
@@ -62,7 +44,7 @@ def yuv_to_rgb_affine(matrix: str) -> np.ndarray:
 
 def rgb_to_yuv(rgb: torch.Tensor, matrix: str) -> torch.Tensor:
     """RGB float [..., 3, H, W] in [0, 1] -> full-resolution Y, U, V float [..., 3, H, W] in code values."""
-    kr, kg, kb, _ = _coefficients(matrix)
+    kr, kg, kb = _coefficients(matrix)
     r, g, b = rgb.unbind(-3)
     yl = kr * r + kg * g + kb * b
     u = (b - yl) / (2 * (1 - kb))

@@ -49,8 +49,3 @@ def lower_face_mask(points: np.ndarray, box: np.ndarray, size: int = CROP_SIZE) 
     alpha[[0, -1], :] = 0
     alpha[:, [0, -1]] = 0
     return np.round(alpha * 255).astype(np.uint8)
-
-
-def lower_face_masks(landmarks: np.ndarray, boxes: np.ndarray, size: int = CROP_SIZE) -> np.ndarray:
-    """[N, size, size] uint8 masks for all frames."""
-    return np.stack([lower_face_mask(p, b, size) for p, b in zip(landmarks, boxes)])

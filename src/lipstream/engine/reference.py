@@ -9,11 +9,11 @@ import cv2
 import numpy as np
 import torch
 
+from lipstream.avatar.colour import MATRICES
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.runner import Engine, FrameRequest
 from lipstream.models import MuseTalk
 
-_KR_KB = {"bt709": (0.2126, 0.0722), "bt601": (0.299, 0.114)}
 
 
 def blend_reference(frame: np.ndarray, face: np.ndarray, mask: np.ndarray, box, height: int, width: int,
@@ -25,7 +25,7 @@ def blend_reference(frame: np.ndarray, face: np.ndarray, mask: np.ndarray, box, 
     rgb = cv2.resize(face.transpose(1, 2, 0).astype(np.float32), (w, h), interpolation=cv2.INTER_LINEAR)
     alpha = cv2.resize(mask.astype(np.float32) / 255.0, (w, h), interpolation=cv2.INTER_LINEAR).astype(np.float64)
     r, g, b = (np.clip(rgb[..., i].astype(np.float64), 0, 1) for i in range(3))
-    kr, kb = _KR_KB[matrix]
+    kr, kb = MATRICES[matrix]
     yl = kr * r + (1 - kr - kb) * g + kb * b
     yuv = [16 + 219 * yl, 128 + 224 * (b - yl) / (2 * (1 - kb)), 128 + 224 * (r - yl) / (2 * (1 - kr))]
     luma = out[:height]
