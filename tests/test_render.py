@@ -69,10 +69,11 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
     return keep
 
 
-def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path):
+@pytest.mark.parametrize("encoders", [1, 3], ids=["one-encoder", "3-segment-encoders"])
+def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders):
     out = tmp_path / "talk.mp4"
     report = render_program(single_scene("anna", studio / "long.wav", start_frame=3), out, tiny_models,
-                            avatars_dir=studio / "avatars", crf=0, progress=False)
+                            avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
     frames, info = decode(out)
     assert len(frames) == report.frames == math.ceil(2.0 * FPS)
     assert abs(len(frames) - round(2.0 * FPS)) <= 1

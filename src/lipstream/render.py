@@ -7,6 +7,7 @@ muxes. They meet in a bounded queue, so memory stays flat and both sides stay bu
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -50,7 +51,7 @@ class RenderReport:
     fps: Fraction
     duration_s: float
     wall_s: float
-    first_frame_s: float
+    first_frame_s: float  # until the first encoded video packet was written
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -104,8 +105,12 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
 
 def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
                    fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
-                   preset: str = "veryfast", progress: bool = True) -> RenderReport:
-    """Render every scene of `program` into `output` (MP4). Nothing else is written."""
+                   preset: str = "veryfast", encoders: int | None = None, progress: bool = True) -> RenderReport:
+    """Render every scene of `program` into `output` (MP4). Nothing else is written.
+
+    `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
+    small machines, where one encoder with all threads is best).
+    """
     t0 = time.perf_counter()
     output = Path(output)
     device = models.device
@@ -143,15 +148,19 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
 
     report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
                           {"load_s": t_load - t0, "audio_s": t_audio - t_load})
+    if encoders is None:
+        cores = os.cpu_count() or 1
+        encoders = min(8, cores // 2) if cores >= 8 else 1
+    report.timings["encoders"] = encoders
     _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
-         crf, preset, progress, report, t0)
+         crf, preset, encoders, progress, report, t0)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
 def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
-         audio: np.ndarray, matrix: str, crf: int, preset: str, progress: bool, report: RenderReport,
-         t0: float) -> None:
+         audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, progress: bool,
+         report: RenderReport, t0: float) -> None:
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
@@ -179,7 +188,8 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
     try:
-        with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix) as writer:
+        with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
+                       encoders=encoders) as writer:
             producer.start()
             while True:
                 batch = frames.get()
@@ -189,11 +199,10 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                     raise batch
                 for planes in batch:
                     writer.write(planes)
-                    if writer.frames == 1:
-                        report.first_frame_s = time.perf_counter() - t0
                 bar.update(len(batch))
             if writer.frames != len(items):
                 raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
+        report.first_frame_s = (writer.first_packet_at or time.perf_counter()) - t0
     finally:
         stop.set()
         while producer.is_alive():  # unblock a producer waiting on a full queue

@@ -4,11 +4,21 @@ Frames arrive as I420 planes, exactly what x264 takes: no colour conversion on t
 encoded alongside, up to the time of the last video frame, so the muxer gets interleaved
 packets. `+faststart` puts the index first so browsers start playing at once. The file is written
 under a temporary name beside the output and renamed only when complete.
+
+One libx264 tops out near 160 fps at 1080p even with 16 threads. With `encoders > 1` the video
+is cut into closed-GOP segments, each encoded by its own x264 in a thread pool (PyAV releases
+the GIL while x264 works); the packets are muxed in order into the one track, without any
+re-encode. Identical settings give identical SPS/PPS, so one avcC serves all segments. The first
+segments are short so the first encoded frame comes out quickly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -19,6 +29,21 @@ from lipstream.io import atomic_path
 
 AUDIO_RATE = 48_000
 AAC_FRAME = 1024
+GLOBAL_HEADER = 1 << 22  # AV_CODEC_FLAG_GLOBAL_HEADER: SPS/PPS in extradata (avcC), not in the stream
+SEGMENT_FRAMES = (8, 16, 32)  # segment lengths: short first (latency), then this last one repeated
+
+Encoded = tuple[bytes, int, int, bool]  # data, pts, dts (in frames), keyframe
+
+
+def _encode_segment(frames: list, start: int, make_context) -> list[Encoded]:
+    ctx = make_context()
+    out: list[Encoded] = []
+    for i, planes in enumerate(frames):
+        frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
+        frame.pts = i
+        out += [(bytes(p), p.pts + start, p.dts + start, p.is_keyframe) for p in ctx.encode(frame)]
+    out += [(bytes(p), p.pts + start, p.dts + start, p.is_keyframe) for p in ctx.encode(None)]
+    return out
 
 
 class MP4Writer:
@@ -26,8 +51,10 @@ class MP4Writer:
 
     def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray,
                  *, sample_rate: int = AUDIO_RATE, crf: int = 18, preset: str = "veryfast",
-                 matrix: str = "bt601", audio_bitrate: int = 128_000):
+                 matrix: str = "bt601", audio_bitrate: int = 128_000, encoders: int = 1):
         self.dest = Path(dest)
+        self.encoders = max(1, encoders)
+        self.first_packet_at: float | None = None  # perf_counter() when the first video packet was muxed
         self.fps = Fraction(fps)
         self.audio = np.ascontiguousarray(audio, dtype=np.float32)
         self.rate = sample_rate
@@ -42,6 +69,17 @@ class MP4Writer:
             self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
             self.video.codec_context.time_base = 1 / self.fps
             self.video.codec_context.colorspace = {"bt709": 1, "bt601": 6}[matrix]  # tag what we blended in
+            self._x264 = {"crf": str(crf), "preset": preset}
+            self._matrix = matrix
+            self._segment: list = []
+            self._segment_start = 0
+            self._segments_done = 0
+            self._pending: deque[Future] = deque()
+            self._pool = None
+            if self.encoders > 1:
+                self.video.codec_context.flags |= GLOBAL_HEADER
+                self.video.codec_context.extradata = self._make_context().extradata or None
+                self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment")
             self.audio_stream = self.container.add_stream("aac", rate=sample_rate, layout="mono")
             self.audio_stream.bit_rate = audio_bitrate
         except BaseException as e:
@@ -51,14 +89,59 @@ class MP4Writer:
     def __enter__(self) -> "MP4Writer":
         return self
 
+    def _make_context(self) -> av.VideoCodecContext:
+        """A standalone x264 with exactly the output stream's settings (so SPS/PPS match)."""
+        ctx = av.CodecContext.create("libx264", "w")
+        ctx.width, ctx.height, ctx.pix_fmt = self.video.width, self.video.height, "yuv420p"
+        ctx.time_base, ctx.framerate = 1 / self.fps, self.fps
+        ctx.colorspace = self.video.codec_context.colorspace
+        ctx.options = dict(self._x264)
+        ctx.flags |= GLOBAL_HEADER
+        ctx.thread_count = max(1, (os.cpu_count() or 1) // self.encoders)
+        ctx.open()
+        return ctx
+
     def write(self, planes: np.ndarray) -> None:
         """Append one [H*3/2, W] uint8 I420 frame (and the audio up to its end)."""
-        frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
-        frame.pts, frame.time_base = self.frames, 1 / self.fps
-        for packet in self.video.encode(frame):
-            self.container.mux(packet)
         self.frames += 1
+        if self._pool is not None:
+            self._segment.append(planes)
+            size = SEGMENT_FRAMES[min(self._segments_done + len(self._pending), len(SEGMENT_FRAMES) - 1)]
+            if len(self._segment) >= size:
+                self._submit()
+            self._mux_ready(block=len(self._pending) > self.encoders)
+            return
+        frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
+        frame.pts, frame.time_base = self.frames - 1, 1 / self.fps
+        for packet in self.video.encode(frame):
+            self._mux_video(packet)
         self._write_audio(int(self.frames / self.fps * self.rate))
+
+    def _mux_video(self, packet: av.Packet) -> None:
+        self.container.mux(packet)
+        if self.first_packet_at is None:
+            self.first_packet_at = time.perf_counter()
+
+    def _submit(self) -> None:
+        if self._segment:
+            self._pending.append(self._pool.submit(_encode_segment, self._segment, self._segment_start,
+                                                   self._make_context))
+            self._segment_start += len(self._segment)
+            self._segment = []
+
+    def _mux_ready(self, block: bool) -> None:
+        """Mux finished segments in order (waiting for the oldest when `block`)."""
+        while self._pending and (block or self._pending[0].done()):
+            encoded = self._pending.popleft().result()
+            block = False
+            for data, pts, dts, key in encoded:
+                packet = av.Packet(data)
+                packet.pts, packet.dts, packet.is_keyframe = pts, dts, key
+                packet.time_base, packet.stream = 1 / self.fps, self.video
+                self._mux_video(packet)
+            self._segments_done += 1
+            end = max((pts for _, pts, _, _ in encoded), default=-1) + 1
+            self._write_audio(int(end / self.fps * self.rate))
 
     def _write_audio(self, until: int, final: bool = False) -> None:
         until = min(until, self.audio.size)
@@ -73,10 +156,17 @@ class MP4Writer:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             try:
+                if self._pool is not None:
+                    self._submit()
+                    while self._pending:
+                        self._mux_ready(block=True)
+                    self._pool.shutdown()
+                else:
+                    for packet in self.video.encode(None):
+                        self._mux_video(packet)
                 self._write_audio(self.audio.size, final=True)
-                for stream in (self.video, self.audio_stream):
-                    for packet in stream.encode(None):
-                        self.container.mux(packet)
+                for packet in self.audio_stream.encode(None):
+                    self.container.mux(packet)
                 self.container.close()
             except BaseException as e:
                 with contextlib.suppress(Exception):
@@ -85,6 +175,10 @@ class MP4Writer:
                 raise
             self._atomic.__exit__(None, None, None)
         else:
+            if self._pool is not None:
+                for future in self._pending:
+                    future.cancel()
+                self._pool.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.container.close()
             self._atomic.__exit__(exc_type, exc, tb)
