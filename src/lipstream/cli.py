@@ -134,8 +134,8 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
 
 
 def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], crf: int, preset: str,
-            reference: bool, batch: int, encoders: Optional[int], models, random_weights: bool, random_size: str,
-            device: str) -> None:
+            reference: bool, batch: int, encoders: Optional[int], compile_vae: bool, models, random_weights: bool,
+            random_size: str, device: str) -> None:
     from fractions import Fraction
 
     import torch
@@ -149,7 +149,8 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
     m = load_musetalk(models, device=dev, dtype=torch.float32 if reference else None, random_weights=random_weights,
                       size=random_size, warn=False)
     report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
-                            reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders)
+                            reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders,
+                            compile_vae=compile_vae)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
@@ -164,6 +165,8 @@ CrfOpt = Annotated[int, typer.Option(help="x264 quality (0 = lossless, 18 = visu
 PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast .. veryslow.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
 BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch.")]
+CompileOpt = Annotated[bool, typer.Option(
+    "--compile", help="torch.compile the VAE decoder (CUDA; ~1 min the first time, then cached on disk).")]
 EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
 
@@ -182,13 +185,13 @@ def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name
                avatars: AvatarsOpt = None, start_frame: int = 0,
                fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: the avatar's).")] = None,
                crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False, batch: BatchOpt = 16,
-               encoders: EncodersOpt = None, models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+               encoders: EncodersOpt = None, compile_vae: CompileOpt = False, models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
                device: DeviceOpt = "auto") -> None:
     """Make an avatar speak an audio file: one lip-synced MP4."""
     from lipstream.script import single_scene
 
     _render(single_scene(avatar, audio, start_frame), output, _avatars_dir(avatars), fps, crf, preset, reference,
-            batch, encoders, models, random_weights, random_size, device)
+            batch, encoders, compile_vae, models, random_weights, random_size, device)
 
 
 @app.command("broadcast")
@@ -197,14 +200,15 @@ def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of a
                   avatars: AvatarsOpt = None,
                   fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: first scene's).")] = None,
                   crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
-                  batch: BatchOpt = 16, encoders: EncodersOpt = None, models: ModelsOpt = None,
+                  batch: BatchOpt = 16, encoders: EncodersOpt = None, compile_vae: CompileOpt = False,
+                  models: ModelsOpt = None,
                   random_weights: RandomOpt = False,
                   random_size: RandomSizeOpt = "full", device: DeviceOpt = "auto") -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
     from lipstream.script import load_script
 
     _render(load_script(script), output, _avatars_dir(avatars), fps, crf, preset, reference, batch, encoders,
-            models, random_weights, random_size, device)
+            compile_vae, models, random_weights, random_size, device)
 
 
 @app.command("features")

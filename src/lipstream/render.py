@@ -105,16 +105,20 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
 
 def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
                    fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
-                   preset: str = "veryfast", encoders: int | None = None, progress: bool = True) -> RenderReport:
+                   preset: str = "veryfast", encoders: int | None = None, compile_vae: bool = False,
+                   progress: bool = True, engine: Engine | None = None) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
-    small machines, where one encoder with all threads is best).
+    small machines, where one encoder with all threads is best). `compile_vae`: Inductor-compile
+    the VAE decoder (slow first start, cached on disk). Pass an `engine` to reuse a warm one.
     """
     t0 = time.perf_counter()
     output = Path(output)
     device = models.device
-    engine = ReferenceEngine(models) if reference else Engine(models, batch_size)
+    if engine is None:
+        engine = ReferenceEngine(models) if reference else Engine(models, batch_size, compile_vae=compile_vae)
+    engine.avatars, engine._boxes = [], []  # a reused engine keeps its graphs, not its avatars
     avatars_dir = program.avatars_dir or avatars_dir
     slots: dict[str, int] = {}
     for scene in program.scenes:
@@ -131,6 +135,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                                      "all avatars of one video must have the same frame size")
     fps = Fraction(fps or program.fps or first.fps)
     t_load = time.perf_counter()
+    engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
+    t_warm = time.perf_counter()
 
     speech = [_speech(scene.audio, device) for scene in program.scenes]
     samples48 = np.concatenate([s[1] for s in speech])
@@ -147,7 +153,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     t_audio = time.perf_counter()
 
     report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
-                          {"load_s": t_load - t0, "audio_s": t_audio - t_load})
+                          {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "audio_s": t_audio - t_warm})
     if encoders is None:
         cores = os.cpu_count() or 1
         encoders = min(8, cores // 2) if cores >= 8 else 1

@@ -52,3 +52,52 @@ def blend_into(frame: torch.Tensor, face: torch.Tensor, mask: torch.Tensor, box:
 def crossfade(a: torch.Tensor, b: torch.Tensor, weight: float) -> torch.Tensor:
     """(1 - weight) * a + weight * b on uint8 I420 frames (YUV is linear enough for a dissolve)."""
     return (a.float() * (1 - weight) + b.float() * weight).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, boxes: list[list[int]],
+                height: int, width: int, matrix: str) -> None:
+    """blend_into for a whole batch at once, in place: one grid_sample for all faces and masks.
+
+    Each face is sampled onto a canvas of one shared (even) size placed over its box; canvas
+    pixels outside the box get alpha 0, so only their copy is written back, unchanged. `boxes` are
+    plain ints (kept on the CPU), so nothing here waits for the GPU.
+    """
+    n, size = faces.shape[0], faces.shape[-1]
+    dev = frames.device
+    ch = min(height, max(((y2 - (y1 & ~1)) + 1) & ~1 for _, y1, _, y2 in boxes))
+    cw = min(width, max(((x2 - (x1 & ~1)) + 1) & ~1 for x1, _, x2, _ in boxes))
+    anchors = [(min(x1 & ~1, width - cw), min(y1 & ~1, height - ch)) for x1, y1, _, _ in boxes]
+    geo = torch.tensor([[ax, ay, x1, y1, x2, y2] for (ax, ay), (x1, y1, x2, y2) in zip(anchors, boxes)],
+                       dtype=torch.float32).to(dev, non_blocking=True)
+    ax, ay, x1, y1, x2, y2 = geo.unbind(1)
+    xs = ax[:, None] + torch.arange(cw, device=dev)  # [n, cw] absolute columns
+    ys = ay[:, None] + torch.arange(ch, device=dev)
+    gx = (xs + 0.5 - x1[:, None]) / (x2 - x1)[:, None] * 2 - 1  # grid_sample coordinates, align_corners=False
+    gy = (ys + 0.5 - y1[:, None]) / (y2 - y1)[:, None] * 2 - 1
+    grid = torch.stack([gx[:, None, :].expand(n, ch, cw), gy[:, :, None].expand(n, ch, cw)], dim=-1)
+    source = torch.cat([faces.float(), masks[:, None].float() / 255.0], dim=1)
+    sampled = F.grid_sample(source, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    inside = (((xs >= x1[:, None]) & (xs < x2[:, None]))[:, None, :] & ((ys >= y1[:, None]) & (ys < y2[:, None]))[:, :, None])
+    alpha = sampled[:, 3] * inside  # [n, ch, cw]
+    yuv = rgb_to_yuv(sampled[:, :3].clamp(0, 1), matrix)  # [n, 3, ch, cw]
+
+    planes = [split_i420(frames[i], height, width) for i in range(n)]
+    luma = torch.stack([p[0][a[1]:a[1] + ch, a[0]:a[0] + cw] for p, a in zip(planes, anchors)]).float()
+    luma = (luma * (1 - alpha) + yuv[:, 0] * alpha).round_().clamp_(0, 255).to(torch.uint8)
+    # chroma samples whose 2x2 pixels all lie inside the box (see chroma_span)
+    cxs, cys = xs[:, ::2] / 2, ys[:, ::2] / 2
+    valid = (((cxs >= torch.div(x1 + 1, 2, rounding_mode="floor")[:, None]) &
+              (cxs < torch.div(x2, 2, rounding_mode="floor")[:, None]))[:, None, :] &
+             ((cys >= torch.div(y1 + 1, 2, rounding_mode="floor")[:, None]) &
+              (cys < torch.div(y2, 2, rounding_mode="floor")[:, None]))[:, :, None])
+    a_c = F.avg_pool2d(alpha[:, None], 2)[:, 0] * valid
+    chroma = []
+    for k in (1, 2):
+        current = torch.stack([p[k][a[1] // 2:(a[1] + ch) // 2, a[0] // 2:(a[0] + cw) // 2]
+                               for p, a in zip(planes, anchors)]).float()
+        weighted = F.avg_pool2d((alpha * yuv[:, k])[:, None], 2)[:, 0] * valid
+        chroma.append((current * (1 - a_c) + weighted).round_().clamp_(0, 255).to(torch.uint8))
+    for i, ((px, py), p) in enumerate(zip(anchors, planes)):
+        p[0][py:py + ch, px:px + cw].copy_(luma[i])
+        p[1][py // 2:(py + ch) // 2, px // 2:(px + cw) // 2].copy_(chroma[0][i])
+        p[2][py // 2:(py + ch) // 2, px // 2:(px + cw) // 2].copy_(chroma[1][i])

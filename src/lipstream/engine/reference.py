@@ -52,7 +52,7 @@ class ReferenceEngine(Engine):
     def __init__(self, models: MuseTalk, batch_size: int = 1):
         if models.dtype != torch.float32:
             raise ValueError("the reference path runs in fp32")
-        super().__init__(models, batch_size=1)
+        super().__init__(models, batch_size=1, graphs=False)
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
