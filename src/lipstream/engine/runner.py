@@ -70,6 +70,9 @@ class Engine:
         self.use_graphs = (models.device.type == "cuda") if graphs is None else graphs
         self.buckets = tuple(sorted(buckets or (batch_size,)))
         self._graphs: dict[int, _Graph] = {}
+        # A device tensor, as upstream passes it: a Python int would be copied from the CPU at every
+        # step, which also breaks graph capture.
+        self._timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
         if compile_vae:
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels
@@ -92,7 +95,7 @@ class Engine:
 
     def _step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         audio = self.m.pe(windows)
-        pred = self.m.unet(latents, UNET_TIMESTEP, encoder_hidden_states=audio).sample
+        pred = self.m.unet(latents, self._timestep, encoder_hidden_states=audio).sample
         image = self.m.vae.decode(pred / VAE_SCALING_FACTOR).sample
         return (image.float() / 2 + 0.5).clamp_(0, 1)
 
