@@ -69,11 +69,13 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
     return keep
 
 
-@pytest.mark.parametrize("encoders", [1, 3], ids=["one-encoder", "3-segment-encoders"])
-def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders):
+@pytest.mark.parametrize("encoders, processes", [(1, False), (3, False), (2, True)],
+                         ids=["one-encoder", "3-segment-threads", "2-segment-processes"])
+def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders, processes):
     out = tmp_path / "talk.mp4"
     report = render_program(single_scene("anna", studio / "long.wav", start_frame=3), out, tiny_models,
-                            avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
+                            avatars_dir=studio / "avatars", crf=0, encoders=encoders, encoder_processes=processes,
+                            progress=False)
     frames, info = decode(out)
     assert len(frames) == report.frames == math.ceil(2.0 * FPS)
     assert abs(len(frames) - round(2.0 * FPS)) <= 1

@@ -27,6 +27,7 @@ from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
+from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
 from lipstream.models import MuseTalk
 from lipstream.models.config import SAMPLE_RATE
@@ -105,12 +106,14 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
 
 def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
                    fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
-                   preset: str = "veryfast", encoders: int | None = None, compile_vae: bool = False,
-                   progress: bool = True, engine: Engine | None = None) -> RenderReport:
+                   preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
+                   compile_vae: bool = False, segment_frames: int = 32, progress: bool = True,
+                   engine: Engine | None = None) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
-    small machines, where one encoder with all threads is best). `compile_vae`: Inductor-compile
+    small machines, where one encoder with all threads is best); `encoder_processes` runs them as
+    a persistent pool of processes (default: from 4 encoders up). `compile_vae`: Inductor-compile
     the VAE decoder (slow first start, cached on disk). Pass an `engine` to reuse a warm one.
     """
     t0 = time.perf_counter()
@@ -135,6 +138,12 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                                      "all avatars of one video must have the same frame size")
     fps = Fraction(fps or program.fps or first.fps)
     t_load = time.perf_counter()
+    if encoders is None:
+        cores = os.cpu_count() or 1
+        encoders = min(8, cores // 2) if cores >= 8 else 1
+    processes = encoders >= 4 if encoder_processes is None else encoder_processes
+    if processes and encoders > 1:
+        media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)
     engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
     t_warm = time.perf_counter()
 
@@ -154,19 +163,17 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
 
     report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
                           {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "audio_s": t_audio - t_warm})
-    if encoders is None:
-        cores = os.cpu_count() or 1
-        encoders = min(8, cores // 2) if cores >= 8 else 1
     report.timings["encoders"] = encoders
+    report.timings["encoder_processes"] = processes
     _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
-         crf, preset, encoders, progress, report, t0)
+         crf, preset, encoders, processes, segment_frames, progress, report, t0)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
 def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
-         audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, progress: bool,
-         report: RenderReport, t0: float) -> None:
+         audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, processes: bool, segment: int,
+         progress: bool, report: RenderReport, t0: float) -> None:
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
@@ -195,7 +202,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
     try:
         with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
-                       encoders=encoders) as writer:
+                       encoders=encoders, processes=processes, segment=segment) as writer:
             producer.start()
             while True:
                 batch = frames.get()

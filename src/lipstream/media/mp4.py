@@ -7,8 +7,8 @@ under a temporary name beside the output and renamed only when complete.
 
 One libx264 tops out near 160 fps at 1080p even with 16 threads. With `encoders > 1` the video
 is cut into closed-GOP segments, each encoded by its own x264 in a thread pool (PyAV releases
-the GIL while x264 works); the packets are muxed in order into the one track, without any
-re-encode. Identical settings give identical SPS/PPS, so one avcC serves all segments. The first
+the GIL while x264 works) or, with `processes=True`, in a persistent pool of spawned encoder
+processes; the packets are muxed in order into the one track, without any re-encode. Identical settings give identical SPS/PPS, so one avcC serves all segments. The first
 segments are short so the first encoded frame comes out quickly.
 """
 
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
+import types
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -26,24 +29,32 @@ import av
 import numpy as np
 
 from lipstream.io import atomic_path
+from lipstream.x264_worker import GLOBAL_HEADER, default_threads, encode_segment, x264_context
 
 AUDIO_RATE = 48_000
 AAC_FRAME = 1024
-GLOBAL_HEADER = 1 << 22  # AV_CODEC_FLAG_GLOBAL_HEADER: SPS/PPS in extradata (avcC), not in the stream
-SEGMENT_FRAMES = (8, 16, 32)  # segment lengths: short first (latency), then this last one repeated
-
-Encoded = tuple[bytes, int, int, bool]  # data, pts, dts (in frames), keyframe
+SEGMENT_FRAMES = (8, 16, 32)  # segment lengths: short first (latency), then the last one repeated
+_PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
 
 
-def _encode_segment(frames: list, start: int, make_context) -> list[Encoded]:
-    ctx = make_context()
-    out: list[Encoded] = []
-    for i, planes in enumerate(frames):
-        frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
-        frame.pts = i
-        out += [(bytes(p), p.pts + start, p.dts + start, p.is_keyframe) for p in ctx.encode(frame)]
-    out += [(bytes(p), p.pts + start, p.dts + start, p.is_keyframe) for p in ctx.encode(None)]
-    return out
+def encoder_processes(n: int) -> ProcessPoolExecutor:
+    """A persistent pool of n spawned encoder processes (started once, reused by every render).
+
+    Processes, not threads: each x264 call is GIL-free, but the Python around it (frame
+    wrapping, packets, muxing) is not, and with 8+ encoders that serial part becomes the limit.
+    """
+    if n not in _PROCESS_POOLS:
+        pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))  # no fork: CUDA is live
+        # A spawned child re-imports the parent's __main__ (a script, a notebook, stdin...); the
+        # encoders need none of it, so they start under a blank one.
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            list(pool.map(default_threads, [1] * n))  # start all n now, not at the first segment
+        finally:
+            sys.modules["__main__"] = main
+        _PROCESS_POOLS[n] = pool
+    return _PROCESS_POOLS[n]
 
 
 class MP4Writer:
@@ -51,7 +62,8 @@ class MP4Writer:
 
     def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray,
                  *, sample_rate: int = AUDIO_RATE, crf: int = 18, preset: str = "veryfast",
-                 matrix: str = "bt601", audio_bitrate: int = 128_000, encoders: int = 1):
+                 matrix: str = "bt601", audio_bitrate: int = 128_000, encoders: int = 1,
+                 processes: bool = False, segment: int = SEGMENT_FRAMES[-1]):
         self.dest = Path(dest)
         self.encoders = max(1, encoders)
         self.first_packet_at: float | None = None  # perf_counter() when the first video packet was muxed
@@ -76,10 +88,15 @@ class MP4Writer:
             self._segments_done = 0
             self._pending: deque[Future] = deque()
             self._pool = None
+            self._sizes = (*SEGMENT_FRAMES[:-1], segment)
             if self.encoders > 1:
+                self._segment_args = (width, height, self.fps, self._x264, self.video.codec_context.colorspace,
+                                      default_threads(self.encoders))
                 self.video.codec_context.flags |= GLOBAL_HEADER
-                self.video.codec_context.extradata = self._make_context().extradata or None
-                self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment")
+                self.video.codec_context.extradata = x264_context(*self._segment_args).extradata or None
+                self._owns_pool = not processes
+                self._pool = (encoder_processes(self.encoders) if processes
+                              else ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment"))
             self.audio_stream = self.container.add_stream("aac", rate=sample_rate, layout="mono")
             self.audio_stream.bit_rate = audio_bitrate
         except BaseException as e:
@@ -89,24 +106,12 @@ class MP4Writer:
     def __enter__(self) -> "MP4Writer":
         return self
 
-    def _make_context(self) -> av.VideoCodecContext:
-        """A standalone x264 with exactly the output stream's settings (so SPS/PPS match)."""
-        ctx = av.CodecContext.create("libx264", "w")
-        ctx.width, ctx.height, ctx.pix_fmt = self.video.width, self.video.height, "yuv420p"
-        ctx.time_base, ctx.framerate = 1 / self.fps, self.fps
-        ctx.colorspace = self.video.codec_context.colorspace
-        ctx.options = dict(self._x264)
-        ctx.flags |= GLOBAL_HEADER
-        ctx.thread_count = max(1, (os.cpu_count() or 1) // self.encoders)
-        ctx.open()
-        return ctx
-
     def write(self, planes: np.ndarray) -> None:
         """Append one [H*3/2, W] uint8 I420 frame (and the audio up to its end)."""
         self.frames += 1
         if self._pool is not None:
             self._segment.append(planes)
-            size = SEGMENT_FRAMES[min(self._segments_done + len(self._pending), len(SEGMENT_FRAMES) - 1)]
+            size = self._sizes[min(self._segments_done + len(self._pending), len(self._sizes) - 1)]
             if len(self._segment) >= size:
                 self._submit()
             self._mux_ready(block=len(self._pending) > self.encoders)
@@ -124,8 +129,8 @@ class MP4Writer:
 
     def _submit(self) -> None:
         if self._segment:
-            self._pending.append(self._pool.submit(_encode_segment, self._segment, self._segment_start,
-                                                   self._make_context))
+            self._pending.append(self._pool.submit(encode_segment, self._segment, self._segment_start,
+                                                   *self._segment_args))
             self._segment_start += len(self._segment)
             self._segment = []
 
@@ -160,7 +165,8 @@ class MP4Writer:
                     self._submit()
                     while self._pending:
                         self._mux_ready(block=True)
-                    self._pool.shutdown()
+                    if self._owns_pool:
+                        self._pool.shutdown()
                 else:
                     for packet in self.video.encode(None):
                         self._mux_video(packet)
@@ -178,7 +184,11 @@ class MP4Writer:
             if self._pool is not None:
                 for future in self._pending:
                     future.cancel()
-                self._pool.shutdown(wait=True)
+                for future in self._pending:  # a running segment finishes; its result is dropped
+                    with contextlib.suppress(BaseException):
+                        future.result()
+                if self._owns_pool:
+                    self._pool.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.container.close()
             self._atomic.__exit__(exc_type, exc, tb)
