@@ -113,7 +113,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
     small machines, where one encoder with all threads is best); `encoder_processes` runs them as
-    a persistent pool of processes (default: from 4 encoders up). `compile_vae`: Inductor-compile
+    a persistent pool of processes instead of threads (slower on the H200: frames are pickled). `compile_vae`: Inductor-compile
     the VAE decoder (slow first start, cached on disk). Pass an `engine` to reuse a warm one.
     """
     t0 = time.perf_counter()
@@ -141,7 +141,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     if encoders is None:
         cores = os.cpu_count() or 1
         encoders = min(8, cores // 2) if cores >= 8 else 1
-    processes = encoders >= 4 if encoder_processes is None else encoder_processes
+    processes = bool(encoder_processes)  # threads measured faster: frames cross no process boundary
     if processes and encoders > 1:
         media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)
     engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it

@@ -45,4 +45,7 @@ def encode_segment(frames: list[np.ndarray] | np.ndarray, start: int, width: int
 
 
 def default_threads(encoders: int) -> int:
+    """x264 threads per segment encoder: the cores shared out, or $LIPSTREAM_X264_THREADS."""
+    if os.environ.get("LIPSTREAM_X264_THREADS"):
+        return max(1, int(os.environ["LIPSTREAM_X264_THREADS"]))
     return max(1, (os.cpu_count() or 1) // max(1, encoders))
