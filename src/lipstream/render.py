@@ -177,12 +177,16 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
+    # Where each side spends its time (seconds): tells which stage limits a run.
+    stages = {"produce_gpu_s": 0.0, "produce_copy_s": 0.0, "produce_wait_s": 0.0,
+              "consume_wait_s": 0.0, "consume_write_s": 0.0}
 
     def produce() -> None:
         try:
             for start in range(0, len(items), batch_size):
                 if stop.is_set():
                     return
+                t = time.perf_counter()
                 chunk = items[start:start + batch_size]
                 requests = [i.main for i in chunk] + [i.previous for i in chunk if i.previous is not None]
                 rendered = engine.render(requests)
@@ -193,7 +197,16 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                         frame = crossfade(rendered[extra], frame, item.weight)
                         extra += 1
                     out.append(frame)
-                frames.put(torch.stack(out).cpu().numpy())
+                batch = torch.stack(out)
+                if batch.is_cuda:
+                    torch.cuda.current_stream(batch.device).synchronize()
+                t1 = time.perf_counter()
+                host = batch.cpu().numpy()
+                t2 = time.perf_counter()
+                frames.put(host)
+                stages["produce_gpu_s"] += t1 - t
+                stages["produce_copy_s"] += t2 - t1
+                stages["produce_wait_s"] += time.perf_counter() - t2
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it
             frames.put(e)
@@ -205,17 +218,24 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                        encoders=encoders, processes=processes, segment=segment) as writer:
             producer.start()
             while True:
+                t = time.perf_counter()
                 batch = frames.get()
+                t1 = time.perf_counter()
+                stages["consume_wait_s"] += t1 - t
                 if batch is done:
                     break
                 if isinstance(batch, BaseException):
                     raise batch
                 for planes in batch:
                     writer.write(planes)
+                stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(len(batch))
             if writer.frames != len(items):
                 raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
+            loop_end = time.perf_counter()
         report.first_frame_s = (writer.first_packet_at or time.perf_counter()) - t0
+        report.timings.update({k: round(v, 4) for k, v in stages.items()})
+        report.timings["finish_s"] = time.perf_counter() - loop_end  # flush: last segments, audio, faststart
     finally:
         stop.set()
         while producer.is_alive():  # unblock a producer waiting on a full queue
