@@ -17,7 +17,7 @@ import torch
 
 from lipstream.avatar import compile_avatar, load_avatar, ping_pong
 from lipstream.avatar.face import DlibBackend
-from lipstream.engine.blend import chroma_span
+from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
@@ -58,15 +58,7 @@ def decode(path: Path) -> tuple[list[np.ndarray], dict]:
 
 
 def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
-    """The I420 samples no box may touch: luma outside the boxes, chroma outside their chroma spans."""
-    keep = np.ones(frame.shape, bool)
-    for x1, y1, x2, y2 in boxes:
-        keep[y1:y2, x1:x2] = False
-        (cx1, cx2), (cy1, cy2) = chroma_span(x1, x2), chroma_span(y1, y2)
-        chroma = keep[H:].reshape(2, H // 2, W // 2)
-        chroma[:, cy1:cy2, cx1:cx2] = False
-        keep[H:] = chroma.reshape(H // 2, W)
-    return keep
+    return untouched(H, W, boxes)
 
 
 @pytest.mark.parametrize("encoders, processes", [(1, False), (3, False), (2, True)],

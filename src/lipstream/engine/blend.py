@@ -8,6 +8,7 @@ box. Every pixel outside the box keeps its exact Y, U and V, so it is bit-identi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +18,20 @@ from lipstream.avatar.colour import rgb_to_yuv, split_i420
 def chroma_span(a: int, b: int) -> tuple[int, int]:
     """Chroma samples [c1, c2) whose two luma columns (or rows) both lie in [a, b)."""
     return (a + 1) // 2, b // 2
+
+
+def untouched(height: int, width: int, boxes: list[list[int]]) -> np.ndarray:
+    """[H*3/2, W] bool: the I420 samples that blending into these boxes must leave exactly as they were.
+
+    Luma outside every box, and chroma outside every box's chroma span.
+    """
+    keep = np.ones((height * 3 // 2, width), bool)
+    chroma = keep[height:].reshape(2, height // 2, width // 2)  # a view: writes go through
+    for x1, y1, x2, y2 in boxes:
+        keep[y1:y2, x1:x2] = False
+        (cx1, cx2), (cy1, cy2) = chroma_span(x1, x2), chroma_span(y1, y2)
+        chroma[:, cy1:cy2, cx1:cx2] = False
+    return keep
 
 
 def blend_into(frame: torch.Tensor, face: torch.Tensor, mask: torch.Tensor, box: torch.Tensor | list[int],
