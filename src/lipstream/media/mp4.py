@@ -86,7 +86,8 @@ class MP4Writer:
             self._segment: list = []
             self._segment_start = 0
             self._segments_done = 0
-            self._pending: deque[Future] = deque()
+            self._pending: deque[tuple[Future, list[np.ndarray]]] = deque()
+            self._free: list[np.ndarray] = []  # recycled frame buffers of finished segments
             self._pool = None
             self._sizes = (*SEGMENT_FRAMES[:-1], segment)
             if self.encoders > 1:
@@ -107,10 +108,15 @@ class MP4Writer:
         return self
 
     def write(self, planes: np.ndarray) -> None:
-        """Append one [H*3/2, W] uint8 I420 frame (and the audio up to its end)."""
+        """Append one [H*3/2, W] uint8 I420 frame (and the audio up to its end).
+
+        `planes` is copied (or encoded) before this returns: the caller may reuse its buffer.
+        """
         self.frames += 1
         if self._pool is not None:
-            self._segment.append(planes)
+            buffer = self._free.pop() if self._free else np.empty_like(planes)
+            np.copyto(buffer, planes)
+            self._segment.append(buffer)
             size = self._sizes[min(self._segments_done + len(self._pending), len(self._sizes) - 1)]
             if len(self._segment) >= size:
                 self._submit()
@@ -129,15 +135,17 @@ class MP4Writer:
 
     def _submit(self) -> None:
         if self._segment:
-            self._pending.append(self._pool.submit(encode_segment, self._segment, self._segment_start,
-                                                   *self._segment_args))
+            future = self._pool.submit(encode_segment, self._segment, self._segment_start, *self._segment_args)
+            self._pending.append((future, self._segment))
             self._segment_start += len(self._segment)
             self._segment = []
 
     def _mux_ready(self, block: bool) -> None:
         """Mux finished segments in order (waiting for the oldest when `block`)."""
-        while self._pending and (block or self._pending[0].done()):
-            encoded = self._pending.popleft().result()
+        while self._pending and (block or self._pending[0][0].done()):
+            future, buffers = self._pending.popleft()
+            encoded = future.result()
+            self._free.extend(buffers)
             block = False
             for data, pts, dts, key in encoded:
                 packet = av.Packet(data)
@@ -182,9 +190,9 @@ class MP4Writer:
             self._atomic.__exit__(None, None, None)
         else:
             if self._pool is not None:
-                for future in self._pending:
+                for future, _ in self._pending:
                     future.cancel()
-                for future in self._pending:  # a running segment finishes; its result is dropped
+                for future, _ in self._pending:  # a running segment finishes; its result is dropped
                     with contextlib.suppress(BaseException):
                         future.result()
                 if self._owns_pool:
