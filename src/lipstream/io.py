@@ -13,15 +13,22 @@ import torch
 from lipstream.errors import InputError
 
 
-@contextlib.contextmanager
-def atomic_path(dest: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside `dest`; rename it to `dest` on success, delete it on any failure."""
+def check_output_path(dest: str | Path) -> Path:
+    """Fail early, before any work, if `dest` cannot become an output file."""
     dest = Path(dest)
     if dest.is_dir():
         raise InputError(dest, "is a folder, expected an output file name")
     parent = dest.parent if str(dest.parent) else Path(".")
     if not parent.is_dir():
         raise InputError(dest, f"output folder {parent} does not exist")
+    return dest
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`; rename it to `dest` on success, delete it on any failure."""
+    dest = check_output_path(dest)
+    parent = dest.parent if str(dest.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=parent)
     except OSError as e:

@@ -27,6 +27,7 @@ from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
+from lipstream.io import check_output_path
 from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
 from lipstream.models import MuseTalk
@@ -113,15 +114,16 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
     small machines, where one encoder with all threads is best); `encoder_processes` runs them as
-    a persistent pool of processes instead of threads (slower on the H200: frames are pickled). `compile_vae`: Inductor-compile
-    the VAE decoder (slow first start, cached on disk). Pass an `engine` to reuse a warm one.
+    a persistent pool of processes instead of threads (slower on the H200: frames are pickled).
+    `compile_vae`: Inductor-compile the VAE decoder (slow first start, cached on disk). Pass an
+    `engine` to reuse a warm one (its graphs stay; its avatars are replaced).
     """
     t0 = time.perf_counter()
-    output = Path(output)
+    output = check_output_path(output)
     device = models.device
     if engine is None:
         engine = ReferenceEngine(models) if reference else Engine(models, batch_size, compile_vae=compile_vae)
-    engine.avatars, engine._boxes = [], []  # a reused engine keeps its graphs, not its avatars
+    engine.clear_avatars()
     avatars_dir = program.avatars_dir or avatars_dir
     slots: dict[str, int] = {}
     for scene in program.scenes:

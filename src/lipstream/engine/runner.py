@@ -93,6 +93,10 @@ class Engine:
         self.avatars.append(avatar)
         return len(self.avatars) - 1
 
+    def clear_avatars(self) -> None:
+        """Drop every resident avatar (captured graphs do not depend on them and stay)."""
+        self.avatars, self._boxes = [], []
+
     def _step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         audio = self.m.pe(windows)
         pred = self.m.unet(latents, self._timestep, encoder_hidden_states=audio).sample
