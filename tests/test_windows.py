@@ -116,3 +116,11 @@ def test_any_fps(fps):
     features = torch.randn(400, 5, 384)
     frames = num_frames(400 * 320, fps)
     assert torch.equal(audio_windows(features, fps, frames), loop_windows(features, as_fps(fps), frames))
+
+
+@pytest.mark.parametrize("fps", [12.5, 25, 29.97, 30, 60])
+def test_packaged_loop_baseline_equals_gather(fps):
+    from lipstream.audio.windows import audio_windows_loop
+
+    features = torch.randn(300, 5, 384)
+    assert torch.equal(audio_windows_loop(features, fps, 170), audio_windows(features, fps, 170))

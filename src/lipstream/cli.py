@@ -211,6 +211,42 @@ def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of a
             compile_vae, models, random_weights, random_size, device)
 
 
+@app.command("bench")
+def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Report folder.")] = Path("bench-out"),
+              size: Annotated[str, typer.Option(help="Frame size WxH of the generated avatars.")] = "1920x1080",
+              scale: Annotated[float, typer.Option(help="Shorten every scenario (smoke runs).")] = 1.0,
+              modes: Annotated[str, typer.Option(
+                  help="Comma-separated: legacy, fast, ablation (fast with each optimisation off in turn).")]
+              = "legacy,fast,ablation",
+              weights: Annotated[str, typer.Option(help="'random' or a models folder.")] = "random",
+              random_size: RandomSizeOpt = "full", compile_vae: CompileOpt = False,
+              device: DeviceOpt = "auto") -> None:
+    """Scenario A (3-presenter broadcast, 12 s) and B (25.8 s monologue): legacy vs fast, one report."""
+    from rich.table import Table
+
+    from lipstream.bench.run import HEADER, cells, run
+    from lipstream.models import load_musetalk
+
+    try:
+        width, height = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise LipStreamError(f"--size {size!r}: expected WIDTHxHEIGHT, e.g. 1920x1080") from None
+    random_weights = weights == "random"
+    if random_weights:
+        warn_random_weights()
+    m = load_musetalk(None if random_weights else weights, device=pick_device(device), random_weights=random_weights,
+                      size=random_size, warn=False)
+    report = run(m, out_dir, width=width, height=height, scale=scale,
+                 modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae)
+    table = Table(title=f"LipStream bench: {report['device']}, {report['size']}")
+    for col in HEADER:
+        table.add_column(col)
+    for row in report["rows"]:
+        table.add_row(*cells(row))
+    out.print(table)
+    out.print(f"report: {out_dir / 'bench.json'}, {out_dir / 'bench.md'}")
+
+
 @app.command("features")
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lipstream.audio.decode import decode_audio, to_mono_float
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import resample
-from lipstream.audio.windows import audio_windows
+from lipstream.audio.windows import audio_windows, audio_windows_loop
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
@@ -73,7 +73,7 @@ def resolve_avatar(name: str, avatars_dir: Path | None) -> Path:
                            "(compile it with `lipstream compile`, or pass --avatars DIR)")
 
 
-def _speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
     """16 kHz samples on the device (for features) and 48 kHz samples on the CPU (for the output)."""
     data, rate = decode_audio(path)
     mono = to_mono_float(torch.from_numpy(data))
@@ -109,14 +109,15 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
                    preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
                    compile_vae: bool = False, segment_frames: int = 32, progress: bool = True,
-                   engine: Engine | None = None) -> RenderReport:
+                   engine: Engine | None = None, gather_windows: bool = True) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
     small machines, where one encoder with all threads is best); `encoder_processes` runs them as
     a persistent pool of processes instead of threads (slower on the H200: frames are pickled).
     `compile_vae`: Inductor-compile the VAE decoder (slow first start, cached on disk). Pass an
-    `engine` to reuse a warm one (its graphs stay; its avatars are replaced).
+    `engine` to reuse a warm one (its graphs stay; its avatars are replaced). `gather_windows=False`
+    builds the audio windows with upstream's per-frame loop (for the benchmark's ablation).
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
@@ -149,7 +150,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
     t_warm = time.perf_counter()
 
-    speech = [_speech(scene.audio, device) for scene in program.scenes]
+    speech = [load_speech(scene.audio, device) for scene in program.scenes]
     samples48 = np.concatenate([s[1] for s in speech])
     starts = np.cumsum([0] + [s[1].size for s in speech])
     bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
@@ -157,7 +158,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     windows = []
     for k, (s16, _) in enumerate(speech):
         features = whisper_features(s16, models.whisper, models.feature_extractor)
-        windows.append(audio_windows(features, fps, max(1, bounds[k + 1] - bounds[k])))
+        make_windows = audio_windows if gather_windows else audio_windows_loop
+        windows.append(make_windows(features, fps, max(1, bounds[k + 1] - bounds[k])))
     quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), models.whisper, models.feature_extractor)
     silence = audio_windows(quiet, fps)[int(fps) // 2]
     items = plan(program, slots, engine, fps, windows, bounds, silence)

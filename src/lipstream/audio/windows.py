@@ -76,3 +76,20 @@ def audio_windows(features: torch.Tensor, fps: float | Fraction, frames: int | N
     padded[left:left + t] = features
     index = starts[:, None] + torch.arange(WINDOW_STEPS, device=features.device)  # [frames, 10]
     return padded[index].reshape(frames, WINDOW_TOKENS, AUDIO_DIM)  # the one gather
+
+
+def audio_windows_loop(features: torch.Tensor, fps: float | Fraction, frames: int) -> torch.Tensor:
+    """The same windows the way upstream builds them: one slice and one cat per frame.
+
+    Kept as the baseline for `lipstream bench` (its "gathered windows off" row) and for tests.
+    """
+    fps = as_fps(fps)
+    left, right = padding(fps)
+    right = max(right, math.floor((frames - 1) * FEATURE_RATE / fps) + WINDOW_STEPS - left - features.shape[0])
+    zeros = features.new_zeros(1, HIDDEN_STATES, AUDIO_DIM)
+    padded = torch.cat([zeros.repeat(left, 1, 1), features, zeros.repeat(right, 1, 1)])
+    clips = []
+    for i in range(frames):
+        start = math.floor(i * FEATURE_RATE / fps)
+        clips.append(padded[start:start + WINDOW_STEPS].reshape(1, WINDOW_TOKENS, AUDIO_DIM))
+    return torch.cat(clips)

@@ -35,7 +35,7 @@ def box_sizes(boxes: np.ndarray) -> np.ndarray:
 
 # Mean frontal face in box-relative coordinates (0..1), for tracks that give boxes only: the
 # astronaut photo's 68 points normalised to its MuseTalk box.
-_TEMPLATE = np.array([
+TEMPLATE_LANDMARKS = np.array([
     [179, 104], [180, 116], [181, 127], [182, 139], [185, 150], [191, 160], [200, 168], [209, 176], [220, 178],
     [232, 177], [243, 171], [253, 163], [260, 154], [265, 143], [268, 131], [270, 120], [272, 108], [186, 94],
     [192, 88], [200, 87], [208, 89], [216, 92], [236, 93], [244, 91], [252, 91], [260, 92], [265, 99], [226, 102],
@@ -48,7 +48,7 @@ _TEMPLATE = np.array([
 
 def template_landmarks(boxes: np.ndarray) -> np.ndarray:
     """[N, 4] MuseTalk boxes (without the v1.5 margin) -> [N, 68, 2] plausible landmarks inside them."""
-    t = _TEMPLATE
+    t = TEMPLATE_LANDMARKS
     tb = face_boxes(t[None], 10**6, 10**6, extra_margin=0)[0].astype(np.float32)
     rel = (t - tb[:2]) / (tb[2:] - tb[:2])
     b = boxes.astype(np.float32)

@@ -1,6 +1,6 @@
 """The GPU core: batches of frame requests -> blended frames."""
 
 from lipstream.engine.runner import Engine, FrameRequest
-from lipstream.engine.reference import ReferenceEngine
+from lipstream.engine.reference import CPUBlendEngine, ReferenceEngine
 
-__all__ = ["Engine", "FrameRequest", "ReferenceEngine"]
+__all__ = ["CPUBlendEngine", "Engine", "FrameRequest", "ReferenceEngine"]

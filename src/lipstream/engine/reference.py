@@ -65,3 +65,25 @@ class ReferenceEngine(Engine):
                                     a.boxes[r.frame].tolist(), h, w, a.meta["colour_matrix"])
             out.append(torch.from_numpy(frame))
         return torch.stack(out).to(self.device)
+
+
+class CPUBlendEngine(Engine):
+    """The fast network step, but blending done the old way: on the CPU with numpy, frame by frame.
+
+    Exists for the benchmark's ablation ("GPU blending off"); the output matches Engine's.
+    """
+
+    @torch.inference_mode()
+    def render(self, requests: list[FrameRequest]) -> torch.Tensor:
+        out = []
+        for start in range(0, len(requests), self.batch_size):
+            chunk = requests[start:start + self.batch_size]
+            latents = torch.stack([self.avatars[r.avatar].latents[r.frame] for r in chunk])
+            faces = self.faces(latents, torch.stack([r.window for r in chunk])).float().cpu().numpy()
+            for r, face in zip(chunk, faces):
+                a = self.avatars[r.avatar]
+                w, h = a.size
+                out.append(torch.from_numpy(blend_reference(
+                    a.frames[r.frame].cpu().numpy(), face, a.masks[r.frame].cpu().numpy(),
+                    self._boxes[r.avatar][r.frame], h, w, a.meta["colour_matrix"])))
+        return torch.stack(out).to(self.device)

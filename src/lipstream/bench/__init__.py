@@ -1,0 +1,1 @@
+"""`lipstream bench`: reproducible scenarios, the legacy baseline and the fast path, one report."""

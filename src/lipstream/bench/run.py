@@ -1,0 +1,168 @@
+"""Run the scenarios in each mode and write the report (terminal table, JSON, markdown)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+from lipstream.avatar import load_avatar, ping_pong
+from lipstream.bench import figures, legacy, scenarios
+from lipstream.engine import CPUBlendEngine, Engine
+from lipstream.models import MuseTalk
+from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.render import load_speech, render_program, resolve_avatar
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 1.0,
+        modes: tuple[str, ...] = ("legacy", "fast"), compile_vae: bool = False) -> dict:
+    """Every scenario in every mode; returns (and writes) the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    t = time.perf_counter()
+    built = scenarios.build(work, models, width=width, height=height, scale=scale)
+    report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(models.device),
+              "size": f"{width}x{height}", "scale": scale, "weights": models.source,
+              "setup_s": time.perf_counter() - t, "rows": []}
+    references = {}
+    for scenario in built:  # the eager fp32 reference, lossless: the PSNR column compares against it
+        ref_models = models if models.dtype == torch.float32 else None
+        references[scenario.name] = out / "work" / f"{scenario.name}-reference.mp4"
+        render_program(scenario.program, references[scenario.name], ref_models or _fp32(models), reference=True,
+                       crf=0, progress=False)
+    runs = [m for m in modes if m != "ablation"]
+    if "ablation" in modes:
+        runs += [f"fast -{name}" for name in ablations(compile_vae)]
+    for scenario in built:
+        for mode in runs:
+            _reset_peak(models.device)
+            output = out / f"{scenario.name}-{mode.replace(' ', '').replace('-', '_')}.mp4"
+            if mode == "legacy":
+                row = legacy.render_legacy(scenario.program, output, models)
+            else:
+                kwargs = {"compile_vae": compile_vae}
+                if mode != "fast":
+                    kwargs.update(ablations(compile_vae)[mode.removeprefix("fast -")](models))
+                r = render_program(scenario.program, output, models, progress=False, **kwargs)
+                row = {"frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_frame_s": r.first_frame_s,
+                       "disk_bytes_written": 0, "timings": r.timings}
+            row.update(scenario=scenario.name, mode=mode, description=scenario.description,
+                       peak_gpu_gib=_peak_gib(models.device), output_bytes=output.stat().st_size,
+                       psnr_db=face_psnr(output, references[scenario.name], scenario))
+            report["rows"].append(row)
+    for row in report["rows"]:
+        base = next(r for r in report["rows"] if r["scenario"] == row["scenario"] and r["mode"] == "legacy") \
+            if "legacy" in modes else None
+        row["speedup"] = base["wall_s"] / row["wall_s"] if base else None
+    report["chart"] = figures.fps_chart(report, out / "bench_fps.png").name
+    report["freeze_frames"] = []
+    if "legacy" in modes and "fast" in modes:
+        for scenario in built:
+            avatar = load_avatar(resolve_avatar(scenario.program.scenes[0].shots[0].avatar,
+                                                scenario.program.avatars_dir), with_frames=False)
+            at = min(2.0, scenario.seconds / 2)
+            box = avatar.boxes[ping_pong(int(at * float(avatar.fps)), avatar.num_frames)].tolist()
+            picture = figures.freeze_frames(out / f"{scenario.name}-legacy.mp4", out / f"{scenario.name}-fast.mp4",
+                                            box, out / f"freeze_{scenario.name}.png", at)
+            report["freeze_frames"].append(picture.name)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(markdown(report))
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _fp32(models: MuseTalk) -> MuseTalk:
+    """A float32 copy of the networks for the reference path (same weights)."""
+    import copy
+
+    m = copy.copy(models)
+    for name in ("unet", "vae", "whisper"):
+        setattr(m, name, copy.deepcopy(getattr(models, name)).float())
+    m.dtype = torch.float32
+    return m
+
+
+def face_boxes_per_frame(scenario: scenarios.Scenario) -> list[list[int]]:
+    """The face box shown in every output frame (single-camera scenes, as the scenarios are)."""
+    program = scenario.program
+    avatars = [load_avatar(resolve_avatar(s.shots[0].avatar, program.avatars_dir), with_frames=False)
+               for s in program.scenes]
+    fps = Fraction(program.fps or avatars[0].fps)
+    lengths = [load_speech(s.audio, torch.device("cpu"))[1].size for s in program.scenes]
+    starts = np.cumsum([0, *lengths])
+    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
+    bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
+    boxes = []
+    for k, (scene, avatar) in enumerate(zip(program.scenes, avatars)):
+        for local in range(bounds[k + 1] - bounds[k]):
+            step = scene.start_frame + math.floor(Fraction(local) / fps * avatar.fps)
+            boxes.append(avatar.boxes[ping_pong(step, avatar.num_frames)].tolist())
+    return boxes
+
+
+def face_psnr(output: Path, reference: Path, scenario: scenarios.Scenario) -> float:
+    """Mean PSNR (dB) of the luma inside the face boxes, output vs the lossless reference render."""
+    boxes = face_boxes_per_frame(scenario)
+    values = []
+    with av.open(str(output)) as a, av.open(str(reference)) as b:
+        for box, x, y in zip(boxes, a.decode(video=0), b.decode(video=0)):
+            x1, y1, x2, y2 = box
+            d = x.to_ndarray()[y1:y2, x1:x2].astype(np.float64) - y.to_ndarray()[y1:y2, x1:x2]
+            values.append(10 * math.log10(255 ** 2 / max(float(np.mean(d ** 2)), 1e-10)))
+    return float(np.mean(values)) if values else float("nan")
+
+
+def ablations(compile_vae: bool) -> dict:
+    """Each optimisation of the fast path, and the render_program arguments that turn it off."""
+    rows = {
+        "cuda graphs": lambda m: {"engine": Engine(m, 16, graphs=False, compile_vae=compile_vae)},
+        "gpu blending": lambda m: {"engine": CPUBlendEngine(m, 16, compile_vae=compile_vae)},
+        "gathered windows": lambda m: {"gather_windows": False},
+        "parallel encode": lambda m: {"encoders": 1},
+    }
+    if compile_vae:
+        rows["compile"] = lambda m: {"compile_vae": False}
+    return rows
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+HEADER = ("scenario", "mode", "frames", "fps", "wall s", "speed-up", "first frame s", "disk written MB", "peak GPU GiB",
+          "PSNR dB")
+
+
+def cells(row: dict) -> list[str]:
+    speedup = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
+    return [row["scenario"], row["mode"], str(row["frames"]), f"{row['fps']:.1f}", f"{row['wall_s']:.2f}", speedup,
+            f"{row['first_frame_s']:.2f}", f"{row['disk_bytes_written'] / 1e6:.1f}", f"{row['peak_gpu_gib']:.2f}",
+            f"{row['psnr_db']:.1f}"]
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# LipStream bench ({report['date']}, {report['device']}, {report['size']})", "",
+             f"Weights: {report['weights']}. Scenarios scaled by {report['scale']}. PSNR: luma of the face boxes "
+             "against the eager fp32 reference path rendered losslessly (the outputs themselves are crf 18).", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in report["rows"]]
+    lines += ["", f"![fps]({report['chart']})", ""]
+    lines += [f"![freeze frame, legacy vs fast, with a close-up of the blend seam]({p})" for p in report["freeze_frames"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,34 @@
+"""`lipstream bench` smoke run on the CPU: tiny models, short scenarios, real files checked."""
+
+from __future__ import annotations
+
+import json
+
+import av
+
+from lipstream.bench.run import run
+
+
+def test_bench_smoke(tiny_models, tmp_path):
+    report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("legacy", "fast", "ablation"))
+    rows = {(r["scenario"], r["mode"]): r for r in report["rows"]}
+    ablation = ["fast -cuda graphs", "fast -gpu blending", "fast -gathered windows", "fast -parallel encode"]
+    assert set(rows) == {(s, m) for s in "AB" for m in ["legacy", "fast", *ablation]}
+    for s in "AB":
+        assert all(rows[(s, m)]["frames"] == rows[(s, "fast")]["frames"] and rows[(s, m)]["fps"] > 0 for m in ablation)
+    for scenario, frames in (("A", 15), ("B", 39)):  # 3 x 0.2 s at 25 fps; 1.29 s at 30 fps
+        legacy, fast = rows[(scenario, "legacy")], rows[(scenario, "fast")]
+        assert legacy["frames"] == fast["frames"] == frames
+        assert legacy["disk_bytes_written"] > 0 and fast["disk_bytes_written"] == 0  # PNGs + a temp video
+        assert fast["speedup"] > 0 and legacy["speedup"] == 1.0
+        assert fast["psnr_db"] > 30 and legacy["psnr_db"] > 25  # random-noise faces at crf 18 vs lossless
+        for mode in ("legacy", "fast"):
+            with av.open(str(tmp_path / f"{scenario}-{mode}.mp4")) as c:
+                assert sum(1 for _ in c.decode(video=0)) == frames
+                assert c.streams.audio
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert "| A | legacy |" in (tmp_path / "bench.md").read_text()
+    assert not (tmp_path / "work").exists()
+    for picture in ("bench_fps.png", "freeze_A.png", "freeze_B.png"):
+        assert (tmp_path / picture).stat().st_size > 1000
+        assert f"({picture})" in (tmp_path / "bench.md").read_text()
