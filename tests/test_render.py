@@ -139,12 +139,12 @@ def which_avatar(frame: np.ndarray, avatars: dict, step: int) -> str:
 
 
 def test_broadcast_three_scenes_cuts_on_the_right_frames(studio, tiny_models, tmp_path):
-    script = write_script(studio, f"""
+    script = write_script(studio, """
 avatars: avatars
 scenes:
-  - {{avatar: anna, audio: a.wav}}
-  - {{avatar: ben, audio: b.wav}}
-  - {{avatar: cleo, audio: c.wav}}
+  - {avatar: anna, audio: a.wav}
+  - {avatar: ben, audio: b.wav}
+  - {avatar: cleo, audio: c.wav}
 """)
     out = tmp_path / "show.mp4"
     render_program(load_script(script), out, tiny_models, crf=0, progress=False)

@@ -77,7 +77,7 @@ def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, 
     pixels outside the box get alpha 0, so only their copy is written back, unchanged. `boxes` are
     plain ints (kept on the CPU), so nothing here waits for the GPU.
     """
-    n, size = faces.shape[0], faces.shape[-1]
+    n = faces.shape[0]
     dev = frames.device
     ch = min(height, max(((y2 - (y1 & ~1)) + 1) & ~1 for _, y1, _, y2 in boxes))
     cw = min(width, max(((x2 - (x1 & ~1)) + 1) & ~1 for x1, _, x2, _ in boxes))

@@ -15,7 +15,6 @@ segments are short so the first encoded frame comes out quickly.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 import types
