@@ -140,6 +140,7 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
 
     import torch
 
+    from lipstream.engine.runner import FAST_COMPILE
     from lipstream.models import load_musetalk
     from lipstream.render import render_program
 
@@ -150,7 +151,7 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
                       size=random_size, warn=False)
     report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
                             reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders,
-                            compile_vae=compile_vae)
+                            compile=FAST_COMPILE if compile_vae else "off")
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
@@ -166,7 +167,7 @@ PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast .. veryslow
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
 BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch.")]
 CompileOpt = Annotated[bool, typer.Option(
-    "--compile", help="torch.compile the VAE decoder (CUDA; ~1 min the first time, then cached on disk).")]
+    "--compile", help="torch.compile the network step (CUDA; about a minute the first time, then cached on disk).")]
 EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
 

@@ -35,6 +35,7 @@ from lipstream.models.config import SAMPLE_RATE
 from lipstream.script import Program
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
+FIRST_BATCH = 8  # the first batch is small: the first encoded frame comes out sooner
 
 
 @dataclass
@@ -108,29 +109,34 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
 def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
                    fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
                    preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
-                   compile_vae: bool = False, segment_frames: int = 32, progress: bool = True,
-                   engine: Engine | None = None, gather_windows: bool = True) -> RenderReport:
+                   compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
+                   engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
+                   compile_vae: bool = False) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
     small machines, where one encoder with all threads is best); `encoder_processes` runs them as
     a persistent pool of processes instead of threads (slower on the H200: frames are pickled).
-    `compile_vae`: Inductor-compile the VAE decoder (slow first start, cached on disk). Pass an
-    `engine` to reuse a warm one (its graphs stay; its avatars are replaced). `gather_windows=False`
-    builds the audio windows with upstream's per-frame loop (for the benchmark's ablation).
+    `compile`: "vae" or "all" to Inductor-compile the VAE decoder or the whole network step (slow
+    first start, cached on disk; `compile_vae=True` is "vae"). Pass an `engine` to reuse a warm
+    one (its graphs stay; its avatars are replaced). `gather_windows=False` builds the audio
+    windows with upstream's per-frame loop (for the benchmark's ablation). The avatars' frames
+    decode in the background while the render starts.
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
     device = models.device
     if engine is None:
-        engine = ReferenceEngine(models) if reference else Engine(models, batch_size, compile_vae=compile_vae)
+        buckets = (min(first_batch, batch_size), batch_size)
+        engine = ReferenceEngine(models) if reference else Engine(models, batch_size, buckets=buckets,
+                                                                  compile="vae" if compile_vae else compile)
     engine.clear_avatars()
     avatars_dir = program.avatars_dir or avatars_dir
     slots: dict[str, int] = {}
     for scene in program.scenes:
         for shot in scene.shots:
             if shot.avatar not in slots:
-                avatar = load_avatar(resolve_avatar(shot.avatar, avatars_dir), device,
+                avatar = load_avatar(resolve_avatar(shot.avatar, avatars_dir), device, background=True,
                                      vae_fingerprint=models.fingerprints.get("vae"))
                 slots[shot.avatar] = engine.add_avatar(avatar)
     first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
@@ -198,23 +204,29 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
               "consume_gpu_wait_s": 0.0,  # waiting for that batch's GPU work and copy to finish
               "consume_write_s": 0.0}  # handing frames to the encoder(s)
 
+    first = min(engine.buckets[0], batch_size)
+    starts = [0, *range(first, len(items), batch_size)] if len(items) > first else [0]
+    ends = starts[1:] + [len(items)]
+
     def produce() -> None:
         try:
-            for start in range(0, len(items), batch_size):
+            for start, end in zip(starts, ends):
                 if stop.is_set():
                     return
                 t = time.perf_counter()
-                chunk = items[start:start + batch_size]
+                chunk = items[start:end]
                 requests = [i.main for i in chunk] + [i.previous for i in chunk if i.previous is not None]
                 rendered = engine.render(requests)
-                out, extra = [], len(chunk)
-                for j, item in enumerate(chunk):
-                    frame = rendered[j]
-                    if item.previous is not None:
-                        frame = crossfade(rendered[extra], frame, item.weight)
-                        extra += 1
-                    out.append(frame)
-                batch = torch.stack(out)
+                batch = rendered[:len(chunk)]
+                if len(requests) > len(chunk):  # crossfades: dissolve the previous scene's frames in
+                    out, extra = [], len(chunk)
+                    for j, item in enumerate(chunk):
+                        frame = rendered[j]
+                        if item.previous is not None:
+                            frame = crossfade(rendered[extra], frame, item.weight)
+                            extra += 1
+                        out.append(frame)
+                    batch = torch.stack(out)
                 t1 = time.perf_counter()
                 slot = free.get()
                 t2 = time.perf_counter()
@@ -235,11 +247,16 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
     try:
         with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
-                       encoders=encoders, processes=processes, segment=segment) as writer:
+                       encoders=encoders, processes=processes, segment=segment, total_frames=len(items)) as writer:
             producer.start()
             while True:
                 t = time.perf_counter()
-                batch = frames.get()
+                while True:
+                    try:
+                        batch = frames.get(timeout=0.002)
+                        break
+                    except queue.Empty:
+                        writer.poll()  # mux finished segments while waiting: the first packet goes out sooner
                 t1 = time.perf_counter()
                 stages["consume_wait_s"] += t1 - t
                 if batch is done:

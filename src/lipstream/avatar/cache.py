@@ -12,10 +12,12 @@ nothing behind and a reader never sees half an avatar. No pickle anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +50,14 @@ class Avatar:
     landmarks: torch.Tensor
     frames: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    loader: "FrameLoader | None" = None  # frames still arriving in the background
+
+    def wait_frames(self, count: int | None = None) -> None:
+        """Block until frames [0, count) (default: all) are resident; raises a failed load's error."""
+        if self.loader is not None:
+            self.loader.wait(self.num_frames if count is None else count)
+            if self.loader.complete:
+                self.loader = None
 
     @property
     def fps(self) -> Fraction:
@@ -152,40 +162,94 @@ def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, 
 
 def read_frames(path: Path, count: int, width: int, height: int,
                 device: str | torch.device = "cpu") -> torch.Tensor:
-    """[count, H*3/2, W] uint8 I420 frames on `device`, decoded with FFmpeg's frame threads.
+    """[count, H*3/2, W] uint8 I420 frames on `device`, decoded with FFmpeg's frame threads."""
+    loader = FrameLoader(path, count, width, height, device, background=False)
+    loader.wait(count)
+    return loader.frames
 
-    On CUDA each frame goes through a small ring of pinned staging buffers straight into the
-    GPU tensor, so the upload overlaps decoding and no GB-sized pinned buffer is allocated.
+
+class FrameLoader:
+    """Decodes an avatar's frames into one tensor on `device`, in order, optionally in a thread.
+
+    In the background the first frames are ready within milliseconds, so rendering starts while
+    the rest of the loop decodes. On CUDA each frame goes through a small ring of pinned staging
+    buffers on the loader's own stream, so the upload overlaps decoding and no GB-sized pinned
+    buffer is allocated; `wait` makes the caller's stream wait for those copies.
     """
-    device = torch.device(device)
-    shape = (height * 3 // 2, width)
-    out = torch.empty((count, *shape), dtype=torch.uint8, device=device)
-    ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-    if device.type == "cuda":
-        ring = [(torch.empty(shape, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()) for _ in range(4)]
-    n = 0
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        stream.thread_count = 0
-        for frame in container.decode(stream):
-            if n == count:
-                break
-            planes = frame.to_ndarray()
-            if ring:
-                staging, done = ring[n % len(ring)]
-                done.synchronize()  # the copy that last used this buffer has finished
-                staging.numpy()[:] = planes
-                out[n].copy_(staging, non_blocking=True)
-                done.record()
-            else:
-                out[n].numpy()[:] = planes
-            n += 1
-    if ring:
-        torch.cuda.current_stream(device).synchronize()
-    if n != count:
-        raise LipStreamError(f"{path}: holds {n} frames, avatar.json says {count}; compile it again")
-    return out
+
+    def __init__(self, path: Path, count: int, width: int, height: int, device: str | torch.device = "cpu",
+                 *, background: bool = True):
+        self.path, self.count = path, count
+        self.device = torch.device(device)
+        self.frames = torch.empty((count, height * 3 // 2, width), dtype=torch.uint8, device=self.device)
+        self.ready = 0
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._cond = threading.Condition()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # `frames` is allocated
+        if background:
+            threading.Thread(target=self._run, name=f"avatar-frames-{path.parent.name}", daemon=True).start()
+        else:
+            self._run()
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= self.count or self.error is not None
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._decode()
+            if self.ready != self.count:
+                raise LipStreamError(f"{self.path}: holds {self.ready} frames, avatar.json says {self.count}; "
+                                     "compile it again")
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+        self.seconds = time.perf_counter() - t0
+
+    def _decode(self) -> None:
+        shape = tuple(self.frames.shape[1:])
+        ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if self._stream is not None:
+            ring = [(torch.empty(shape, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()) for _ in range(4)]
+        with av.open(str(self.path)) as container, \
+                (torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()):
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            stream.thread_count = 0
+            n = 0
+            for frame in container.decode(stream):
+                if n == self.count:
+                    break
+                planes = frame.to_ndarray()
+                if ring:
+                    staging, done = ring[n % len(ring)]
+                    done.synchronize()  # the copy that last used this buffer has finished
+                    staging.numpy()[:] = planes
+                    self.frames[n].copy_(staging, non_blocking=True)
+                    done.record()
+                else:
+                    self.frames[n].numpy()[:] = planes
+                n += 1
+                if n % 8 == 0 or n == self.count:
+                    with self._cond:
+                        self.ready = n
+                        self._cond.notify_all()
+            with self._cond:
+                self.ready = n
+                self._cond.notify_all()
+
+    def wait(self, count: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.ready >= min(count, self.count) or self.error is not None)
+        if self.error is not None:
+            raise self.error
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
 
 def read_meta(folder: Path) -> dict:
@@ -203,8 +267,11 @@ def read_meta(folder: Path) -> dict:
 
 
 def load_avatar(folder: str | Path, device: str | torch.device = "cpu", *, vae_fingerprint: str | None = None,
-                with_frames: bool = True, dtype: torch.dtype | None = None) -> Avatar:
+                with_frames: bool = True, dtype: torch.dtype | None = None, background: bool = False) -> Avatar:
     """An avatar resident on `device`, ready to render.
+
+    `background=True` returns at once with the frames still decoding (Avatar.wait_frames blocks
+    for the ones a caller needs).
 
     `vae_fingerprint` (the loaded VAE's) must match the one the latents were made with: latents
     of another VAE would decode to garbage, so such a cache is refused.
@@ -220,11 +287,17 @@ def load_avatar(folder: str | Path, device: str | torch.device = "cpu", *, vae_f
     except Exception as e:
         raise InputError(folder / TENSORS, f"unreadable ({e}); compile the avatar again") from None
     t1 = time.perf_counter()
-    frames = None
+    loader = None
     if with_frames:
-        frames = read_frames(folder / FRAMES, meta["frames"], meta["width"], meta["height"], device)
-    if torch.device(device).type == "cuda":
+        if not (folder / FRAMES).is_file():
+            raise InputError(folder / FRAMES, "is missing; compile the avatar again")
+        loader = FrameLoader(folder / FRAMES, meta["frames"], meta["width"], meta["height"], device,
+                             background=background)
+        if not background:
+            loader.wait(meta["frames"])
+    if torch.device(device).type == "cuda" and not background:
         torch.cuda.synchronize(device)
     latents = tensors["latents"] if dtype is None else tensors["latents"].to(dtype)
     return Avatar(meta["name"], folder, meta, latents, tensors["boxes"], tensors["masks"], tensors["landmarks"],
-                  frames, {"tensors_s": t1 - t0, "frames_s": time.perf_counter() - t1})
+                  loader.frames if loader else None, {"tensors_s": t1 - t0, "frames_s": time.perf_counter() - t1},
+                  loader if background else None)

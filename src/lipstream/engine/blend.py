@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lipstream.avatar.colour import rgb_to_yuv, split_i420
+from lipstream.avatar.colour import MATRICES, rgb_to_yuv, split_i420
 
 
 def chroma_span(a: int, b: int) -> tuple[int, int]:
@@ -69,22 +69,40 @@ def crossfade(a: torch.Tensor, b: torch.Tensor, weight: float) -> torch.Tensor:
     return (a.float() * (1 - weight) + b.float() * weight).round_().clamp_(0, 255).to(torch.uint8)
 
 
-def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, boxes: list[list[int]],
-                height: int, width: int, matrix: str) -> None:
-    """blend_into for a whole batch at once, in place: one grid_sample for all faces and masks.
-
-    Each face is sampled onto a canvas of one shared (even) size placed over its box; canvas
-    pixels outside the box get alpha 0, so only their copy is written back, unchanged. `boxes` are
-    plain ints (kept on the CPU), so nothing here waits for the GPU.
-    """
-    n = faces.shape[0]
-    dev = frames.device
+def canvas_size(boxes: list[list[int]], height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) of a canvas that covers every box once placed at its even anchor: (even, even)."""
     ch = min(height, max(((y2 - (y1 & ~1)) + 1) & ~1 for _, y1, _, y2 in boxes))
     cw = min(width, max(((x2 - (x1 & ~1)) + 1) & ~1 for x1, _, x2, _ in boxes))
-    anchors = [(min(x1 & ~1, width - cw), min(y1 & ~1, height - ch)) for x1, y1, _, _ in boxes]
-    geo = torch.tensor([[ax, ay, x1, y1, x2, y2] for (ax, ay), (x1, y1, x2, y2) in zip(anchors, boxes)],
-                       dtype=torch.float32).to(dev, non_blocking=True)
-    ax, ay, x1, y1, x2, y2 = geo.unbind(1)
+    return ch, cw
+
+
+def blend_geometry(boxes: list[list[int]], height: int, width: int, canvas: tuple[int, int],
+                   matrix: str) -> torch.Tensor:
+    """[n, 9] float32 per box: canvas anchor (x, y), the box (x1, y1, x2, y2), the matrix's (Kr, Kg, Kb).
+
+    Everything blend_static needs about a frame, as one tensor: a table of these per avatar frame
+    lives on the device, so a batch's geometry is one gather, inside or outside a CUDA graph.
+    """
+    ch, cw = canvas
+    kr, kb = MATRICES[matrix]
+    rows = [[min(x1 & ~1, width - cw), min(y1 & ~1, height - ch), x1, y1, x2, y2, kr, 1 - kr - kb, kb]
+            for x1, y1, x2, y2 in boxes]
+    return torch.tensor(rows, dtype=torch.float64).float()
+
+
+def blend_static(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, geometry: torch.Tensor,
+                 height: int, width: int, canvas: tuple[int, int]) -> None:
+    """Blend a batch of faces into I420 frames in place, with nothing but tensor ops (graph-capturable).
+
+    frames [n, H*3/2, W] uint8; faces [n, 3, S, S] RGB in [0, 1]; masks [n, S, S] uint8; geometry
+    [n, 9] from blend_geometry. Each face is sampled onto a canvas of one fixed (even) size placed
+    at its box's anchor; canvas pixels outside the box get alpha 0, so only their own values are
+    written back. Luma and chroma are read and written with one gather / scatter each.
+    """
+    n = faces.shape[0]
+    ch, cw = canvas
+    dev = frames.device
+    ax, ay, x1, y1, x2, y2, kr, kg, kb = geometry.unbind(1)
     xs = ax[:, None] + torch.arange(cw, device=dev)  # [n, cw] absolute columns
     ys = ay[:, None] + torch.arange(ch, device=dev)
     gx = (xs + 0.5 - x1[:, None]) / (x2 - x1)[:, None] * 2 - 1  # grid_sample coordinates, align_corners=False
@@ -94,11 +112,16 @@ def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, 
     sampled = F.grid_sample(source, grid, mode="bilinear", padding_mode="border", align_corners=False)
     inside = (((xs >= x1[:, None]) & (xs < x2[:, None]))[:, None, :] & ((ys >= y1[:, None]) & (ys < y2[:, None]))[:, :, None])
     alpha = sampled[:, 3] * inside  # [n, ch, cw]
-    yuv = rgb_to_yuv(sampled[:, :3].clamp(0, 1), matrix)  # [n, 3, ch, cw]
+    r, g, b = sampled[:, :3].clamp(0, 1).unbind(1)
+    kr, kg, kb = kr[:, None, None], kg[:, None, None], kb[:, None, None]
+    yl = kr * r + kg * g + kb * b
+    yuv = (16 + 219 * yl, 128 + 224 * ((b - yl) / (2 * (1 - kb))), 128 + 224 * ((r - yl) / (2 * (1 - kr))))
 
-    planes = [split_i420(frames[i], height, width) for i in range(n)]
-    luma = torch.stack([p[0][a[1]:a[1] + ch, a[0]:a[0] + cw] for p, a in zip(planes, anchors)]).float()
-    luma = (luma * (1 - alpha) + yuv[:, 0] * alpha).round_().clamp_(0, 255).to(torch.uint8)
+    flat = frames.view(n, -1)
+    luma_at = (ys.long()[:, :, None] * width + xs.long()[:, None, :]).view(n, -1)
+    luma = flat.gather(1, luma_at).view(n, ch, cw).float()
+    luma = (luma * (1 - alpha) + yuv[0] * alpha).round_().clamp_(0, 255).to(torch.uint8)
+    flat.scatter_(1, luma_at, luma.view(n, -1))
     # chroma samples whose 2x2 pixels all lie inside the box (see chroma_span)
     cxs, cys = xs[:, ::2] / 2, ys[:, ::2] / 2
     valid = (((cxs >= torch.div(x1 + 1, 2, rounding_mode="floor")[:, None]) &
@@ -106,13 +129,18 @@ def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, 
              ((cys >= torch.div(y1 + 1, 2, rounding_mode="floor")[:, None]) &
               (cys < torch.div(y2, 2, rounding_mode="floor")[:, None]))[:, :, None])
     a_c = F.avg_pool2d(alpha[:, None], 2)[:, 0] * valid
-    chroma = []
-    for k in (1, 2):
-        current = torch.stack([p[k][a[1] // 2:(a[1] + ch) // 2, a[0] // 2:(a[0] + cw) // 2]
-                               for p, a in zip(planes, anchors)]).float()
-        weighted = F.avg_pool2d((alpha * yuv[:, k])[:, None], 2)[:, 0] * valid
-        chroma.append((current * (1 - a_c) + weighted).round_().clamp_(0, 255).to(torch.uint8))
-    for i, ((px, py), p) in enumerate(zip(anchors, planes)):
-        p[0][py:py + ch, px:px + cw].copy_(luma[i])
-        p[1][py // 2:(py + ch) // 2, px // 2:(px + cw) // 2].copy_(chroma[0][i])
-        p[2][py // 2:(py + ch) // 2, px // 2:(px + cw) // 2].copy_(chroma[1][i])
+    chroma_at = (cys.long()[:, :, None] * (width // 2) + cxs.long()[:, None, :]).view(n, -1)
+    quarter = (height // 2) * (width // 2)
+    for k, base in ((1, height * width), (2, height * width + quarter)):
+        at = chroma_at + base
+        current = flat.gather(1, at).view(n, ch // 2, cw // 2).float()
+        weighted = F.avg_pool2d((alpha * yuv[k])[:, None], 2)[:, 0] * valid
+        flat.scatter_(1, at, (current * (1 - a_c) + weighted).round_().clamp_(0, 255).to(torch.uint8).view(n, -1))
+
+
+def blend_batch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, boxes: list[list[int]],
+                height: int, width: int, matrix: str) -> None:
+    """blend_into for a whole batch at once, in place (blend_static on a canvas fitted to these boxes)."""
+    canvas = canvas_size(boxes, height, width)
+    geometry = blend_geometry(boxes, height, width, canvas, matrix).to(frames.device, non_blocking=True)
+    blend_static(frames, faces, masks, geometry, height, width, canvas)

@@ -56,6 +56,8 @@ class ReferenceEngine(Engine):
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
+        for a in self.avatars:
+            a.wait_frames()
         out = []
         for r in requests:
             a = self.avatars[r.avatar]
@@ -75,6 +77,8 @@ class CPUBlendEngine(Engine):
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
+        for a in self.avatars:
+            a.wait_frames()
         out = []
         for start in range(0, len(requests), self.batch_size):
             chunk = requests[start:start + self.batch_size]

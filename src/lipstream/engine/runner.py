@@ -5,9 +5,11 @@ caller or scene a request comes from, so the offline renderer and the live serve
 it, and requests from several avatars share one batch (vLLM's split: whoever schedules decides
 *what* runs; the engine only runs it).
 
-On CUDA the whole network step (positional encoding, UNet, VAE decode, to [0, 1]) is captured
-as a CUDA graph per batch-size bucket; a partial batch is padded up to its bucket, never run
-eagerly. Optionally the VAE decoder (78% of the FLOPs) is compiled with Inductor first.
+On CUDA the network step (positional encoding, UNet, VAE decode, to [0, 1]) is captured as a
+CUDA graph per batch-size bucket, and the blend as a second graph per bucket and frame size; a
+partial batch is padded up to its bucket, never run eagerly. A batch costs the CPU a handful of
+calls (gathers into the graphs' static inputs, two replays), which leaves the cores to the video
+encoders. Optionally Inductor compiles the VAE decoder (78% of the FLOPs) or the whole step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lipstream.avatar import Avatar
-from lipstream.engine.blend import blend_batch
+from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
 from lipstream.models import MuseTalk
 from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
 
@@ -32,51 +34,78 @@ class FrameRequest:
     window: torch.Tensor  # [50, 384] audio window, no positional encoding yet
 
 
-class _Graph:
-    """One captured step at a fixed batch size: static inputs in, static output out."""
+COMPILE_MODES = ("off", "vae", "all")
+FAST_COMPILE = "all"  # what `--compile` picks: the fastest mode measured on the H200 (docs/BENCHMARKS.md)
 
-    def __init__(self, step: Callable, batch: int, device: torch.device, dtype: torch.dtype, pool):
-        self.latents = torch.zeros(batch, 8, 32, 32, device=device, dtype=dtype)
-        self.windows = torch.zeros(batch, 50, 384, device=device, dtype=dtype)
+
+class _Graph:
+    """`fn` captured at fixed input shapes: fill the static `inputs`, replay, read `out`."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor | None], inputs: dict[str, torch.Tensor],
+                 device: torch.device, pool, warmups: int = 2):
+        self.inputs = inputs
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: cuBLAS/cuDNN handles and algorithm choices
-                step(self.latents, self.windows)
+            for _ in range(warmups):  # compile, cuBLAS/cuDNN handles and algorithm choices
+                fn(**inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step(self.latents, self.windows)
+            self.out = fn(**inputs)
 
-    def __call__(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        n = latents.shape[0]
-        self.latents[:n].copy_(latents)
-        self.windows[:n].copy_(windows)
+    def replay(self) -> torch.Tensor | None:
         self.graph.replay()
-        return self.out[:n]  # valid until the next replay of this graph
+        return self.out  # valid until the next replay of this graph
 
 
 class Engine:
-    """Renders frames with the fast path: fp16 on CUDA (fp32 on CPU), batched device-side blending."""
+    """Renders frames with the fast path: fp16 on CUDA (fp32 on CPU), batched device-side blending.
+
+    `compile`: "off", "vae" (Inductor on the VAE decoder) or "all" (the UNet too);
+    `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
+    max-autotune (slow to compile, cached on disk like the rest).
+    """
 
     def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
-                 compile_vae: bool = False, buckets: tuple[int, ...] | None = None):
+                 compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
+                 channels_last: bool = False, autotune: bool = False, compile_vae: bool = False):
         if models.unet is None or models.vae is None:
             raise ValueError("the engine needs the UNet and the VAE")
+        compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, not {compile!r}")
         self.m = models
         self.batch_size = batch_size
         self.avatars: list[Avatar] = []
-        self._boxes: list[list[list[int]]] = []  # per avatar, on the CPU: blending never waits for the GPU
+        self._boxes: list[list[list[int]]] = []  # per avatar, on the CPU (the CPU-blend ablation reads them)
+        self._geometry: list[torch.Tensor] = []  # per avatar: [frames, 9] blend geometry on the device
+        self.canvas: tuple[int, int] | None = None  # one blend canvas for every resident avatar
         self.use_graphs = (models.device.type == "cuda") if graphs is None else graphs
-        self.buckets = tuple(sorted(buckets or (batch_size,)))
-        self._graphs: dict[int, _Graph] = {}
+        self.buckets = tuple(sorted(set(buckets or (batch_size,))))
+        if self.buckets[-1] < batch_size:
+            self.buckets += (batch_size,)
+        self.compile = compile
+        self._net: dict[int, _Graph] = {}
+        self._blend: dict[tuple, _Graph] = {}
+        self._pool = None
         # A device tensor, as upstream passes it: a Python int would be copied from the CPU at every
         # step, which also breaks graph capture.
         self._timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
-        if compile_vae:
+        self._decoder = models.vae.decoder
+        self._unet = models.unet
+        if channels_last:
+            self._decoder.to(memory_format=torch.channels_last)
+            self._unet.to(memory_format=torch.channels_last)
+        if compile != "off":
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels
-            self.m.vae.decoder = torch.compile(self.m.vae.decoder, dynamic=False)
+            mode = "max-autotune-no-cudagraphs" if autotune else None  # our own graphs wrap it
+            # Modules, not the step: a compiled module's code is shared by every Engine with the same
+            # shapes (parameters are graph inputs), so a second engine in a process reuses it.
+            self._decoder = torch.compile(self._decoder, dynamic=False, mode=mode)
+            if compile == "all":
+                self._unet = torch.compile(self._unet, dynamic=False)
 
     @property
     def device(self) -> torch.device:
@@ -87,34 +116,74 @@ class Engine:
         if avatar.frames is None:
             raise ValueError(f"avatar {avatar.name} was loaded without its frames")
         self._boxes.append(avatar.boxes.cpu().tolist())
-        for name in ("latents", "boxes", "masks", "frames"):
+        for name in ("latents", "boxes", "masks"):
             setattr(avatar, name, getattr(avatar, name).to(self.device))
+        if avatar.frames.device != self.device:
+            avatar.wait_frames()
+            avatar.frames = avatar.frames.to(self.device)
         avatar.latents = avatar.latents.to(self.m.dtype)
         self.avatars.append(avatar)
+        self._fit_canvas()
         return len(self.avatars) - 1
 
     def clear_avatars(self) -> None:
         """Drop every resident avatar (captured graphs do not depend on them and stay)."""
-        self.avatars, self._boxes = [], []
+        self.avatars, self._boxes, self._geometry, self.canvas = [], [], [], None
+
+    def _fit_canvas(self) -> None:
+        """One blend canvas that covers every box of every resident avatar (a static graph shape)."""
+        sizes = [canvas_size(boxes, a.size[1], a.size[0]) for a, boxes in zip(self.avatars, self._boxes)]
+        self.canvas = (max(s[0] for s in sizes), max(s[1] for s in sizes))
+        self._geometry = []
+        for a, boxes in zip(self.avatars, self._boxes):
+            w, h = a.size
+            canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
+            self._geometry.append(blend_geometry(boxes, h, w, canvas, a.meta["colour_matrix"]).to(self.device))
 
     def _step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         audio = self.m.pe(windows)
-        pred = self.m.unet(latents, self._timestep, encoder_hidden_states=audio).sample
-        image = self.m.vae.decode(pred / VAE_SCALING_FACTOR).sample
+        pred = self._unet(latents, self._timestep, encoder_hidden_states=audio).sample
+        z = pred / VAE_SCALING_FACTOR
+        if self.m.vae.post_quant_conv is not None:
+            z = self.m.vae.post_quant_conv(z)
+        image = self._decoder(z)
         return (image.float() / 2 + 0.5).clamp_(0, 1)
 
     def warm_up(self) -> None:
         """Compile and capture every bucket now (startup), not on the first frames."""
-        if self.use_graphs:
-            for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-                self._graph(b)
+        if not self.use_graphs:
+            return
+        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+            self._net_graph(b)
+            for a in self.avatars:
+                self._blend_graph(b, *a.size)
 
-    def _graph(self, bucket: int) -> _Graph:
-        if bucket not in self._graphs:
-            pool = next(iter(self._graphs.values())).graph.pool() if self._graphs else None
+    def _net_graph(self, bucket: int) -> _Graph:
+        if bucket not in self._net:
+            inputs = {"latents": torch.zeros(bucket, 8, 32, 32, device=self.device, dtype=self.m.dtype),
+                      "windows": torch.zeros(bucket, 50, 384, device=self.device, dtype=self.m.dtype)}
             with torch.inference_mode():
-                self._graphs[bucket] = _Graph(self._step, bucket, self.device, self.m.dtype, pool)
-        return self._graphs[bucket]
+                self._net[bucket] = _Graph(self._step, inputs, self.device, self._pool)
+            self._pool = self._pool or self._net[bucket].graph.pool()
+        return self._net[bucket]
+
+    def _blend_graph(self, bucket: int, width: int, height: int) -> _Graph:
+        canvas = (min(height, self.canvas[0]), min(width, self.canvas[1]))
+        key = (bucket, width, height, canvas)
+        if key not in self._blend:
+            faces = self._net_graph(bucket).out
+            geometry = torch.tensor([[0, 0, 0, 0, canvas[1], canvas[0], 0.299, 0.587, 0.114]],
+                                    device=self.device).repeat(bucket, 1)  # padding rows: a valid box
+            inputs = {"frames": torch.zeros(bucket, height * 3 // 2, width, dtype=torch.uint8, device=self.device),
+                      "masks": torch.zeros(bucket, *faces.shape[-2:], dtype=torch.uint8, device=self.device),
+                      "geometry": geometry}
+
+            def blend(frames: torch.Tensor, masks: torch.Tensor, geometry: torch.Tensor) -> None:
+                blend_static(frames, faces, masks, geometry, height, width, canvas)
+
+            with torch.inference_mode():
+                self._blend[key] = _Graph(blend, inputs, self.device, self._pool, warmups=1)
+        return self._blend[key]
 
     @torch.inference_mode()
     def faces(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
@@ -126,35 +195,61 @@ class Engine:
         out = []
         for start in range(0, latents.shape[0], self.buckets[-1]):
             n = min(self.buckets[-1], latents.shape[0] - start)
-            bucket = next(b for b in self.buckets if b >= n)
-            out.append(self._graph(bucket)(latents[start:start + n], windows[start:start + n]))
+            graph = self._net_graph(next(b for b in self.buckets if b >= n))
+            graph.inputs["latents"][:n].copy_(latents[start:start + n])
+            graph.inputs["windows"][:n].copy_(windows[start:start + n])
+            out.append(graph.replay()[:n].clone())
         return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
         """[B, H*3/2, W] uint8 I420 frames on the device, one per request, in order.
 
-        All requests of one call must share a frame size (one output video).
+        All requests of one call must share a frame size (one output video). With graphs, a call
+        of at most `buckets[-1]` requests returns a view of the blend graph's output: valid until
+        that bucket runs again (copy it out before the next call).
         """
         out = []
-        for start in range(0, len(requests), self.batch_size):
-            chunk = requests[start:start + self.batch_size]
-            latents = torch.stack([self.avatars[r.avatar].latents[r.frame] for r in chunk])
-            windows = torch.stack([r.window for r in chunk])
-            faces = self.faces(latents, windows)
-            frames = torch.stack([self.avatars[r.avatar].frames[r.frame] for r in chunk])
-            masks = torch.stack([self.avatars[r.avatar].masks[r.frame] for r in chunk])
-            w, h = self.avatars[chunk[0].avatar].size
-            by_matrix: dict[str, list[int]] = {}
-            for i, r in enumerate(chunk):
-                by_matrix.setdefault(self.avatars[r.avatar].meta["colour_matrix"], []).append(i)
-            for matrix, idx in by_matrix.items():
-                boxes = [self._boxes[chunk[i].avatar][chunk[i].frame] for i in idx]
-                if len(idx) == len(chunk):
-                    blend_batch(frames, faces, masks, boxes, h, w, matrix)
-                else:
-                    sub = frames[idx]
-                    blend_batch(sub, faces[idx], masks[idx], boxes, h, w, matrix)
-                    frames[idx] = sub
-            out.append(frames)
+        for start in range(0, len(requests), self.buckets[-1]):
+            out.append(self._render_chunk(requests[start:start + self.buckets[-1]]))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _render_chunk(self, chunk: list[FrameRequest]) -> torch.Tensor:
+        n = len(chunk)
+        w, h = self.avatars[chunk[0].avatar].size
+        bucket = next(b for b in self.buckets if b >= n)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(chunk):
+            groups.setdefault(r.avatar, []).append(i)
+        windows = torch.stack([r.window for r in chunk])
+        if self.use_graphs:
+            net, blend = self._net_graph(bucket), self._blend_graph(bucket, w, h)
+            latents, frames = net.inputs["latents"], blend.inputs["frames"]
+            masks, geometry = blend.inputs["masks"], blend.inputs["geometry"]
+            net.inputs["windows"][:n].copy_(windows)
+        else:
+            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.m.dtype)
+            frames = torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, device=self.device)
+            masks = torch.empty(n, *self.avatars[chunk[0].avatar].masks.shape[-2:], dtype=torch.uint8,
+                                device=self.device)
+            geometry = torch.empty(n, 9, device=self.device)
+        for slot, where in groups.items():
+            a = self.avatars[slot]
+            wanted = [chunk[i].frame for i in where]
+            a.wait_frames(max(wanted) + 1)  # a no-op once the avatar's frames are all resident
+            index = torch.tensor(wanted).to(self.device, non_blocking=True)
+            targets = [(latents, a.latents), (frames, a.frames), (masks, a.masks), (geometry, self._geometry[slot])]
+            if len(where) == n:  # one avatar: straight gathers into the static inputs
+                for dst, src in targets:
+                    torch.index_select(src, 0, index, out=dst[:n])
+            else:
+                at = torch.tensor(where).to(self.device, non_blocking=True)
+                for dst, src in targets:
+                    dst.index_copy_(0, at, src.index_select(0, index))
+        if not self.use_graphs:
+            faces = self._step(latents, windows.to(self.device, self.m.dtype))
+            blend_static(frames, faces, masks, geometry, h, w, (min(h, self.canvas[0]), min(w, self.canvas[1])))
+            return frames
+        net.replay()
+        blend.replay()
+        return frames[:n]

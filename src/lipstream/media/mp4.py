@@ -32,7 +32,8 @@ from lipstream.x264_worker import GLOBAL_HEADER, default_threads, encode_segment
 
 AUDIO_RATE = 48_000
 AAC_FRAME = 1024
-SEGMENT_FRAMES = (8, 16, 32)  # segment lengths: short first (latency), then the last one repeated
+SEGMENT_FRAMES = (4, 8, 16, 32)  # segment lengths: short first (latency), then the last one repeated
+TAIL_FRAMES = 8  # the shortest segment near the end
 _PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
 
 
@@ -62,9 +63,10 @@ class MP4Writer:
     def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray,
                  *, sample_rate: int = AUDIO_RATE, crf: int = 18, preset: str = "veryfast",
                  matrix: str = "bt601", audio_bitrate: int = 128_000, encoders: int = 1,
-                 processes: bool = False, segment: int = SEGMENT_FRAMES[-1]):
+                 processes: bool = False, segment: int = SEGMENT_FRAMES[-1], total_frames: int | None = None):
         self.dest = Path(dest)
         self.encoders = max(1, encoders)
+        self.total_frames = total_frames
         self.first_packet_at: float | None = None  # perf_counter() when the first video packet was muxed
         self.fps = Fraction(fps)
         self.audio = np.ascontiguousarray(audio, dtype=np.float32)
@@ -116,8 +118,7 @@ class MP4Writer:
             buffer = self._free.pop() if self._free else np.empty_like(planes)
             np.copyto(buffer, planes)
             self._segment.append(buffer)
-            size = self._sizes[min(self._segments_done + len(self._pending), len(self._sizes) - 1)]
-            if len(self._segment) >= size:
+            if len(self._segment) >= self._segment_size():
                 self._submit()
             self._mux_ready(block=len(self._pending) > self.encoders)
             return
@@ -132,9 +133,25 @@ class MP4Writer:
         if self.first_packet_at is None:
             self.first_packet_at = time.perf_counter()
 
+    def poll(self) -> None:
+        """Mux whatever segments have finished (call it while waiting for frames)."""
+        if self._pool is not None:
+            self._mux_ready(block=False)
+
+    def _segment_size(self) -> int:
+        started = self._segments_done + len(self._pending)
+        size = self._sizes[min(started, len(self._sizes) - 1)]
+        if self.total_frames:  # near the end: split what is left across the encoders
+            left = self.total_frames - self._segment_start
+            size = min(size, max(TAIL_FRAMES, -(-left // self.encoders)))
+        return size
+
     def _submit(self) -> None:
         if self._segment:
-            future = self._pool.submit(encode_segment, self._segment, self._segment_start, *self._segment_args)
+            args = self._segment_args
+            if self._segment_start == 0:  # alone on the cores: the first packet sooner
+                args = (*args[:-1], max(args[-1], default_threads(2)))
+            future = self._pool.submit(encode_segment, self._segment, self._segment_start, *args)
             self._pending.append((future, self._segment))
             self._segment_start += len(self._segment)
             self._segment = []
