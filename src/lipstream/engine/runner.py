@@ -59,6 +59,29 @@ class _Graph:
         return self.out  # valid until the next replay of this graph
 
 
+class _IndexRing:
+    """Small int64 uploads that never block the CPU: pinned slots reused round-robin."""
+
+    def __init__(self, device: torch.device, slots: int = 16, size: int = 1024):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=self.cuda) for _ in range(slots)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
+        self.next = 0
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        if not self.cuda or len(values) > self.buffers[0].numel():
+            return torch.tensor(values, device=self.device)
+        k = self.next
+        self.next = (k + 1) % len(self.buffers)
+        self.events[k].synchronize()  # the copy that last read this slot is done (long ago, normally)
+        host = self.buffers[k][:len(values)]
+        host.numpy()[:] = values
+        out = host.to(self.device, non_blocking=True)
+        self.events[k].record()
+        return out
+
+
 class Engine:
     """Renders frames with the fast path: fp16 on CUDA (fp32 on CPU), batched device-side blending.
 
@@ -92,6 +115,9 @@ class Engine:
         # A device tensor, as upstream passes it: a Python int would be copied from the CPU at every
         # step, which also breaks graph capture.
         self._timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
+        # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
+        # make the CPU wait for all the GPU work queued so far (no running ahead).
+        self._staging = _IndexRing(models.device)
         self._decoder = models.vae.decoder
         self._unet = models.unet
         if channels_last:
@@ -118,7 +144,7 @@ class Engine:
         self._boxes.append(avatar.boxes.cpu().tolist())
         for name in ("latents", "boxes", "masks"):
             setattr(avatar, name, getattr(avatar, name).to(self.device))
-        if avatar.frames.device != self.device:
+        if avatar.frames.device.type != self.device.type:
             avatar.wait_frames()
             avatar.frames = avatar.frames.to(self.device)
         avatar.latents = avatar.latents.to(self.m.dtype)
@@ -237,13 +263,13 @@ class Engine:
             a = self.avatars[slot]
             wanted = [chunk[i].frame for i in where]
             a.wait_frames(max(wanted) + 1)  # a no-op once the avatar's frames are all resident
-            index = torch.tensor(wanted).to(self.device, non_blocking=True)
+            index = self._staging.upload(wanted)
             targets = [(latents, a.latents), (frames, a.frames), (masks, a.masks), (geometry, self._geometry[slot])]
             if len(where) == n:  # one avatar: straight gathers into the static inputs
                 for dst, src in targets:
                     torch.index_select(src, 0, index, out=dst[:n])
             else:
-                at = torch.tensor(where).to(self.device, non_blocking=True)
+                at = self._staging.upload(where)
                 for dst, src in targets:
                     dst.index_copy_(0, at, src.index_select(0, index))
         if not self.use_graphs:
