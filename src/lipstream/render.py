@@ -11,10 +11,12 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -24,6 +26,7 @@ from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import resample
 from lipstream.audio.windows import audio_windows, audio_windows_loop
 from lipstream.avatar import Avatar, load_avatar, ping_pong
+from lipstream.avatar.cache import read_meta
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
@@ -56,6 +59,7 @@ class RenderReport:
     wall_s: float
     first_frame_s: float  # until the first encoded video packet was written
     timings: dict[str, float] = field(default_factory=dict)
+    disk_bytes_written: int = 0  # temporary files on the way (none: only a replaced writer writes any)
 
     @property
     def render_fps(self) -> float:
@@ -82,7 +86,7 @@ def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndar
 
 
 def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fraction,
-         scene_windows: list[torch.Tensor], bounds: list[int], silence: torch.Tensor) -> list[Item]:
+         scene_windows: list[torch.Tensor], bounds: list[int], silence: torch.Tensor | None) -> list[Item]:
     """The frame schedule: which avatar frame and audio window every output frame shows."""
     items: list[Item] = []
 
@@ -111,7 +115,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
                    compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
                    engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
-                   compile_vae: bool = False) -> RenderReport:
+                   compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
@@ -120,8 +124,9 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     `compile`: "vae" or "all" to Inductor-compile the VAE decoder or the whole network step (slow
     first start, cached on disk; `compile_vae=True` is "vae"). Pass an `engine` to reuse a warm
     one (its graphs stay; its avatars are replaced). `gather_windows=False` builds the audio
-    windows with upstream's per-frame loop (for the benchmark's ablation). The avatars' frames
-    decode in the background while the render starts.
+    windows with upstream's per-frame loop (for the benchmark's ablation); `writer` replaces the
+    MP4 writer (the benchmark's disk-based ablation). The avatars' frames decode in the background
+    while the render starts.
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
@@ -132,30 +137,10 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                                                                   compile="vae" if compile_vae else compile)
     engine.clear_avatars()
     avatars_dir = program.avatars_dir or avatars_dir
-    slots: dict[str, int] = {}
-    for scene in program.scenes:
-        for shot in scene.shots:
-            if shot.avatar not in slots:
-                avatar = load_avatar(resolve_avatar(shot.avatar, avatars_dir), device, background=True,
-                                     vae_fingerprint=models.fingerprints.get("vae"))
-                slots[shot.avatar] = engine.add_avatar(avatar)
-    first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
-    width, height = first.size
-    for a in engine.avatars:
-        if a.size != (width, height):
-            raise InputError(a.path, f"is {a.size[0]}x{a.size[1]}, the broadcast is {width}x{height}: "
-                                     "all avatars of one video must have the same frame size")
-    fps = Fraction(fps or program.fps or first.fps)
-    t_load = time.perf_counter()
-    if encoders is None:
-        cores = os.cpu_count() or 1
-        encoders = min(8, cores // 2) if cores >= 8 else 1
-    processes = bool(encoder_processes)  # threads measured faster: frames cross no process boundary
-    if processes and encoders > 1:
-        media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)
-    engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
-    t_warm = time.perf_counter()
+    folders = {shot.avatar: resolve_avatar(shot.avatar, avatars_dir) for scene in program.scenes for shot in scene.shots}
+    fps = Fraction(fps or program.fps or read_meta(folders[program.scenes[0].shots[0].avatar])["fps"])
 
+    # The audio first: it is short GPU work that the frame decoding below would slow down.
     speech = [load_speech(scene.audio, device) for scene in program.scenes]
     samples48 = np.concatenate([s[1] for s in speech])
     starts = np.cumsum([0] + [s[1].size for s in speech])
@@ -166,24 +151,46 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
         features = whisper_features(s16, models.whisper, models.feature_extractor)
         make_windows = audio_windows if gather_windows else audio_windows_loop
         windows.append(make_windows(features, fps, max(1, bounds[k + 1] - bounds[k])))
-    quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), models.whisper, models.feature_extractor)
-    silence = audio_windows(quiet, fps)[int(fps) // 2]
-    items = plan(program, slots, engine, fps, windows, bounds, silence)
+    silence = None  # the mouth at rest, for the outgoing scene of a crossfade
+    if any(scene.crossfade for scene in program.scenes):
+        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), models.whisper, models.feature_extractor)
+        silence = audio_windows(quiet, fps)[int(fps) // 2]
     t_audio = time.perf_counter()
 
+    slots: dict[str, int] = {}
+    for name, folder in folders.items():  # frames keep decoding in the background while the render starts
+        slots[name] = engine.add_avatar(load_avatar(folder, device, background=True,
+                                                    vae_fingerprint=models.fingerprints.get("vae")))
+    first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
+    width, height = first.size
+    for a in engine.avatars:
+        if a.size != (width, height):
+            raise InputError(a.path, f"is {a.size[0]}x{a.size[1]}, the broadcast is {width}x{height}: "
+                                     "all avatars of one video must have the same frame size")
+    t_load = time.perf_counter()
+    if encoders is None:
+        cores = os.cpu_count() or 1
+        encoders = min(8, cores // 2) if cores >= 8 else 1
+    processes = bool(encoder_processes)  # threads measured faster: frames cross no process boundary
+    if processes and encoders > 1:
+        media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)
+    engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
+    t_warm = time.perf_counter()
+    items = plan(program, slots, engine, fps, windows, bounds, silence)
+
     report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
-                          {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "audio_s": t_audio - t_warm})
+                          {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load})
     report.timings["encoders"] = encoders
     report.timings["encoder_processes"] = processes
     _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
-         crf, preset, encoders, processes, segment_frames, progress, report, t0)
+         crf, preset, encoders, processes, segment_frames, progress, report, t0, writer)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
 def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
          audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, processes: bool, segment: int,
-         progress: bool, report: RenderReport, t0: float) -> None:
+         progress: bool, report: RenderReport, t0: float, make_writer: Callable[..., MP4Writer] = MP4Writer) -> None:
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
@@ -191,8 +198,9 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     # async DMA, and no fresh 100 MB allocation page-faults in every batch). A slot goes back to
     # the producer as soon as the writer has taken (copied or encoded) its frames.
     cuda = engine.device.type == "cuda"
-    ring = [torch.empty((batch_size, height * 3 // 2, width), dtype=torch.uint8, pin_memory=cuda)
-            for _ in range(QUEUE_BATCHES + 2)]
+    rgb = getattr(engine, "rgb_output", False)  # an RGB engine (the benchmark's ablation): convert on the CPU
+    shape = (height, width, 3) if rgb else (height * 3 // 2, width)
+    ring = [torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=cuda) for _ in range(QUEUE_BATCHES + 2)]
     free: queue.Queue = queue.Queue()
     for slot in range(len(ring)):
         free.put(slot)
@@ -246,8 +254,8 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
     try:
-        with MP4Writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
-                       encoders=encoders, processes=processes, segment=segment, total_frames=len(items)) as writer:
+        with make_writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
+                         encoders=encoders, processes=processes, segment=segment, total_frames=len(items)) as writer:
             producer.start()
             while True:
                 t = time.perf_counter()
@@ -271,7 +279,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                 t1 = t2
                 host = ring[slot].numpy()
                 for i in range(count):
-                    writer.write(host[i])
+                    writer.write(cv2.cvtColor(host[i], cv2.COLOR_RGB2YUV_I420) if rgb else host[i])
                 free.put(slot)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
@@ -279,6 +287,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                 raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
             loop_end = time.perf_counter()
         report.first_frame_s = (writer.first_packet_at or time.perf_counter()) - t0
+        report.disk_bytes_written = getattr(writer, "disk_bytes_written", 0)
         report.timings.update({k: round(v, 4) for k, v in stages.items()})
         report.timings["finish_s"] = time.perf_counter() - loop_end  # flush: last segments, audio, faststart
     finally:

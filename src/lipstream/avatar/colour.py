@@ -57,3 +57,13 @@ def split_i420(frame: torch.Tensor, height: int, width: int) -> tuple[torch.Tens
     y = frame[..., :height, :]
     chroma = frame[..., height:, :].reshape(*frame.shape[:-2], 2, height // 2, width // 2)
     return y, chroma[..., 0, :, :], chroma[..., 1, :, :]
+
+
+def i420_to_rgb(frames: torch.Tensor, height: int, width: int, matrix: str) -> torch.Tensor:
+    """[..., H*3/2, W] uint8 I420 -> [..., H, W, 3] uint8 RGB (chroma upsampled by repetition), in torch."""
+    y, u, v = split_i420(frames, height, width)
+    up = lambda c: c.repeat_interleave(2, -2).repeat_interleave(2, -1)  # noqa: E731
+    yuv = torch.stack([y, up(u), up(v)], dim=-1).float()
+    affine = torch.from_numpy(yuv_to_rgb_affine(matrix)).float().to(frames.device)
+    rgb = yuv @ affine[:, :3].T + affine[:, 3]
+    return rgb.round_().clamp_(0, 255).to(torch.uint8)

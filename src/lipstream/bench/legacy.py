@@ -45,6 +45,80 @@ def _rgb(i420: np.ndarray, height: int, width: int, matrix: str) -> np.ndarray:
     return cv2.transform(cv2.merge([y, u, v]), yuv_to_rgb_affine(matrix))
 
 
+class PNGSequenceWriter:
+    """The reference implementation's output stage, behind MP4Writer's interface.
+
+    A PNG per frame in a temporary folder, then those PNGs encoded into a video, then a second
+    encode that adds the audio. The legacy mode uses it, and so does the "in-process encode off"
+    ablation of the fast path. `disk_bytes_written` counts what went to disk on the way.
+    """
+
+    def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray, *, crf: int = 18,
+                 preset: str = "veryfast", matrix: str = "bt601", **_ignored):
+        self.dest, self.width, self.height, self.fps = Path(dest), width, height, Fraction(fps)
+        self.audio, self.matrix = audio, matrix
+        self.options = {"crf": str(crf), "preset": preset}
+        self.frames = 0
+        self.disk_bytes_written = 0
+        self.first_packet_at: float | None = None
+        self.work = Path(tempfile.mkdtemp(prefix="lipstream-png-"))
+
+    def __enter__(self) -> "PNGSequenceWriter":
+        return self
+
+    def write(self, planes: np.ndarray) -> None:
+        self.write_rgb(_rgb(planes, self.height, self.width, self.matrix))
+
+    def write_rgb(self, rgb: np.ndarray) -> None:
+        png = self.work / f"{self.frames:08d}.png"
+        cv2.imwrite(str(png), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+        self.disk_bytes_written += png.stat().st_size
+        self.frames += 1
+
+    def poll(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._encode()
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _encode(self) -> None:
+        silent = self.work / "video.mp4"  # first encode: PNG sequence -> video without audio
+        with av.open(str(silent), "w") as c:
+            stream = c.add_stream("libx264", rate=self.fps, options=self.options)
+            stream.width, stream.height, stream.pix_fmt = self.width, self.height, "yuv420p"
+            for i in range(self.frames):
+                bgr = cv2.imread(str(self.work / f"{i:08d}.png"))
+                for p in stream.encode(av.VideoFrame.from_ndarray(bgr, format="bgr24")):
+                    c.mux(p)
+            for p in stream.encode(None):
+                c.mux(p)
+        self.disk_bytes_written += silent.stat().st_size
+        with atomic_path(self.dest) as tmp, av.open(str(silent)) as src, \
+                av.open(str(tmp), "w", format="mp4") as dst:  # second encode: video again, plus the audio
+            v = dst.add_stream("libx264", rate=self.fps, options=self.options)
+            v.width, v.height, v.pix_fmt = self.width, self.height, "yuv420p"
+            a = dst.add_stream("aac", rate=AUDIO_RATE, layout="mono")
+            for i, frame in enumerate(src.decode(video=0)):
+                frame.pts, frame.time_base = i, 1 / self.fps
+                for p in v.encode(frame):
+                    dst.mux(p)
+                    self.first_packet_at = self.first_packet_at or time.perf_counter()
+            for p in v.encode(None):
+                dst.mux(p)
+            for i in range(0, self.audio.size, 1024):
+                af = av.AudioFrame.from_ndarray(np.ascontiguousarray(self.audio[None, i:i + 1024], np.float32),
+                                                format="fltp", layout="mono")
+                af.sample_rate, af.pts = AUDIO_RATE, i
+                for p in a.encode(af):
+                    dst.mux(p)
+            for p in a.encode(None):
+                dst.mux(p)
+
+
 def render_legacy(program: Program, output: Path, models: MuseTalk, *, fps: Fraction | None = None) -> dict:
     """Render `program` the legacy way; returns wall time, fps and the bytes written to disk on the way."""
     t0 = time.perf_counter()
@@ -56,16 +130,10 @@ def render_legacy(program: Program, output: Path, models: MuseTalk, *, fps: Frac
     first = avatars[program.scenes[0].shots[0].avatar]
     width, height = first.size
     fps = Fraction(fps or program.fps or first.fps)
-    work = Path(tempfile.mkdtemp(prefix="lipstream-legacy-"))
-    written = 0
-    first_frame_s = None
-    try:
-        frames_dir = work / "frames"
-        frames_dir.mkdir()
-        audio_parts, n = [], 0
-        for scene in program.scenes:
-            s16, s48 = load_speech(scene.audio, models.device)
-            audio_parts.append(s48)
+    speech = [load_speech(scene.audio, models.device) for scene in program.scenes]
+    writer = PNGSequenceWriter(output, width, height, fps, np.concatenate([s48 for _, s48 in speech]))
+    with writer:
+        for scene, (s16, s48) in zip(program.scenes, speech):
             frames = math.ceil(Fraction(s48.size, AUDIO_RATE) * fps)
             windows = audio_windows_loop(whisper_features(s16, models.whisper, models.feature_extractor), fps, frames)
             avatar = avatars[scene.shots[0].avatar]
@@ -85,43 +153,8 @@ def render_legacy(program: Program, output: Path, models: MuseTalk, *, fps: Frac
                     face_img = Image.fromarray(cv2.resize(face, (x2 - x1, y2 - y1), interpolation=cv2.INTER_LINEAR))
                     mask = Image.fromarray(cv2.resize(avatar.masks[k].numpy(), (x2 - x1, y2 - y1)))
                     body.paste(face_img, (x1, y1, x2, y2), mask)
-                    png = frames_dir / f"{n:08d}.png"
-                    cv2.imwrite(str(png), cv2.cvtColor(np.asarray(body), cv2.COLOR_RGB2BGR))
-                    written += png.stat().st_size
-                    n += 1
-        silent = work / "video.mp4"  # first encode: PNG sequence -> video without audio
-        with av.open(str(silent), "w") as c:
-            stream = c.add_stream("libx264", rate=fps, options={"crf": "18", "preset": "veryfast"})
-            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            for i in range(n):
-                bgr = cv2.imread(str(frames_dir / f"{i:08d}.png"))
-                for p in stream.encode(av.VideoFrame.from_ndarray(bgr, format="bgr24")):
-                    c.mux(p)
-            for p in stream.encode(None):
-                c.mux(p)
-        written += silent.stat().st_size
-        audio = np.concatenate(audio_parts)
-        with atomic_path(output) as tmp, av.open(str(silent)) as src, \
-                av.open(str(tmp), "w", format="mp4") as dst:  # second encode: video again, plus the audio
-            v = dst.add_stream("libx264", rate=fps, options={"crf": "18", "preset": "veryfast"})
-            v.width, v.height, v.pix_fmt = width, height, "yuv420p"
-            a = dst.add_stream("aac", rate=AUDIO_RATE, layout="mono")
-            for i, frame in enumerate(src.decode(video=0)):
-                frame.pts, frame.time_base = i, 1 / fps
-                for p in v.encode(frame):
-                    dst.mux(p)
-                    first_frame_s = first_frame_s or time.perf_counter() - t0
-            for p in v.encode(None):
-                dst.mux(p)
-            for i in range(0, audio.size, 1024):
-                af = av.AudioFrame.from_ndarray(audio[None, i:i + 1024], format="fltp", layout="mono")
-                af.sample_rate, af.pts = AUDIO_RATE, i
-                for p in a.encode(af):
-                    dst.mux(p)
-            for p in a.encode(None):
-                dst.mux(p)
-        wall = time.perf_counter() - t0
-        return {"frames": n, "wall_s": wall, "fps": n / wall, "first_frame_s": first_frame_s or wall,
-                "disk_bytes_written": written}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                    writer.write_rgb(np.asarray(body))
+    wall = time.perf_counter() - t0
+    first_frame = (writer.first_packet_at - t0) if writer.first_packet_at else wall
+    return {"frames": writer.frames, "wall_s": wall, "fps": writer.frames / wall, "first_frame_s": first_frame,
+            "disk_bytes_written": writer.disk_bytes_written}

@@ -9,7 +9,7 @@ import cv2
 import numpy as np
 import torch
 
-from lipstream.avatar.colour import MATRICES
+from lipstream.avatar.colour import MATRICES, i420_to_rgb
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.runner import Engine, FrameRequest
 from lipstream.models import MuseTalk
@@ -91,3 +91,21 @@ class CPUBlendEngine(Engine):
                     a.frames[r.frame].cpu().numpy(), face, a.masks[r.frame].cpu().numpy(),
                     self._boxes[r.avatar][r.frame], h, w, a.meta["colour_matrix"])))
         return torch.stack(out).to(self.device)
+
+
+class RGBEngine(Engine):
+    """The fast path with RGB frames out instead of I420: the CPU converts them for the encoder.
+
+    Exists for the benchmark's ablation ("YUV path off"): the frames are blended in YUV on the
+    device and then turned into RGB there, so what the ablation measures is the cost of an RGB
+    hand-over (twice the bytes copied back, a colour conversion per frame on the CPU).
+    """
+
+    rgb_output = True
+
+    @torch.inference_mode()
+    def render(self, requests: list[FrameRequest]) -> torch.Tensor:
+        frames = super().render(requests)
+        a = self.avatars[requests[0].avatar]
+        w, h = a.size
+        return i420_to_rgb(frames, h, w, a.meta["colour_matrix"])

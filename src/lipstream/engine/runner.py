@@ -35,6 +35,7 @@ class FrameRequest:
 
 
 COMPILE_MODES = ("off", "vae", "all")
+CANVAS_STEP = 32  # blend canvas sizes are rounded up to this: similar avatars share one blend graph
 FAST_COMPILE = "all"  # what `--compile` picks: the fastest mode measured on the H200 (docs/BENCHMARKS.md)
 
 
@@ -159,7 +160,8 @@ class Engine:
     def _fit_canvas(self) -> None:
         """One blend canvas that covers every box of every resident avatar (a static graph shape)."""
         sizes = [canvas_size(boxes, a.size[1], a.size[0]) for a, boxes in zip(self.avatars, self._boxes)]
-        self.canvas = (max(s[0] for s in sizes), max(s[1] for s in sizes))
+        up = lambda v: -(-v // CANVAS_STEP) * CANVAS_STEP  # noqa: E731  (fewer distinct graph shapes)
+        self.canvas = (up(max(s[0] for s in sizes)), up(max(s[1] for s in sizes)))
         self._geometry = []
         for a, boxes in zip(self.avatars, self._boxes):
             w, h = a.size

@@ -1,0 +1,5 @@
+"""`python -m lipstream`: the command line."""
+
+from lipstream.cli import main
+
+raise SystemExit(main())
