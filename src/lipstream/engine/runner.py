@@ -52,7 +52,9 @@ class _Graph:
                 fn(**inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: the avatar loader's copies on its own stream, in another thread, must not
+        # invalidate this capture (the default "global" mode forbids them in every thread)
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = fn(**inputs)
 
     def replay(self) -> torch.Tensor | None:
@@ -177,6 +179,15 @@ class Engine:
         image = self._decoder(z)
         return (image.float() / 2 + 0.5).clamp_(0, 1)
 
+    def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """The step without graphs; compiled code still sees only bucket shapes (no recompiles)."""
+        n = latents.shape[0]
+        if self.compile == "off" or n in self.buckets:
+            return self._step(latents, windows)
+        bucket = next((b for b in self.buckets if b >= n), n)
+        pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731
+        return self._step(pad(latents), pad(windows))[:n]
+
     def warm_up(self) -> None:
         """Compile and capture every bucket now (startup), not on the first frames."""
         if not self.use_graphs:
@@ -219,7 +230,7 @@ class Engine:
         latents = latents.to(self.device, self.m.dtype)
         windows = windows.to(self.device, self.m.dtype)
         if not self.use_graphs:
-            return self._step(latents, windows)
+            return self._eager_step(latents, windows)
         out = []
         for start in range(0, latents.shape[0], self.buckets[-1]):
             n = min(self.buckets[-1], latents.shape[0] - start)
@@ -275,7 +286,7 @@ class Engine:
                 for dst, src in targets:
                     dst.index_copy_(0, at, src.index_select(0, index))
         if not self.use_graphs:
-            faces = self._step(latents, windows.to(self.device, self.m.dtype))
+            faces = self._eager_step(latents, windows.to(self.device, self.m.dtype))
             blend_static(frames, faces, masks, geometry, h, w, (min(h, self.canvas[0]), min(w, self.canvas[1])))
             return frames
         net.replay()
