@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--final", action="store_true",
                     help="the issue's numbers: compiled engine only, two encoder configs, PSNR, peak memory")
     args = ap.parse_args()
-    args.quick = args.quick or args.minimal
     args.minimal = args.minimal or args.final
+    args.quick = args.quick or args.minimal
     out, work = args.out, Path("/tmp/lipstream-speed")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -221,7 +221,10 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
               = "legacy,fast,ablation",
               weights: Annotated[str, typer.Option(help="'random' or a models folder.")] = "random",
               random_size: RandomSizeOpt = "full", compile_vae: CompileOpt = False,
-              device: DeviceOpt = "auto") -> None:
+              device: DeviceOpt = "auto",
+              scenarios: Annotated[str, typer.Option(
+                  help="Comma-separated subset (A, B); the other scenarios' rows already in the report folder "
+                       "are kept, so a long bench can be split across runs.")] = "") -> None:
     """Scenario A (3-presenter broadcast, 12 s) and B (25.8 s monologue): legacy vs fast, one report."""
     from rich.table import Table
 
@@ -238,7 +241,8 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
     m = load_musetalk(None if random_weights else weights, device=pick_device(device), random_weights=random_weights,
                       size=random_size, warn=False)
     report = run(m, out_dir, width=width, height=height, scale=scale,
-                 modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae)
+                 modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae,
+                 only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None)
     table = Table(title=f"LipStream bench: {report['device']}, {report['size']}")
     for col in HEADER:
         table.add_column(col)

@@ -39,22 +39,31 @@ FAST_BATCH = 32
 
 
 def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 1.0,
-        modes: tuple[str, ...] = ("legacy", "fast"), compile_vae: bool = False, compile: str | None = None) -> dict:
+        modes: tuple[str, ...] = ("legacy", "fast"), compile_vae: bool = False, compile: str | None = None,
+        only: tuple[str, ...] | None = None) -> dict:
     """Every scenario in every mode; returns (and writes) the report.
 
     Fast rows run after a warm start, as a service would: each configuration's engine is built,
     compiled and captured once (its startup is reported separately), warmed on a one-second
     program, then timed on the scenario. The legacy mode needs no warm-up (eager, no compile).
+    `only`: run just these scenarios ("A", "B") and keep the other scenarios' rows of a report
+    already in `out` (so a long bench can be split across calls, e.g. on a time-limited GPU).
     """
     compile = compile or (FAST_COMPILE if compile_vae else "off")
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     t = time.perf_counter()
     built = scenarios.build(work, models, width=width, height=height, scale=scale)
+    kept: list[dict] = []
+    if only:
+        built = [b for b in built if b.name in only]
+        previous = out / "bench.json"
+        if previous.is_file():
+            kept = [r for r in json.loads(previous.read_text()).get("rows", []) if r["scenario"] not in only]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(models.device),
               "size": f"{width}x{height}", "scale": scale, "weights": models.source, "compile": compile,
               "batch": FAST_BATCH, "preset": PRESET, "cpus": os.cpu_count(),
-              "setup_s": time.perf_counter() - t, "startup": {}, "rows": []}
+              "setup_s": time.perf_counter() - t, "startup": {}, "rows": list(kept)}
     references = {}
     for scenario in built:  # the eager fp32 reference, lossless: the PSNR column compares against it
         ref_models = models if models.dtype == torch.float32 else None
@@ -103,21 +112,20 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
             print(f"bench {scenario.name} {mode}: {row['fps']:.1f} fps, {row['wall_s']:.2f} s", flush=True)
             (out / "bench.json").write_text(json.dumps(report, indent=2))  # partial results survive a time limit
     engines.clear()
+    report["rows"].sort(key=lambda r: r["scenario"])
     for row in report["rows"]:
-        base = next(r for r in report["rows"] if r["scenario"] == row["scenario"] and r["mode"] == "legacy") \
-            if "legacy" in modes else None
+        base = next((r for r in report["rows"] if r["scenario"] == row["scenario"] and r["mode"] == "legacy"), None)
         row["speedup"] = base["wall_s"] / row["wall_s"] if base else None
     report["chart"] = figures.fps_chart(report, out / "bench_fps.png").name
-    report["freeze_frames"] = []
     if "legacy" in modes and "fast" in modes:
         for scenario in built:
             avatar = load_avatar(resolve_avatar(scenario.program.scenes[0].shots[0].avatar,
                                                 scenario.program.avatars_dir), with_frames=False)
             at = min(2.0, scenario.seconds / 2)
             box = avatar.boxes[ping_pong(int(at * float(avatar.fps)), avatar.num_frames)].tolist()
-            picture = figures.freeze_frames(out / f"{scenario.name}-legacy.mp4", out / f"{scenario.name}-fast.mp4",
-                                            box, out / f"freeze_{scenario.name}.png", at)
-            report["freeze_frames"].append(picture.name)
+            figures.freeze_frames(out / f"{scenario.name}-legacy.mp4", out / f"{scenario.name}-fast.mp4",
+                                  box, out / f"freeze_{scenario.name}.png", at)
+    report["freeze_frames"] = sorted(p.name for p in out.glob("freeze_*.png"))  # earlier calls' too (`only`)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(markdown(report))
     shutil.rmtree(work, ignore_errors=True)
