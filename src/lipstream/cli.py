@@ -46,6 +46,16 @@ def pick_device(name: str) -> str:
     return name
 
 
+def load_models(models, device: str, random_weights: bool, random_size: str, **kwargs):
+    """The networks for a command: the warning first when they are random, then loaded on the chosen device."""
+    from lipstream.models import load_musetalk
+
+    if random_weights:
+        warn_random_weights()
+    return load_musetalk(models, device=pick_device(device), random_weights=random_weights, size=random_size,
+                         warn=False, **kwargs)
+
+
 @weights_app.command("download")
 def weights_download(models: ModelsOpt = None,
                      force: Annotated[bool, typer.Option(help="Download again even if present.")] = False) -> None:
@@ -109,13 +119,8 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
     from rich.table import Table
 
     from lipstream.avatar import CompileOptions, compile_many
-    from lipstream.models import load_musetalk
 
-    if random_weights:
-        warn_random_weights()
-    dev = pick_device(device)
-    m = load_musetalk(models, device=dev, components=["vae"], random_weights=random_weights, size=random_size,
-                      warn=False)
+    m = load_models(models, device, random_weights, random_size, components=["vae"])
     results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
                            options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force)
     table = Table(title=f"avatars in {output}")
@@ -141,14 +146,9 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
     import torch
 
     from lipstream.engine.runner import FAST_COMPILE
-    from lipstream.models import load_musetalk
     from lipstream.render import render_program
 
-    if random_weights:
-        warn_random_weights()
-    dev = pick_device(device)
-    m = load_musetalk(models, device=dev, dtype=torch.float32 if reference else None, random_weights=random_weights,
-                      size=random_size, warn=False)
+    m = load_models(models, device, random_weights, random_size, dtype=torch.float32 if reference else None)
     report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
                             reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders,
                             compile=FAST_COMPILE if compile_vae else "off")
@@ -260,16 +260,11 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
              device: DeviceOpt = "auto") -> None:
     """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
     from lipstream.audio import as_fps, prepare_speech
-    from lipstream.models import load_musetalk
 
-    if random_weights:
-        warn_random_weights()
-    dev = pick_device(device)
-    m = load_musetalk(models, device=dev, components=["whisper"], random_weights=random_weights, size=random_size,
-                      warn=False)
+    m = load_models(models, device, random_weights, random_size, components=["whisper"])
     speech = prepare_speech(audio, as_fps(fps), m.whisper, m.feature_extractor)
     out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
-              f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {dev}")
+              f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {m.device}")
     out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))
     if output is not None:
         from lipstream.io import save_safetensors_atomic
