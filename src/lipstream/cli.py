@@ -242,7 +242,8 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
                       size=random_size, warn=False)
     report = run(m, out_dir, width=width, height=height, scale=scale,
                  modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae,
-                 only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None)
+                 only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None,
+                 command=" ".join(["lipstream", *sys.argv[1:]]))
     table = Table(title=f"LipStream bench: {report['device']}, {report['size']}")
     for col in HEADER:
         table.add_column(col)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -40,7 +41,7 @@ FAST_BATCH = 32
 
 def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 1.0,
         modes: tuple[str, ...] = ("legacy", "fast"), compile_vae: bool = False, compile: str | None = None,
-        only: tuple[str, ...] | None = None) -> dict:
+        only: tuple[str, ...] | None = None, command: str | None = None) -> dict:
     """Every scenario in every mode; returns (and writes) the report.
 
     Fast rows run after a warm start, as a service would: each configuration's engine is built,
@@ -55,15 +56,20 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
     t = time.perf_counter()
     built = scenarios.build(work, models, width=width, height=height, scale=scale)
     kept: list[dict] = []
+    startup: dict[str, dict] = {}
+    call = ",".join(b.name for b in built if not only or b.name in only)
     if only:
         built = [b for b in built if b.name in only]
         previous = out / "bench.json"
         if previous.is_file():
-            kept = [r for r in json.loads(previous.read_text()).get("rows", []) if r["scenario"] not in only]
+            earlier = json.loads(previous.read_text())
+            kept = [r for r in earlier.get("rows", []) if r["scenario"] not in only]
+            startup = {k: v for k, v in earlier.get("startup", {}).items() if k != call and isinstance(v, dict)}
+    startup[call] = {}
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(models.device),
-              "size": f"{width}x{height}", "scale": scale, "weights": models.source, "compile": compile,
-              "batch": FAST_BATCH, "preset": PRESET, "cpus": os.cpu_count(),
-              "setup_s": time.perf_counter() - t, "startup": {}, "rows": list(kept)}
+              "commit": _commit(), "command": command, "size": f"{width}x{height}", "scale": scale, "weights": models.source,
+              "compile": compile, "batch": FAST_BATCH, "preset": PRESET, "cpus": os.cpu_count(),
+              "setup_s": time.perf_counter() - t, "startup": startup, "rows": list(kept)}
     references = {}
     for scenario in built:  # the eager fp32 reference, lossless: the PSNR column compares against it
         ref_models = models if models.dtype == torch.float32 else None
@@ -88,7 +94,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
             engines[key] = make()
             render_program(warm_program, work / "warm.mp4", models, progress=False, batch_size=FAST_BATCH,
                            engine=engines[key])
-            report["startup"][key] = time.perf_counter() - t
+            report["startup"][call][key] = time.perf_counter() - t
         kwargs = {k: v for k, v in kwargs.items() if k not in ("engine_key", "make_engine")}
         kwargs["engine"] = engines[key]
         return kwargs
@@ -125,7 +131,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
             box = avatar.boxes[ping_pong(int(at * float(avatar.fps)), avatar.num_frames)].tolist()
             figures.freeze_frames(out / f"{scenario.name}-legacy.mp4", out / f"{scenario.name}-fast.mp4",
                                   box, out / f"freeze_{scenario.name}.png", at)
-    report["freeze_frames"] = sorted(p.name for p in out.glob("freeze_*.png"))  # earlier calls' too (`only`)
+    report["freeze_frames"] = sorted(p.name for p in [*out.glob("freeze_*.png"), *out.glob("freeze_*.jpg")])
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(markdown(report))
     shutil.rmtree(work, ignore_errors=True)
@@ -195,6 +201,17 @@ def ablations(compile: str) -> dict:
     return rows
 
 
+def _commit() -> str:
+    """The code's commit: LIPSTREAM_COMMIT (a copied tree may carry a stale .git), else git, else unknown."""
+    if os.environ.get("LIPSTREAM_COMMIT"):
+        return os.environ["LIPSTREAM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -211,11 +228,21 @@ def cells(row: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# LipStream bench ({report['date']}, {report['device']}, {report['size']})", "",
-             f"Weights: {report['weights']}. Scenarios scaled by {report['scale']}. PSNR: luma of the face boxes "
-             "against the eager fp32 reference path rendered losslessly (the outputs themselves are crf 18).", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines: list[str] = [f"# LipStream bench ({report['date']}, {report['device']}, {report['size']})", "",
+             f"Weights: {report['weights']}. Commit {report.get('commit', 'unknown')}. Scenarios scaled by "
+             f"{report['scale']}. Fast rows: compile `{report['compile']}`, batch {report['batch']}, x264 "
+             f"`{report['preset']}`, {report['cpus']} CPUs, each after a warm start. `fast -X` is the fast path "
+             "with optimisation X turned off. PSNR: luma of the face boxes against the eager fp32 reference "
+             "path rendered losslessly (the outputs themselves are crf 18).", ""]
+    if report.get("command"):
+        lines += [f"Command: `{report['command']}`", ""]
+    lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(cells(r)) + " |" for r in report["rows"]]
+    lines += ["", "Startup of each fast configuration (build, compile, graph capture, a one-second warm-up "
+              "render), once per engine, per bench call:", "", "| call | engine | startup s |", "|---|---|---|"]
+    for call, engines in report["startup"].items():
+        if isinstance(engines, dict):
+            lines += [f"| {call} | {k} | {v:.1f} |" for k, v in engines.items()]
     lines += ["", f"![fps]({report['chart']})", ""]
     lines += [f"![freeze frame, legacy vs fast, with a close-up of the blend seam]({p})" for p in report["freeze_frames"]]
     return "\n".join(lines) + "\n"
