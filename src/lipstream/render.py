@@ -115,7 +115,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
                    compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
                    engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
-                   compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer) -> RenderReport:
+                   compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer,
+                   decode_rows: str = "full") -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
@@ -125,8 +126,9 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     first start, cached on disk; `compile_vae=True` is "vae"). Pass an `engine` to reuse a warm
     one (its graphs stay; its avatars are replaced). `gather_windows=False` builds the audio
     windows with upstream's per-frame loop (for the benchmark's ablation); `writer` replaces the
-    MP4 writer (the benchmark's disk-based ablation). The avatars' frames decode in the background
-    while the render starts.
+    MP4 writer (the benchmark's disk-based ablation); `decode_rows="mask"` decodes only the face
+    rows the blend uses (engine/decode.py). The avatars' frames decode in the background while the
+    render starts.
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
@@ -134,7 +136,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     if engine is None:
         buckets = (min(first_batch, batch_size), batch_size)
         engine = ReferenceEngine(models) if reference else Engine(models, batch_size, buckets=buckets,
-                                                                  compile="vae" if compile_vae else compile)
+                                                                  compile="vae" if compile_vae else compile,
+                                                                  decode_rows=decode_rows)
     engine.clear_avatars()
     avatars_dir = program.avatars_dir or avatars_dir
     folders = {shot.avatar: resolve_avatar(shot.avatar, avatars_dir) for scene in program.scenes for shot in scene.shots}

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lipstream.avatar import Avatar
+from lipstream.engine.decode import DEFAULT_ROW, CroppedDecoder, check_mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
 from lipstream.models import MuseTalk
 from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
@@ -90,12 +91,15 @@ class Engine:
 
     `compile`: "off", "vae" (Inductor on the VAE decoder) or "all" (the UNet too);
     `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
-    max-autotune (slow to compile, cached on disk like the rest).
+    max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
+    only the face rows from latent row `decode_row` down (engine/decode.py: about a third less
+    VAE work, approximate; every avatar's mask must start below that row).
     """
 
     def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
                  compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
-                 channels_last: bool = False, autotune: bool = False, compile_vae: bool = False):
+                 channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
+                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW):
         if models.unet is None or models.vae is None:
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
@@ -121,7 +125,11 @@ class Engine:
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
         self._staging = _IndexRing(models.device)
-        self._decoder = models.vae.decoder
+        if decode_rows not in ("full", "mask"):
+            raise ValueError(f"decode_rows must be 'full' or 'mask', not {decode_rows!r}")
+        self.decode_row = decode_row if decode_rows == "mask" else None
+        self._decoder = models.vae.decoder if self.decode_row is None else CroppedDecoder(models.vae.decoder,
+                                                                                           decode_row)
         self._unet = models.unet
         if channels_last:
             self._decoder.to(memory_format=torch.channels_last)
@@ -144,6 +152,8 @@ class Engine:
         """Keep an avatar resident; returns its slot. Its tensors move to the engine's device."""
         if avatar.frames is None:
             raise ValueError(f"avatar {avatar.name} was loaded without its frames")
+        if self.decode_row is not None:
+            check_mask_fits(avatar.masks, self.decode_row, avatar.path)
         self._boxes.append(avatar.boxes.cpu().tolist())
         for name in ("latents", "boxes", "masks"):
             setattr(avatar, name, getattr(avatar, name).to(self.device))

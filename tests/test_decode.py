@@ -1,0 +1,88 @@
+"""The VAE decode of the mask's rows only: exact geometry, approximate only through GroupNorm."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lipstream.avatar import compile_avatar, load_avatar
+from lipstream.avatar.face import DlibBackend
+from lipstream.engine import Engine, FrameRequest
+from lipstream.errors import InputError
+from lipstream.engine.blend import untouched
+from lipstream.engine.decode import HALO, CroppedDecoder, first_mask_row
+from lipstream.fixtures.avatar import action_loop
+
+ROW = 12
+
+
+def test_cropped_decode_is_the_full_decode_below_its_reach_when_groupnorm_is_taken_out(tiny_models):
+    """With GroupNorm (the one global statistic) replaced by identity, the crop is exact below the
+    zero-padded edge's receptive field, and zero above the crop."""
+    decoder = copy.deepcopy(tiny_models.vae.decoder)
+    for name, module in list(decoder.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.GroupNorm):
+                setattr(module, child_name, torch.nn.Identity())
+    z = torch.randn(3, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full, crop = decoder(z), CroppedDecoder(decoder, ROW)(z)
+    assert crop.shape == full.shape
+    assert torch.count_nonzero(crop[:, :, :8 * ROW]) == 0
+    reach = 8 * (ROW + 6)  # 3x3 convs after the crop: 6 latent rows at most in this layout
+    torch.testing.assert_close(crop[:, :, reach:], full[:, :, reach:], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(crop[:, :, 8 * ROW:8 * ROW + 8], full[:, :, 8 * ROW:8 * ROW + 8])  # the edge differs
+
+
+def test_cropped_decode_with_groupnorm_stays_close(tiny_models):
+    z = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = tiny_models.vae.decoder(z)
+        crop = CroppedDecoder(tiny_models.vae.decoder, ROW)(z)
+    below = slice(8 * (ROW + HALO), None)
+    err = (crop[:, :, below] - full[:, :, below]).abs().mean() / full[:, :, below].abs().mean()
+    assert err < 0.25  # the statistics of the lower rows only: close, not equal
+    assert err > 0
+
+
+@pytest.fixture(scope="module")
+def presenter(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("decode")
+    action_loop(root / "p.mp4", width=640, height=360, seconds=0.6, fps=10, seed=4)
+    compile_avatar(root / "p.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
+                   backend=DlibBackend(), progress=False)
+    return root / "avatars" / "p"
+
+
+def test_engine_decodes_the_mask_rows_and_the_frames_stay_close(tiny_models, presenter):
+    avatar = load_avatar(presenter)
+    assert first_mask_row(avatar.masks) >= 8 * (ROW + HALO)
+    windows = torch.randn(avatar.num_frames, 50, 384, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for rows in ("full", "mask"):
+        engine = Engine(tiny_models, 4, decode_rows=rows, decode_row=ROW)
+        slot = engine.add_avatar(load_avatar(presenter))
+        out[rows] = engine.render([FrameRequest(slot, i, windows[i]) for i in range(avatar.num_frames)]).float()
+    w, h = avatar.size
+    for i in range(avatar.num_frames):
+        box = avatar.boxes[i].tolist()
+        keep = torch.from_numpy(untouched(h, w, [box]))
+        assert torch.equal(out["mask"][i][keep], out["full"][i][keep])  # outside the box: the frame itself
+        x1, y1, x2, y2 = box
+        d = out["mask"][i][:h][y1:y2, x1:x2] - out["full"][i][:h][y1:y2, x1:x2]
+        assert 10 * torch.log10(255 ** 2 / (d ** 2).mean().clamp(min=1e-6)) > 30  # the face: close, not equal
+        upper = slice(y1, y1 + (y2 - y1) * 8 * ROW // 256)
+        assert torch.equal(out["mask"][i][upper, x1:x2], out["full"][i][upper, x1:x2])  # no mask up there
+
+
+def test_engine_refuses_an_avatar_whose_mask_starts_above_the_decoded_rows(tiny_models, presenter):
+    avatar = load_avatar(presenter)
+    avatar.masks = avatar.masks.clone()
+    avatar.masks[:, 40:50, 100:150] = 255
+    engine = Engine(tiny_models, 4, decode_rows="mask", decode_row=ROW)
+    with pytest.raises(InputError, match="starts at face row 40"):
+        engine.add_avatar(avatar)
+    with pytest.raises(ValueError, match="decode_rows"):
+        Engine(tiny_models, 4, decode_rows="top")
