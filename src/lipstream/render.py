@@ -182,7 +182,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     items = plan(program, slots, engine, fps, windows, bounds, silence)
 
     report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
-                          {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load})
+                          {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load,
+                           "plan_s": time.perf_counter() - t_warm})
     report.timings["encoders"] = encoders
     report.timings["encoder_processes"] = processes
     _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
@@ -215,6 +216,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
               "consume_gpu_wait_s": 0.0,  # waiting for that batch's GPU work and copy to finish
               "consume_write_s": 0.0}  # handing frames to the encoder(s)
 
+    marks: dict[str, float] = {"ring_ready_s": time.perf_counter() - t0}  # the first packet's path, from t0
     first = min(engine.buckets[0], batch_size)
     starts = [0, *range(first, len(items), batch_size)] if len(items) > first else [0]
     ends = starts[1:] + [len(items)]
@@ -247,6 +249,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                     ready = torch.cuda.Event()
                     ready.record()
                 frames.put((slot, len(chunk), ready))
+                marks.setdefault("first_batch_queued_s", time.perf_counter() - t0)
                 stages["produce_launch_s"] += t1 - t
                 stages["produce_slot_wait_s"] += t2 - t1
                 stages["produce_queue_wait_s"] += time.perf_counter() - t2
@@ -259,6 +262,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     try:
         with make_writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
                          encoders=encoders, processes=processes, segment=segment, total_frames=len(items)) as writer:
+            marks["writer_open_s"] = time.perf_counter() - t0
             producer.start()
             while True:
                 t = time.perf_counter()
@@ -284,6 +288,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                 for i in range(count):
                     writer.write(cv2.cvtColor(host[i], cv2.COLOR_RGB2YUV_I420) if rgb else host[i])
                 free.put(slot)
+                marks.setdefault("first_batch_written_s", time.perf_counter() - t0)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
             if writer.frames != len(items):
@@ -292,6 +297,9 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
         report.first_frame_s = (writer.first_packet_at or time.perf_counter()) - t0
         report.disk_bytes_written = getattr(writer, "disk_bytes_written", 0)
         report.timings.update({k: round(v, 4) for k, v in stages.items()})
+        if getattr(writer, "first_submit_at", None):
+            marks["first_segment_submitted_s"] = writer.first_submit_at - t0
+        report.timings.update({k: round(v, 4) for k, v in marks.items()})
         report.timings["finish_s"] = time.perf_counter() - loop_end  # flush: last segments, audio, faststart
     finally:
         stop.set()

@@ -35,6 +35,14 @@ AAC_FRAME = 1024
 SEGMENT_FRAMES = (4, 8, 16, 32)  # segment lengths: short first (latency), then the last one repeated
 TAIL_FRAMES = 8  # the shortest segment near the end
 _PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
+_EXTRADATA: dict[str, bytes | None] = {}  # SPS/PPS per encoder settings: opening an x264 costs ~10 ms
+
+
+def _extradata(args: tuple) -> bytes | None:
+    key = repr(args)  # the options dict makes the tuple unhashable; its repr is as good a key
+    if key not in _EXTRADATA:
+        _EXTRADATA[key] = x264_context(*args).extradata or None
+    return _EXTRADATA[key]
 
 
 def encoder_processes(n: int) -> ProcessPoolExecutor:
@@ -68,6 +76,7 @@ class MP4Writer:
         self.encoders = max(1, encoders)
         self.total_frames = total_frames
         self.first_packet_at: float | None = None  # perf_counter() when the first video packet was muxed
+        self.first_submit_at: float | None = None  # perf_counter() when the first segment went to an encoder
         self.fps = Fraction(fps)
         self.audio = np.ascontiguousarray(audio, dtype=np.float32)
         self.rate = sample_rate
@@ -95,7 +104,7 @@ class MP4Writer:
                 self._segment_args = (width, height, self.fps, self._x264, self.video.codec_context.colorspace,
                                       default_threads(self.encoders))
                 self.video.codec_context.flags |= GLOBAL_HEADER
-                self.video.codec_context.extradata = x264_context(*self._segment_args).extradata or None
+                self.video.codec_context.extradata = _extradata(self._segment_args)
                 self._owns_pool = not processes
                 self._pool = (encoder_processes(self.encoders) if processes
                               else ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment"))
@@ -152,6 +161,7 @@ class MP4Writer:
             if self._segment_start == 0:  # alone on the cores: the first packet sooner
                 args = (*args[:-1], max(args[-1], default_threads(2)))
             future = self._pool.submit(encode_segment, self._segment, self._segment_start, *args)
+            self.first_submit_at = self.first_submit_at or time.perf_counter()
             self._pending.append((future, self._segment))
             self._segment_start += len(self._segment)
             self._segment = []
