@@ -1,0 +1,207 @@
+"""Issue 5's targets in one GPU call: `python benchmarks/speed_targets.py --track T --out DIR`.
+
+1. Startup: networks built, then compile + graph capture, cold (and, at the end, warm-cache in a
+   fresh process).
+2. GPU core (engine.render: windows -> UNet -> VAE decode -> blend, no encode), batch 32, for the
+   full decode and the mask-rows decode (`decode_rows="mask"`).
+3. PSNR of each against the eager fp32 reference engine, luma of the face boxes, same requests.
+4. The 775-frame 30 fps 1080p monologue end to end after a warm start: one warm-up render, then
+   three timed ones per configuration; first-packet variants (2-frame first segment, a lower GIL
+   switch interval).
+Every step appends to DIR/targets.json, so a time limit keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from lipstream.avatar import compile_avatar, load_avatar, ping_pong  # noqa: E402
+from lipstream.engine import Engine, FrameRequest, ReferenceEngine  # noqa: E402
+from lipstream.fixtures import speech_like, write_audio  # noqa: E402
+from lipstream.fixtures.avatar import action_loop  # noqa: E402
+from lipstream.media import mp4  # noqa: E402
+from lipstream.models import load_musetalk  # noqa: E402
+from lipstream.render import render_program  # noqa: E402
+from lipstream.script import single_scene  # noqa: E402
+
+BATCH = 32
+SMOKE = False  # --smoke: CPU, tiny networks, short runs, no compile (checks this script, measures nothing)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+WARM_COMPILE = """
+import sys, time, torch
+sys.path.insert(0, "src")
+from lipstream.engine import Engine
+from lipstream.models import load_musetalk
+m = load_musetalk(random_weights=True, size="full", device="cuda", seed=0, warn=False)
+t = time.perf_counter()
+Engine(m, {batch}, buckets=(8, {batch}), compile="all", decode_rows="{rows}").warm_up()
+torch.cuda.synchronize()
+print(time.perf_counter() - t)
+"""
+
+
+def requests_for(engine: Engine, avatar_dir: Path, frames: int) -> list[FrameRequest]:
+    engine.clear_avatars()
+    slot = engine.add_avatar(load_avatar(avatar_dir, engine.device))
+    n = engine.avatars[slot].num_frames
+    windows = torch.randn(frames, 50, 384, device=engine.device, generator=torch.Generator(engine.device).manual_seed(0))
+    return [FrameRequest(slot, ping_pong(i, n), windows[i]) for i in range(frames)]
+
+
+def core_fps(engine: Engine, avatar_dir: Path, frames: int = 512, repeats: int = 3) -> tuple[float, list[float]]:
+    """(startup s: compile + capture + first batch, [fps per repeat])."""
+    t = time.perf_counter()
+    requests = requests_for(engine, avatar_dir, frames)
+    engine.warm_up()
+    engine.render(requests[:BATCH])
+    sync()
+    startup = time.perf_counter() - t
+    fps = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for start in range(0, frames, BATCH):
+            engine.render(requests[start:start + BATCH])
+        sync()
+        fps.append(frames / (time.perf_counter() - t))
+    return startup, fps
+
+
+def box_psnr(engine: Engine, reference: ReferenceEngine, avatar_dir: Path, frames: int = 64) -> dict:
+    """Luma PSNR inside the face boxes, engine vs the reference engine, on the same requests."""
+    req = requests_for(engine, avatar_dir, frames)
+    fast = torch.cat([engine.render(req[s:s + BATCH]).clone() for s in range(0, frames, BATCH)])
+    ref_req = requests_for(reference, avatar_dir, frames)
+    ref = torch.cat([reference.render(ref_req[s:s + 16]) for s in range(0, frames, 16)])
+    avatar = engine.avatars[0]
+    h = avatar.size[1]
+    values = []
+    for i, r in enumerate(req):
+        x1, y1, x2, y2 = avatar.boxes[r.frame].tolist()
+        d = fast[i, :h][y1:y2, x1:x2].double() - ref[i, :h][y1:y2, x1:x2].double()
+        values.append(10 * math.log10(255 ** 2 / max(float((d ** 2).mean()), 1e-10)))
+    return {"min": min(values), "mean": statistics.fmean(values)}
+
+
+def monologue(engine: Engine, program, work: Path, repeats: int = 3, **kwargs) -> list[dict]:
+    rows = []
+    for attempt in range(1 + repeats):  # the first is a warm-up (encoder pool, avatar graphs)
+        reset_peak()
+        r = render_program(program, work / "mono.mp4", engine.m, avatars_dir=work / "avatars", fps=30,
+                           batch_size=BATCH, preset="ultrafast", engine=engine, progress=False, **kwargs)
+        if attempt:
+            rows.append({"frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_packet_s": r.first_frame_s,
+                         "peak_gpu_gib": peak_gib(), **r.timings})
+            print("  monologue", {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()},
+                  flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--track", type=Path)
+    ap.add_argument("--budget", type=float, default=520, help="seconds; optional steps are skipped past it")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    args = ap.parse_args()
+    global SMOKE
+    SMOKE = args.smoke
+    device, size, compile = ("cpu", "tiny", "off") if SMOKE else ("cuda", "full", "all")
+    frames, seconds = (64, 2.0) if SMOKE else (512, 775 / 30)
+    t_start = time.perf_counter()
+    out, work = args.out, Path("/tmp/lipstream-targets")
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if not SMOKE else "cpu",
+                    "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "batch": BATCH, "cpus": os.cpu_count(),
+                    "torch": torch.__version__}
+
+    def save(step: str) -> None:
+        report.setdefault("elapsed_s", {})[step] = time.perf_counter() - t_start
+        (out / "targets.json").write_text(json.dumps(report, indent=2))
+
+    def left() -> float:
+        return args.budget - (time.perf_counter() - t_start)
+
+    t = time.perf_counter()
+    m = load_musetalk(random_weights=True, size=size, device=device, seed=0, warn=False)
+    sync()
+    report["networks_built_s"] = time.perf_counter() - t
+    loop = work / "anchor.mp4"
+    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
+    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=args.track, force=True,
+                   progress=False)
+    avatar_dir = work / "avatars" / "anchor"
+    program = single_scene("anchor", write_audio(work / "monologue.wav", speech_like(seconds, 16000, seed=3), 16000))
+    save("setup")
+
+    engines = {}
+    for rows in ("full", "mask"):
+        t = time.perf_counter()
+        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, decode_rows=rows)
+        built = time.perf_counter() - t
+        startup, fps = core_fps(engine, avatar_dir, frames, repeats=1 if SMOKE else 3)
+        report[f"core_{rows}"] = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}
+        print(f"core {rows}: {report[f'core_{rows}']}", flush=True)
+        save(f"core_{rows}")
+        engines[rows] = engine
+        report[f"monologue_{rows}"] = monologue(engine, program, work, repeats=1 if SMOKE else 3)
+        save(f"monologue_{rows}")
+        if rows == "full":
+            mp4.SEGMENT_FRAMES = (2, 8, 16, 32)
+            report["monologue_full_first_segment_2"] = monologue(engine, program, work, repeats=1 if SMOKE else 3)
+            mp4.SEGMENT_FRAMES = (4, 8, 16, 32)
+            save("first_segment_2")
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e-4)
+            report["monologue_full_switchinterval_1e-4"] = monologue(engine, program, work, repeats=1 if SMOKE else 3)
+            sys.setswitchinterval(interval)
+            save("switchinterval")
+
+    ref_models = load_musetalk(random_weights=True, size=size, device=device, dtype=torch.float32, seed=0, warn=False)
+    reference = ReferenceEngine(ref_models)
+    for rows, engine in engines.items():
+        report[f"psnr_{rows}_vs_fp32_reference_db"] = box_psnr(engine, reference, avatar_dir)
+        print(f"PSNR {rows}", report[f"psnr_{rows}_vs_fp32_reference_db"], flush=True)
+        save(f"psnr_{rows}")
+    del reference, ref_models
+
+    for rows in ("full", "mask"):
+        if left() < 90 or SMOKE:
+            report[f"warm_compile_{rows}"] = "skipped: time budget"
+            continue
+        cmd = [sys.executable, "-c", WARM_COMPILE.format(batch=BATCH, rows=rows)]
+        t = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left()))
+        report[f"warm_compile_{rows}"] = {"engine_s": float(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
+                                          else done.stderr[-2000:], "process_s": time.perf_counter() - t}
+        print(f"warm-cache compile {rows}:", report[f"warm_compile_{rows}"], flush=True)
+        save(f"warm_compile_{rows}")
+
+
+if __name__ == "__main__":
+    main()
