@@ -108,13 +108,15 @@ def box_psnr(engine: Engine, reference: ReferenceEngine, avatar_dir: Path, frame
 
 
 def monologue(engine: Engine, program, work: Path, repeats: int = 3, **kwargs) -> list[dict]:
+    """One warm-up render (kept with keep_warmup=True: its avatars were not resident yet), then `repeats`."""
     rows = []
+    keep_warmup = kwargs.pop("keep_warmup", False)
     for attempt in range(1 + repeats):  # the first is a warm-up (encoder pool, avatar graphs)
         reset_peak()
         r = render_program(program, work / "mono.mp4", engine.m, avatars_dir=work / "avatars", fps=30,
                            batch_size=BATCH, preset="ultrafast", engine=engine, progress=False, **kwargs)
-        if attempt:
-            rows.append({"frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_packet_s": r.first_frame_s,
+        if attempt or keep_warmup:
+            rows.append({"attempt": attempt, "frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_packet_s": r.first_frame_s,
                          "peak_gpu_gib": peak_gib(), **r.timings})
             print("  monologue", {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()},
                   flush=True)
@@ -127,6 +129,8 @@ def main() -> None:
     ap.add_argument("--track", type=Path)
     ap.add_argument("--budget", type=float, default=520, help="seconds; optional steps are skipped past it")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    ap.add_argument("--monologue-only", action="store_true",
+                    help="the compiled full-decode engine's monologue only: resident avatars vs loaded per render")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -158,6 +162,24 @@ def main() -> None:
     avatar_dir = work / "avatars" / "anchor"
     program = single_scene("anchor", write_audio(work / "monologue.wav", speech_like(seconds, 16000, seed=3), 16000))
     save("setup")
+
+    if args.monologue_only:
+        t = time.perf_counter()
+        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile)
+        requests_for(engine, avatar_dir, BATCH)
+        engine.warm_up()
+        sync()
+        report["startup_cold_s"] = time.perf_counter() - t
+        save("startup")
+        from lipstream.avatar.resident import drop_resident
+        drop_resident()
+        report["monologue_resident"] = monologue(engine, program, work, repeats=1 if SMOKE else 3, keep_warmup=True)
+        save("monologue_resident")
+        if left() > 25:
+            report["monologue_loaded_per_render"] = monologue(engine, program, work, repeats=1 if SMOKE else 3,
+                                                              resident=False)
+            save("monologue_loaded_per_render")
+        return
 
     engines = {}
     for rows in ("full", "mask"):

@@ -290,3 +290,43 @@ def test_models_must_match_the_avatar_vae(studio, tmp_path):
                        avatars_dir=studio / "avatars", progress=False)
     assert not list(tmp_path.iterdir())
     torch.manual_seed(0)
+
+
+# ---- resident avatars: loaded once per process, reloaded when recompiled ----
+
+def test_a_second_render_reuses_the_resident_avatar(studio, tiny_models, tmp_path):
+    from lipstream.avatar import resident
+
+    resident.drop_resident()
+    program = single_scene("ben", studio / "c.wav")
+    outputs = []
+    for name in ("one.mp4", "two.mp4"):
+        outputs.append(tmp_path / name)
+        render_program(program, outputs[-1], tiny_models, avatars_dir=studio / "avatars", progress=False)
+    assert len(resident._RESIDENT) == 1
+    kept = next(iter(resident._RESIDENT.values()))
+    first, _ = decode(outputs[0])
+    second, _ = decode(outputs[1])
+    assert len(first) == len(second) and all(np.array_equal(a, b) for a, b in zip(first, second))
+    # the engine casts its copy's latents; the resident avatar keeps what was loaded
+    assert kept.latents.dtype == load_avatar(studio / "avatars" / "ben", with_frames=False).latents.dtype
+    again = resident.resident_avatar(studio / "avatars" / "ben", "cpu", vae_fingerprint=tiny_models.fingerprints["vae"])
+    assert again is not kept and again.frames is kept.frames  # a copy sharing the loaded frames
+
+
+def test_a_recompiled_avatar_is_loaded_afresh(studio, tiny_models, tmp_path, monkeypatch):
+    from lipstream.avatar import resident
+
+    resident.drop_resident()
+    folder = studio / "avatars" / "cleo"
+    a = resident.resident_avatar(folder, "cpu")
+    meta = folder / "avatar.json"
+    os.utime(meta, ns=(meta.stat().st_atime_ns, meta.stat().st_mtime_ns + 10**9))  # as a recompile would
+    b = resident.resident_avatar(folder, "cpu")
+    assert b.frames is not a.frames
+    monkeypatch.setenv("LIPSTREAM_RESIDENT_GIB", "0")
+    c = resident.resident_avatar(folder, "cpu")
+    assert c.frames is not b.frames
+    monkeypatch.setenv("LIPSTREAM_RESIDENT_GIB", str(1 / 2**30))  # one byte: only the latest stays
+    resident.resident_avatar(studio / "avatars" / "anna", "cpu")
+    assert len(resident._RESIDENT) == 1

@@ -6,6 +6,7 @@ muxes. They meet in a bounded queue, so memory stays flat and both sides stay bu
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -27,6 +28,7 @@ from lipstream.audio.resample import resample
 from lipstream.audio.windows import audio_windows, audio_windows_loop
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.avatar.cache import read_meta
+from lipstream.avatar.resident import resident_avatar
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
@@ -116,7 +118,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
                    engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
                    compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer,
-                   decode_rows: str = "full") -> RenderReport:
+                   decode_rows: str = "full", resident: bool = True) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
@@ -128,7 +130,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     windows with upstream's per-frame loop (for the benchmark's ablation); `writer` replaces the
     MP4 writer (the benchmark's disk-based ablation); `decode_rows="mask"` decodes only the face
     rows the blend uses (engine/decode.py). The avatars' frames decode in the background while the
-    render starts.
+    render starts; with `resident` they stay loaded for the process's next renders
+    (avatar/resident.py).
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
@@ -162,8 +165,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
 
     slots: dict[str, int] = {}
     for name, folder in folders.items():  # frames keep decoding in the background while the render starts
-        slots[name] = engine.add_avatar(load_avatar(folder, device, background=True,
-                                                    vae_fingerprint=models.fingerprints.get("vae")))
+        load = resident_avatar if resident else functools.partial(load_avatar, background=True)
+        slots[name] = engine.add_avatar(load(folder, device, vae_fingerprint=models.fingerprints.get("vae")))
     first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
     width, height = first.size
     for a in engine.avatars:
