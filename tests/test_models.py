@@ -185,11 +185,15 @@ def test_truncated_safetensors(tmp_path):
     _one_line_error(root, "diffusion_pytorch_model.safetensors: cannot read weights")
 
 
+def _set_config(path, key: str, value) -> None:
+    cfg = json.loads(path.read_text())
+    cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
 def test_config_mismatch_names_the_tensor(tmp_path, tiny_checkpoint):
     root = _broken(tmp_path, tiny_checkpoint)
-    cfg = json.loads((root / "musetalkV15/musetalk.json").read_text())
-    cfg["in_channels"] = 4
-    (root / "musetalkV15/musetalk.json").write_text(json.dumps(cfg))
+    _set_config(root / "musetalkV15/musetalk.json", "in_channels", 4)
     msg = _one_line_error(root, "does not match its config")
     assert "conv_in.weight" in msg and "[32, 8, 3, 3]" in msg
 
@@ -210,9 +214,7 @@ def test_invalid_json(tmp_path, tiny_checkpoint):
 
 def test_not_whisper_tiny(tmp_path, tiny_checkpoint):
     root = _broken(tmp_path, tiny_checkpoint)
-    cfg = json.loads((root / "whisper/config.json").read_text())
-    cfg["encoder_layers"] = 6
-    (root / "whisper/config.json").write_text(json.dumps(cfg))
+    _set_config(root / "whisper/config.json", "encoder_layers", 6)
     _one_line_error(root, "needs whisper-tiny", components=["whisper"])
 
 

@@ -148,8 +148,10 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
     from lipstream.engine.runner import FAST_COMPILE
     from lipstream.render import render_program
 
-    if decode_rows not in ("full", "mask"):
-        raise LipStreamError(f"--decode-rows {decode_rows!r}: expected 'full' or 'mask'")
+    from lipstream.engine.decode import DECODE_ROWS
+
+    if decode_rows not in DECODE_ROWS:
+        raise LipStreamError(f"--decode-rows {decode_rows!r}: expected one of {', '.join(DECODE_ROWS)}")
     m = load_models(models, device, random_weights, random_size, dtype=torch.float32 if reference else None)
     report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
                             reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders,

@@ -164,8 +164,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     t_audio = time.perf_counter()
 
     slots: dict[str, int] = {}
+    load = resident_avatar if resident else functools.partial(load_avatar, background=True)
     for name, folder in folders.items():  # frames keep decoding in the background while the render starts
-        load = resident_avatar if resident else functools.partial(load_avatar, background=True)
         slots[name] = engine.add_avatar(load(folder, device, vae_fingerprint=models.fingerprints.get("vae")))
     first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
     width, height = first.size

@@ -57,9 +57,9 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
     built = scenarios.build(work, models, width=width, height=height, scale=scale)
     kept: list[dict] = []
     startup: dict[str, dict] = {}
-    call = ",".join(b.name for b in built if not only or b.name in only)
+    built = [b for b in built if not only or b.name in only]
+    call = ",".join(b.name for b in built)  # this call's startup is kept apart from earlier calls'
     if only:
-        built = [b for b in built if b.name in only]
         previous = out / "bench.json"
         if previous.is_file():
             earlier = json.loads(previous.read_text())

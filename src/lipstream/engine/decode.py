@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipstream.errors import InputError
+from lipstream.models.config import LATENT_SIZE
 
+DECODE_ROWS = ("full", "mask")
 HALO = 4  # latent rows that must lie between the first decoded row and the mask's first non-zero row
 DEFAULT_ROW = 12  # of 32 latent rows (96 of 256 px): masks start at the nose tip, below the middle of the box
 
@@ -28,7 +30,7 @@ class CroppedDecoder(nn.Module):
 
     def __init__(self, decoder: nn.Module, row: int):
         super().__init__()
-        if not 0 <= row < 32 or len(decoder.up_blocks) < 2:
+        if not 0 <= row < LATENT_SIZE or len(decoder.up_blocks) < 2:
             raise ValueError(f"cannot crop the decode at latent row {row}")
         self.decoder = decoder
         self.row = row
@@ -54,7 +56,7 @@ def first_mask_row(masks: torch.Tensor) -> int:
 def check_mask_fits(masks: torch.Tensor, row: int, path: str | Path) -> None:
     """Raise if an avatar's masks reach above what a decode from latent `row` covers (with its halo)."""
     first = first_mask_row(masks)
-    pixels_per_row = masks.shape[-2] // 32
+    pixels_per_row = masks.shape[-2] // LATENT_SIZE
     if first < (row + HALO) * pixels_per_row:
         raise InputError(path, f"its blend mask starts at face row {first}, above what a decode from latent row "
                                f"{row} covers (row {(row + HALO) * pixels_per_row} at the earliest); render it "

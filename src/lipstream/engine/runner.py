@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lipstream.avatar import Avatar
-from lipstream.engine.decode import DEFAULT_ROW, CroppedDecoder, check_mask_fits
+from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
 from lipstream.models import MuseTalk
 from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
@@ -125,8 +125,8 @@ class Engine:
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
         self._staging = _IndexRing(models.device)
-        if decode_rows not in ("full", "mask"):
-            raise ValueError(f"decode_rows must be 'full' or 'mask', not {decode_rows!r}")
+        if decode_rows not in DECODE_ROWS:
+            raise ValueError(f"decode_rows must be one of {DECODE_ROWS}, not {decode_rows!r}")
         self.decode_row = decode_row if decode_rows == "mask" else None
         self._decoder = models.vae.decoder if self.decode_row is None else CroppedDecoder(models.vae.decoder,
                                                                                            decode_row)
