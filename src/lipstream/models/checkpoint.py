@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ def read_state_dict(path: Path) -> StateDict:
 
             sd = load_file(str(path), device="cpu")
         else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
+            with warnings.catch_warnings():  # a corrupt file may look like an odd pickle protocol: we say it once
+                warnings.simplefilter("ignore")
+                sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
     except WeightsError:
         raise
     except Exception as e:  # corrupt, truncated or foreign files raise many different types
