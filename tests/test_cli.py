@@ -7,11 +7,17 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from safetensors import safe_open
 
 from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
+
+
+def _noise(n: int) -> bytes:
+    """Seeded garbage: a corrupt-file test must not pass or fail by chance."""
+    return np.random.default_rng(n).bytes(n)
 
 
 def lipstream(*args, env=None):
@@ -43,7 +49,7 @@ def test_verify_fails_on_a_corrupt_file(tmp_path, tiny_checkpoint):
     root = tmp_path / "m"
     shutil.copytree(tiny_checkpoint, root)
     # b"\x80\x05" makes torch warn of an unusual pickle protocol; the error must stay one line
-    (root / "sd-vae/diffusion_pytorch_model.bin").write_bytes(b"\x80\x05" + os.urandom(2000))
+    (root / "sd-vae/diffusion_pytorch_model.bin").write_bytes(b"\x80\x05" + _noise(2000))
     r = lipstream("weights", "verify", "--models", root)
     assert r.returncode == 1
     assert "FAILED" in r.stdout and "diffusion_pytorch_model.bin: cannot read weights" in r.stdout
@@ -88,7 +94,7 @@ def test_features_without_weights_explains(tmp_path):
     (lambda p: p, "no such audio file"),
     (lambda p: (p.mkdir(), p)[1], "is a folder"),
     (lambda p: (p.write_bytes(b""), p)[1], "is empty (0 bytes)"),
-    (lambda p: (p.write_bytes(os.urandom(4096)), p)[1], "not a readable audio"),
+    (lambda p: (p.write_bytes(_noise(4096)), p)[1], "not a readable audio"),
 ])
 def test_features_bad_audio_is_one_line(tmp_path, make, problem, capsys):
     path = make(tmp_path / "in.wav")
@@ -117,7 +123,7 @@ def test_compile_command(tmp_path):
     inputs.mkdir()
     action_loop(inputs / "anchor.mp4", width=480, height=270, seconds=0.6)
     still_image(inputs / "photo.jpg", width=480, height=270)
-    (inputs / "broken.mov").write_bytes(os.urandom(3000))
+    (inputs / "broken.mov").write_bytes(_noise(3000))
     out = tmp_path / "avatars"
     args = ("compile", inputs, "-o", out, "--random-weights", "--random-size", "tiny", "--device", "cpu")
     r = lipstream(*args)
