@@ -23,3 +23,17 @@ def tiny_checkpoint(tmp_path_factory):
     from lipstream.models.export import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("models"), size="tiny", seed=0, binary=True)
+
+
+@pytest.fixture(scope="session")
+def presenter(tmp_path_factory, tiny_models):
+    """A compiled avatar of a 640 x 360 action loop (6 frames) whose mask starts low in the face."""
+    from lipstream.avatar import compile_avatar
+    from lipstream.avatar.face import DlibBackend
+    from lipstream.fixtures.avatar import action_loop
+
+    root = tmp_path_factory.mktemp("presenter")
+    action_loop(root / "p.mp4", width=640, height=360, seconds=0.6, fps=10, seed=4)
+    compile_avatar(root / "p.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
+                   backend=DlibBackend(), progress=False)
+    return root / "avatars" / "p"

@@ -7,13 +7,11 @@ import copy
 import pytest
 import torch
 
-from lipstream.avatar import compile_avatar, load_avatar
-from lipstream.avatar.face import DlibBackend
+from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
 from lipstream.errors import InputError
 from lipstream.engine.blend import untouched
 from lipstream.engine.decode import HALO, CroppedDecoder, first_mask_row
-from lipstream.fixtures.avatar import action_loop
 
 ROW = 12
 
@@ -45,15 +43,6 @@ def test_cropped_decode_with_groupnorm_stays_close(tiny_models):
     err = (crop[:, :, below] - full[:, :, below]).abs().mean() / full[:, :, below].abs().mean()
     assert err < 0.25  # the statistics of the lower rows only: close, not equal
     assert err > 0
-
-
-@pytest.fixture(scope="module")
-def presenter(tmp_path_factory, tiny_models):
-    root = tmp_path_factory.mktemp("decode")
-    action_loop(root / "p.mp4", width=640, height=360, seconds=0.6, fps=10, seed=4)
-    compile_avatar(root / "p.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
-                   backend=DlibBackend(), progress=False)
-    return root / "avatars" / "p"
 
 
 def test_engine_decodes_the_mask_rows_and_the_frames_stay_close(tiny_models, presenter):

@@ -24,6 +24,7 @@ import torch
 from lipstream.avatar import Avatar
 from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
+from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
 from lipstream.models import MuseTalk
 from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
 
@@ -93,13 +94,15 @@ class Engine:
     `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
     max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
     only the face rows from latent row `decode_row` down (engine/decode.py: about a third less
-    VAE work, approximate; every avatar's mask must start below that row).
+    VAE work, approximate; every avatar's mask must start below that row). `upsample` "transpose"
+    or "phases" runs every nearest-upsample + 3x3 conv of both networks as one convolution on the
+    small map (engine/upsample.py: exact, 13.5% fewer FLOPs in UNet + decoder).
     """
 
     def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
                  compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
                  channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
-                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW):
+                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW, upsample: str = "plain"):
         if models.unet is None or models.vae is None:
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
@@ -127,10 +130,13 @@ class Engine:
         self._staging = _IndexRing(models.device)
         if decode_rows not in DECODE_ROWS:
             raise ValueError(f"decode_rows must be one of {DECODE_ROWS}, not {decode_rows!r}")
+        if upsample not in UPSAMPLE_MODES:
+            raise ValueError(f"upsample must be one of {UPSAMPLE_MODES}, not {upsample!r}")
         self.decode_row = decode_row if decode_rows == "mask" else None
-        self._decoder = models.vae.decoder if self.decode_row is None else CroppedDecoder(models.vae.decoder,
-                                                                                           decode_row)
-        self._unet = models.unet
+        self._decoder = fuse_upsamplers(models.vae.decoder, upsample)  # a copy when fused: the models stay plain
+        if self.decode_row is not None:
+            self._decoder = CroppedDecoder(self._decoder, decode_row)
+        self._unet = fuse_upsamplers(models.unet, upsample)
         if channels_last:
             self._decoder.to(memory_format=torch.channels_last)
             self._unet.to(memory_format=torch.channels_last)
