@@ -1,0 +1,116 @@
+"""GPU core and fidelity of engine variants, in one GPU call: `python benchmarks/core_variants.py --out DIR`.
+
+Each variant is `upsample:rows[:row]` (Engine's `upsample`, `decode_rows` and `decode_row`), for
+example `plain:full`, `phases:full`, `transpose:mask:6`. For each: build the Engine (`compile all`,
+graphs, batch 32, buckets 8 and 32), time compile + capture, then the core (engine.render: windows ->
+UNet -> VAE decode -> blend, no encode) over 512 frames three times, and the luma PSNR inside the
+face boxes against the eager fp32 reference engine on 64 frames. The same avatar and requests as
+speed_targets.py. Every variant rewrites DIR/core_variants.json and .md, so a time limit keeps what
+finished; variants past `--budget` seconds are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+import speed_targets as st  # noqa: E402
+from lipstream.avatar import compile_avatar  # noqa: E402
+from lipstream.engine import Engine, ReferenceEngine  # noqa: E402
+from lipstream.fixtures.avatar import action_loop  # noqa: E402
+from lipstream.models import load_musetalk  # noqa: E402
+
+DEFAULT = "plain:full,phases:full,transpose:full,phases:mask:6,phases:mask:8,phases:mask:12"
+
+
+def parse(spec: str) -> dict:
+    upsample, rows, *row = spec.split(":")
+    return {"upsample": upsample, "decode_rows": rows, **({"decode_row": int(row[0])} if row else {})}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# GPU core variants ({report['date']}, {report['device']}, commit {report['commit']}, torch "
+             f"{report['torch']})", "",
+             "Full-size random weights, fp16, batch 32, `compile all`, graphs; core = windows -> UNet -> VAE "
+             "decode -> blend, 512 frames, no encode. PSNR: luma in the face boxes against eager fp32, 64 frames.",
+             "", "| variant | core fps (3 runs) | median | PSNR min dB | PSNR mean dB | compile + capture s |",
+             "|---|---|---|---|---|---|"]
+    for spec, r in report["variants"].items():
+        if "error" in r:
+            lines.append(f"| `{spec}` | failed: {r['error'][:120]} | | | | |")
+            continue
+        p = r.get("psnr", {})
+        lines.append(f"| `{spec}` | {', '.join(f'{v:.0f}' for v in r['fps'])} | {r['fps_median']:.0f} | "
+                     f"{p.get('min', float('nan')):.1f} | {p.get('mean', float('nan')):.1f} | {r['startup_s']:.0f} |")
+    lines.append(f"\nTargets: core >= {st.TARGETS['core_fps']} fps at PSNR >= {st.TARGETS['psnr_db']} dB.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--track", type=Path)
+    ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--budget", type=float, default=540, help="seconds; no variant starts past budget - 100")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    args = ap.parse_args()
+    st.SMOKE = args.smoke
+    device, size, compile = ("cpu", "tiny", "off") if args.smoke else ("cuda", "full", "all")
+    frames = 64 if args.smoke else 512
+    t_start = time.perf_counter()
+    out, work = args.out, Path("/tmp/lipstream-variants")
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "device": "cpu" if args.smoke else torch.cuda.get_device_name(0),
+                    "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "torch": torch.__version__,
+                    "command": " ".join(sys.argv), "variants": {}}
+
+    def save() -> None:
+        report["elapsed_s"] = time.perf_counter() - t_start
+        (out / "core_variants.json").write_text(json.dumps(report, indent=2))
+        (out / "core_variants.md").write_text(markdown(report))
+
+    m = load_musetalk(random_weights=True, size=size, device=device, seed=0, warn=False)
+    loop = work / "anchor.mp4"
+    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
+    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=args.track, force=True,
+                   progress=False)
+    avatar_dir = work / "avatars" / "anchor"
+    ref_models = load_musetalk(random_weights=True, size=size, device=device, dtype=torch.float32, seed=0, warn=False)
+    reference = ReferenceEngine(ref_models)
+    for spec in args.variants.split(","):
+        if time.perf_counter() - t_start > args.budget - 100:
+            report["variants"][spec] = {"error": "skipped: time budget"}
+            save()
+            continue
+        engine = None
+        try:
+            t = time.perf_counter()
+            engine = Engine(m, st.BATCH, buckets=(8, st.BATCH), compile=compile, **parse(spec))
+            built = time.perf_counter() - t
+            startup, fps = st.core_fps(engine, avatar_dir, frames, repeats=1 if args.smoke else 3)
+            row = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}
+            report["variants"][spec] = row
+            save()
+            row["psnr"] = st.box_psnr(engine, reference, avatar_dir)
+        except Exception as e:  # one variant failing must not lose the others
+            report["variants"][spec] = {"error": f"{type(e).__name__}: {e}"}
+        print(spec, report["variants"][spec], flush=True)
+        save()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
