@@ -75,3 +75,24 @@ def test_engine_refuses_an_avatar_whose_mask_starts_above_the_decoded_rows(tiny_
         engine.add_avatar(avatar)
     with pytest.raises(ValueError, match="decode_rows"):
         Engine(tiny_models, 4, decode_rows="top")
+
+
+def test_auto_decode_crops_the_avatars_that_allow_it_and_decodes_the_others_whole(tiny_models, presenter):
+    high = load_avatar(presenter)
+    high.masks = high.masks.clone()
+    high.masks[:, 40:50, 100:150] = 255  # reaches above the cropped rows
+    windows = torch.randn(4, 50, 384, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for rows in ("full", "mask", "auto"):
+        engine = Engine(tiny_models, 4, decode_rows=rows, decode_row=ROW)
+        low = engine.add_avatar(load_avatar(presenter))
+        out[rows, "low"] = engine.render([FrameRequest(low, i, windows[i]) for i in range(4)]).clone()
+        if rows != "mask":
+            slot = engine.add_avatar(copy.copy(high))
+            out[rows, "high"] = engine.render([FrameRequest(slot, i, windows[i]) for i in range(4)]).clone()
+            both = [FrameRequest(slot if i % 2 else low, i, windows[i]) for i in range(4)]
+            out[rows, "both"] = engine.render(both).clone()
+    assert not torch.equal(out["mask", "low"], out["full", "low"])
+    assert torch.equal(out["auto", "low"], out["mask", "low"])  # every avatar of the batch fits: cropped
+    assert torch.equal(out["auto", "high"], out["full", "high"])  # this one does not: whole
+    assert torch.equal(out["auto", "both"], out["full", "both"])  # a batch with both: whole

@@ -173,8 +173,8 @@ BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch.")]
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="torch.compile the network step (CUDA; about a minute the first time, then cached on disk).")]
 DecodeRowsOpt = Annotated[str, typer.Option(
-    help="'full', or 'mask': decode only the face rows the blend mask uses (about a third less VAE work; "
-         "approximate, check it with your weights).")]
+    help="'full'; 'mask': decode only the face rows the blend mask uses (a fifth less VAE work; approximate, "
+         "check it with your weights); 'auto': 'mask' for the avatars whose mask allows it, 'full' for the rest.")]
 EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
 

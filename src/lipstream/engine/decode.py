@@ -20,7 +20,7 @@ from torch import nn
 from lipstream.errors import InputError
 from lipstream.models.config import LATENT_SIZE
 
-DECODE_ROWS = ("full", "mask")
+DECODE_ROWS = ("full", "mask", "auto")  # auto: the mask rows where every avatar of a batch allows it
 HALO = 4  # latent rows that must lie between the first decoded row and the mask's first non-zero row
 # Of 32 latent rows (48 of 256 px). Masks start at the nose tip, below the middle of the box. A CPU
 # study (benchmarks/decode_crop_study.py, docs/results/decode_crop_study_cpu.json) of face-box PSNR
@@ -56,11 +56,16 @@ def first_mask_row(masks: torch.Tensor) -> int:
     return int(rows[0]) if rows.numel() else masks.shape[-2]
 
 
+def mask_fits(masks: torch.Tensor, row: int) -> bool:
+    """Whether an avatar's masks start at or below what a decode from latent `row` covers (with its halo)."""
+    return first_mask_row(masks) >= (row + HALO) * (masks.shape[-2] // LATENT_SIZE)
+
+
 def check_mask_fits(masks: torch.Tensor, row: int, path: str | Path) -> None:
     """Raise if an avatar's masks reach above what a decode from latent `row` covers (with its halo)."""
-    first = first_mask_row(masks)
-    pixels_per_row = masks.shape[-2] // LATENT_SIZE
-    if first < (row + HALO) * pixels_per_row:
+    if not mask_fits(masks, row):
+        first = first_mask_row(masks)
+        pixels_per_row = masks.shape[-2] // LATENT_SIZE
         raise InputError(path, f"its blend mask starts at face row {first}, above what a decode from latent row "
                                f"{row} covers (row {(row + HALO) * pixels_per_row} at the earliest); render it "
                                "with --decode-rows full")

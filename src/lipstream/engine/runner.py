@@ -14,6 +14,7 @@ encoders. Optionally Inductor compiles the VAE decoder (78% of the FLOPs) or the
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lipstream.avatar import Avatar
-from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits
+from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits, mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
 from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
 from lipstream.models import MuseTalk
@@ -93,8 +94,9 @@ class Engine:
     `compile`: "off", "vae" (Inductor on the VAE decoder) or "all" (the UNet too);
     `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
     max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
-    only the face rows from latent row `decode_row` down (engine/decode.py: about a third less
-    VAE work, approximate; every avatar's mask must start below that row). `upsample` "transpose"
+    only the face rows from latent row `decode_row` down (engine/decode.py: a fifth less VAE
+    work, approximate; every avatar's mask must start below that row); "auto" does so for the
+    batches whose avatars all allow it and decodes the others whole. `upsample` "transpose"
     or "phases" runs every nearest-upsample + 3x3 conv of both networks as one convolution on the
     small map (engine/upsample.py: exact, 13.5% fewer FLOPs in UNet + decoder).
     """
@@ -119,7 +121,7 @@ class Engine:
         if self.buckets[-1] < batch_size:
             self.buckets += (batch_size,)
         self.compile = compile
-        self._net: dict[int, _Graph] = {}
+        self._net: dict[tuple[int, bool], _Graph] = {}  # (bucket, cropped decode)
         self._blend: dict[tuple, _Graph] = {}
         self._pool = None
         # A device tensor, as upstream passes it: a Python int would be copied from the CPU at every
@@ -132,21 +134,24 @@ class Engine:
             raise ValueError(f"decode_rows must be one of {DECODE_ROWS}, not {decode_rows!r}")
         if upsample not in UPSAMPLE_MODES:
             raise ValueError(f"upsample must be one of {UPSAMPLE_MODES}, not {upsample!r}")
-        self.decode_row = decode_row if decode_rows == "mask" else None
-        self._decoder = fuse_upsamplers(models.vae.decoder, upsample)  # a copy when fused: the models stay plain
-        if self.decode_row is not None:
-            self._decoder = CroppedDecoder(self._decoder, decode_row)
+        self.decode_rows = decode_rows
+        self.decode_row = decode_row if decode_rows != "full" else None
+        self._crop_ok: list[bool] = []  # per avatar: its masks fit the cropped decode
+        decoder = fuse_upsamplers(models.vae.decoder, upsample)  # a copy when fused: the models stay plain
         self._unet = fuse_upsamplers(models.unet, upsample)
         if channels_last:
-            self._decoder.to(memory_format=torch.channels_last)
+            decoder.to(memory_format=torch.channels_last)
             self._unet.to(memory_format=torch.channels_last)
+        self._decoders = {False: decoder}  # keyed by "cropped"
+        if self.decode_row is not None:
+            self._decoders[True] = CroppedDecoder(decoder, decode_row)
         if compile != "off":
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels
             mode = "max-autotune-no-cudagraphs" if autotune else None  # our own graphs wrap it
             # Modules, not the step: a compiled module's code is shared by every Engine with the same
             # shapes (parameters are graph inputs), so a second engine in a process reuses it.
-            self._decoder = torch.compile(self._decoder, dynamic=False, mode=mode)
+            self._decoders = {k: torch.compile(d, dynamic=False, mode=mode) for k, d in self._decoders.items()}
             if compile == "all":
                 self._unet = torch.compile(self._unet, dynamic=False)
 
@@ -158,8 +163,10 @@ class Engine:
         """Keep an avatar resident; returns its slot. Its tensors move to the engine's device."""
         if avatar.frames is None:
             raise ValueError(f"avatar {avatar.name} was loaded without its frames")
-        if self.decode_row is not None:
+        fits = self.decode_row is not None and mask_fits(avatar.masks, self.decode_row)
+        if self.decode_rows == "mask" and not fits:
             check_mask_fits(avatar.masks, self.decode_row, avatar.path)
+        self._crop_ok.append(fits)
         self._boxes.append(avatar.boxes.cpu().tolist())
         for name in ("latents", "boxes", "masks"):
             setattr(avatar, name, getattr(avatar, name).to(self.device))
@@ -173,7 +180,7 @@ class Engine:
 
     def clear_avatars(self) -> None:
         """Drop every resident avatar (captured graphs do not depend on them and stay)."""
-        self.avatars, self._boxes, self._geometry, self.canvas = [], [], [], None
+        self.avatars, self._boxes, self._geometry, self.canvas, self._crop_ok = [], [], [], None, []
 
     def _fit_canvas(self) -> None:
         """One blend canvas that covers every box of every resident avatar (a static graph shape)."""
@@ -186,47 +193,57 @@ class Engine:
             canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
             self._geometry.append(blend_geometry(boxes, h, w, canvas, a.meta["colour_matrix"]).to(self.device))
 
-    def _step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    def _cropped(self, slots) -> bool:
+        """Whether a batch of these avatar slots (all resident ones if None) takes the cropped decode."""
+        if self.decode_row is None:
+            return False
+        return all(self._crop_ok[s] for s in slots) if slots else self.decode_rows == "mask" or all(self._crop_ok)
+
+    def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
         audio = self.m.pe(windows)
         pred = self._unet(latents, self._timestep, encoder_hidden_states=audio).sample
         z = pred / VAE_SCALING_FACTOR
         if self.m.vae.post_quant_conv is not None:
             z = self.m.vae.post_quant_conv(z)
-        image = self._decoder(z)
+        image = self._decoders[cropped](z)
         return (image.float() / 2 + 0.5).clamp_(0, 1)
 
-    def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool) -> torch.Tensor:
         """The step without graphs; compiled code still sees only bucket shapes (no recompiles)."""
         n = latents.shape[0]
         if self.compile == "off" or n in self.buckets:
-            return self._step(latents, windows)
+            return self._step(latents, windows, cropped)
         bucket = next((b for b in self.buckets if b >= n), n)
         pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731
-        return self._step(pad(latents), pad(windows))[:n]
+        return self._step(pad(latents), pad(windows), cropped)[:n]
 
     def warm_up(self) -> None:
         """Compile and capture every bucket now (startup), not on the first frames."""
         if not self.use_graphs:
             return
+        kinds = {self._cropped([s]) for s in range(len(self.avatars))} or {self._cropped(None)}
         for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-            self._net_graph(b)
-            for a in self.avatars:
-                self._blend_graph(b, *a.size)
+            for cropped in kinds:
+                self._net_graph(b, cropped)
+                for a in self.avatars:
+                    self._blend_graph(b, *a.size, cropped)
 
-    def _net_graph(self, bucket: int) -> _Graph:
-        if bucket not in self._net:
+    def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
+        key = (bucket, self._cropped(None) if cropped is None else cropped)
+        if key not in self._net:
             inputs = {"latents": torch.zeros(bucket, 8, 32, 32, device=self.device, dtype=self.m.dtype),
                       "windows": torch.zeros(bucket, 50, 384, device=self.device, dtype=self.m.dtype)}
+            step = functools.partial(self._step, cropped=key[1])
             with torch.inference_mode():
-                self._net[bucket] = _Graph(self._step, inputs, self.device, self._pool)
-            self._pool = self._pool or self._net[bucket].graph.pool()
-        return self._net[bucket]
+                self._net[key] = _Graph(step, inputs, self.device, self._pool)
+            self._pool = self._pool or self._net[key].graph.pool()
+        return self._net[key]
 
-    def _blend_graph(self, bucket: int, width: int, height: int) -> _Graph:
+    def _blend_graph(self, bucket: int, width: int, height: int, cropped: bool) -> _Graph:
         canvas = (min(height, self.canvas[0]), min(width, self.canvas[1]))
-        key = (bucket, width, height, canvas)
+        key = (bucket, width, height, canvas, cropped)
         if key not in self._blend:
-            faces = self._net_graph(bucket).out
+            faces = self._net_graph(bucket, cropped).out
             geometry = torch.tensor([[0, 0, 0, 0, canvas[1], canvas[0], 0.299, 0.587, 0.114]],
                                     device=self.device).repeat(bucket, 1)  # padding rows: a valid box
             inputs = {"frames": torch.zeros(bucket, height * 3 // 2, width, dtype=torch.uint8, device=self.device),
@@ -241,16 +258,20 @@ class Engine:
         return self._blend[key]
 
     @torch.inference_mode()
-    def faces(self, latents: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """[B, 8, 32, 32] image latents + [B, 50, 384] windows -> [B, 3, 256, 256] RGB in [0, 1]."""
+    def faces(self, latents: torch.Tensor, windows: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
+        """[B, 8, 32, 32] image latents + [B, 50, 384] windows -> [B, 3, 256, 256] RGB in [0, 1].
+
+        `slots`: the avatars the latents come from (they decide a cropped decode); None: all resident ones.
+        """
         latents = latents.to(self.device, self.m.dtype)
         windows = windows.to(self.device, self.m.dtype)
+        cropped = self._cropped(slots)
         if not self.use_graphs:
-            return self._eager_step(latents, windows)
+            return self._eager_step(latents, windows, cropped)
         out = []
         for start in range(0, latents.shape[0], self.buckets[-1]):
             n = min(self.buckets[-1], latents.shape[0] - start)
-            graph = self._net_graph(next(b for b in self.buckets if b >= n))
+            graph = self._net_graph(next(b for b in self.buckets if b >= n), cropped)
             graph.inputs["latents"][:n].copy_(latents[start:start + n])
             graph.inputs["windows"][:n].copy_(windows[start:start + n])
             out.append(graph.replay()[:n].clone())
@@ -277,8 +298,9 @@ class Engine:
         for i, r in enumerate(chunk):
             groups.setdefault(r.avatar, []).append(i)
         windows = torch.stack([r.window for r in chunk])
+        cropped = self._cropped(list(groups))
         if self.use_graphs:
-            net, blend = self._net_graph(bucket), self._blend_graph(bucket, w, h)
+            net, blend = self._net_graph(bucket, cropped), self._blend_graph(bucket, w, h, cropped)
             latents, frames = net.inputs["latents"], blend.inputs["frames"]
             masks, geometry = blend.inputs["masks"], blend.inputs["geometry"]
             net.inputs["windows"][:n].copy_(windows)
@@ -302,7 +324,7 @@ class Engine:
                 for dst, src in targets:
                     dst.index_copy_(0, at, src.index_select(0, index))
         if not self.use_graphs:
-            faces = self._eager_step(latents, windows.to(self.device, self.m.dtype))
+            faces = self._eager_step(latents, windows.to(self.device, self.m.dtype), cropped)
             blend_static(frames, faces, masks, geometry, h, w, (min(h, self.canvas[0]), min(w, self.canvas[1])))
             return frames
         net.replay()
