@@ -33,11 +33,6 @@ from lipstream.models import load_musetalk  # noqa: E402
 DEFAULT = "plain:full,phases:full,transpose:full,phases:mask:6,phases:mask:8,phases:mask:12"
 
 
-def parse(spec: str) -> dict:
-    upsample, rows, *row = spec.split(":")
-    return {"upsample": upsample, "decode_rows": rows, **({"decode_row": int(row[0])} if row else {})}
-
-
 def markdown(report: dict) -> str:
     lines = [f"# GPU core variants ({report['date']}, {report['device']}, commit {report['commit']}, torch "
              f"{report['torch']})", "",
@@ -96,7 +91,7 @@ def main() -> None:
         engine = None
         try:
             t = time.perf_counter()
-            engine = Engine(m, st.BATCH, buckets=(8, st.BATCH), compile=compile, **parse(spec))
+            engine = Engine(m, st.BATCH, buckets=(8, st.BATCH), compile=compile, **st.engine_options(spec))
             built = time.perf_counter() - t
             startup, fps = st.core_fps(engine, avatar_dir, frames, repeats=1 if args.smoke else 3)
             row = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}

@@ -67,6 +67,12 @@ print(time.perf_counter() - t)
 """
 
 
+def engine_options(spec: str) -> dict:
+    """`upsample:rows[:row]` (for example `phases:mask:6`) -> Engine keyword arguments."""
+    upsample, rows, *row = spec.split(":")
+    return {"upsample": upsample, "decode_rows": rows, **({"decode_row": int(row[0])} if row else {})}
+
+
 def requests_for(engine: Engine, avatar_dir: Path, frames: int) -> list[FrameRequest]:
     engine.clear_avatars()
     slot = engine.add_avatar(load_avatar(avatar_dir, engine.device))
@@ -132,6 +138,7 @@ def markdown(report: dict) -> str:
     """The report as a page: each measurement against issue 5's targets."""
     lines = [f"# Speed targets ({report['date']}, {report['device']}, commit {report['commit']}, torch "
              f"{report['torch']}, {report['cpus']} CPUs)", "",
+             f"Engine `{report.get('engine', 'plain:full')}` (upsample:decode rows). "
              "Full-size random weights, fp16, batch 32, `compile all`; monologue: 775 frames at 30 fps, 1080p, "
              "x264 ultrafast, 8 segment encoders, one warm-up render then three timed.", ""]
     for rows in ("full", "mask"):
@@ -169,7 +176,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=520, help="seconds; optional steps are skipped past it")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
     ap.add_argument("--monologue-only", action="store_true",
-                    help="the compiled full-decode engine's monologue only: resident avatars vs loaded per render")
+                    help="the compiled engine's monologue only: resident avatars vs loaded per render")
+    ap.add_argument("--engine", default="plain:full", help="--monologue-only's engine: upsample:rows[:row]")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -205,7 +213,8 @@ def main() -> None:
 
     if args.monologue_only:
         t = time.perf_counter()
-        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile)
+        report["engine"] = args.engine
+        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, **engine_options(args.engine))
         requests_for(engine, avatar_dir, BATCH)
         engine.warm_up()
         sync()
