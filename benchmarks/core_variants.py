@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,9 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 import speed_targets as st  # noqa: E402
-from lipstream.avatar import compile_avatar  # noqa: E402
 from lipstream.engine import Engine, ReferenceEngine  # noqa: E402
-from lipstream.fixtures.avatar import action_loop  # noqa: E402
 from lipstream.models import load_musetalk  # noqa: E402
 
 DEFAULT = "plain:full,phases:full,transpose:full,phases:mask:6,phases:mask:8,phases:mask:12"
@@ -52,12 +49,8 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    ap.add_argument("--track", type=Path)
-    ap.add_argument("--variants", default=DEFAULT)
-    ap.add_argument("--budget", type=float, default=540, help="seconds; no variant starts past budget - 100")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    ap = st.common_arguments(argparse.ArgumentParser(), budget=540)
+    ap.add_argument("--variants", default=DEFAULT, help="comma-separated upsample:rows[:row]")
     args = ap.parse_args()
     st.SMOKE = args.smoke
     device, size, compile = ("cpu", "tiny", "off") if args.smoke else ("cuda", "full", "all")
@@ -66,9 +59,7 @@ def main() -> None:
     out, work = args.out, Path("/tmp/lipstream-variants")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": time.strftime("%Y-%m-%d"), "device": "cpu" if args.smoke else torch.cuda.get_device_name(0),
-                    "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "torch": torch.__version__,
-                    "command": " ".join(sys.argv), "variants": {}}
+    report: dict = {**st.run_header(args.smoke), "variants": {}}
 
     def save() -> None:
         report["elapsed_s"] = time.perf_counter() - t_start
@@ -76,11 +67,7 @@ def main() -> None:
         (out / "core_variants.md").write_text(markdown(report))
 
     m = load_musetalk(random_weights=True, size=size, device=device, seed=0, warn=False)
-    loop = work / "anchor.mp4"
-    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
-    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=args.track, force=True,
-                   progress=False)
-    avatar_dir = work / "avatars" / "anchor"
+    avatar_dir = st.bench_avatar(m, work, args.track)
     ref_models = load_musetalk(random_weights=True, size=size, device=device, dtype=torch.float32, seed=0, warn=False)
     reference = ReferenceEngine(ref_models)
     for spec in args.variants.split(","):

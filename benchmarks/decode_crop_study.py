@@ -3,7 +3,8 @@
 `python benchmarks/decode_crop_study.py [--frames 16] [--out F.json]` runs the full-size random
 UNet (fp32, seed 0, as the H200 runs) on frames of the bench avatar with random audio windows,
 then decodes each latent fully and cropped: after up block `after` (0 or 1), from latent row
-`row`, GroupNorm statistics over all decoded rows or without the first `skip` latent rows (the
+`row` (or `p:r1:r2:r3`: progressively, from row r1 before up block 1, r2 before 2, r3 before 3),
+GroupNorm statistics over all decoded rows or without the first `skip` latent rows (the
 ones the zero-padded top edge reaches). PSNR is of the luma, alpha-weighted by the blend mask, over
 the 256 x 256 face box: what the H200's box_psnr measures, in face space. It also prints each
 variant's decoder GFLOPs with fused upsamplers (engine/upsample.py), the speed model that predicted
@@ -55,6 +56,19 @@ def cropped(d, z: torch.Tensor, after: int, row: int) -> torch.Tensor:
     return F.pad(x, (0, 0, x.shape[-1] - x.shape[-2], 0))
 
 
+def progressive(d, z: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """Cut to latent row rows[i] before up block i + 1: later, costlier stages may start lower."""
+    x = d.mid_block(d.conv_in(z), None)
+    for i, up in enumerate(d.up_blocks):
+        if 1 <= i <= len(rows):
+            scale = x.shape[-1] // z.shape[-1]
+            cut = scale * rows[i - 1] - (x.shape[-1] - x.shape[-2])  # rows already cut before this block
+            x = x[:, :, cut:]
+        x = up(x, None)
+    x = d.conv_out(d.conv_act(d.conv_norm_out(x)))
+    return F.pad(x, (0, 0, x.shape[-1] - x.shape[-2], 0))
+
+
 def luma(img: torch.Tensor) -> torch.Tensor:
     rgb = (img.float() / 2 + 0.5).clamp(0, 1) * 255
     return 0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]
@@ -101,15 +115,21 @@ def main() -> None:
                           m.pe(windows[:1])) + gflops(d, z[:1])
         rows = [{"variant": "full, fused upsamplers", "gflops": fused_gf, "psnr": psnr(fused, full, alpha)}]
         print(json.dumps({"unet_gf": unet_gf, "plain_gf": plain_gf, **rows[0]}), flush=True)
+        unet_fused_gf = gflops(fuse_upsamplers(m.unet, "phases"), a.latents[:1].float(),
+                               torch.tensor([UNET_TIMESTEP]), m.pe(windows[:1]))
         for v in args.variants.split(","):
-            after, row, skip = map(int, v.split(":"))
-            SKIP["rows"] = skip * 8
-            out = torch.cat([cropped(d, z[i:i + 4], after, row) for i in range(0, len(z), 4)])
+            if v.startswith("p:"):  # progressive: p:r1:r2:r3
+                cuts = tuple(map(int, v.split(":")[1:]))
+                decode, extra = (lambda t, c=cuts: progressive(d, t, c)), {"rows": cuts}
+            else:
+                after, row, skip = map(int, v.split(":"))
+                decode, extra = (lambda t, a_=after, r_=row: cropped(d, t, a_, r_)), \
+                    {"after": after, "row": row, "skip": skip}
+            SKIP["rows"] = extra.get("skip", 0) * 8
+            out = torch.cat([decode(z[i:i + 4]) for i in range(0, len(z), 4)])
             SKIP["rows"] = 0
-            gf = gflops(fuse_upsamplers(m.unet, "phases"), a.latents[:1].float(), torch.tensor([UNET_TIMESTEP]),
-                        m.pe(windows[:1])) + gflops(lambda t: cropped(d, t, after, row), z[:1])
-            rows.append({"variant": v, "after": after, "row": row, "skip": skip, "gflops": gf,
-                         "psnr": psnr(out, full, alpha)})
+            gf = unet_fused_gf + gflops(decode, z[:1])
+            rows.append({"variant": v, **extra, "gflops": gf, "psnr": psnr(out, full, alpha)})
             r = rows[-1]
             print(json.dumps({"variant": v, "gflops": round(gf, 1), "predicted_fps": round(474 * plain_gf / gf),
                               "psnr_min": round(min(r["psnr"]), 2),

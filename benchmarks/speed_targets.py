@@ -67,6 +67,30 @@ print(time.perf_counter() - t)
 """
 
 
+def common_arguments(ap: argparse.ArgumentParser, budget: float) -> argparse.ArgumentParser:
+    """The options every issue-5 GPU script takes."""
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--track", type=Path, help="the face track of the bench loop (benchmarks/avatar_bench.py track)")
+    ap.add_argument("--budget", type=float, default=budget, help="seconds; optional steps are skipped past it")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    return ap
+
+
+def run_header(smoke: bool) -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), "device": "cpu" if smoke else torch.cuda.get_device_name(0),
+            "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+
+
+def bench_avatar(m, work: Path, track: Path | None) -> Path:
+    """The 1080p anchor loop, compiled (with a precomputed face track when given): its folder."""
+    loop = work / "anchor.mp4"
+    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
+    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=track, force=True,
+                   progress=False)
+    return work / "avatars" / "anchor"
+
+
 def engine_options(spec: str) -> dict:
     """`upsample:rows[:row]` (for example `phases:mask:6`) -> Engine keyword arguments."""
     upsample, rows, *row = spec.split(":")
@@ -170,11 +194,7 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    ap.add_argument("--track", type=Path)
-    ap.add_argument("--budget", type=float, default=520, help="seconds; optional steps are skipped past it")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    ap = common_arguments(argparse.ArgumentParser(), budget=520)
     ap.add_argument("--monologue-only", action="store_true",
                     help="the compiled engine's monologue only: resident avatars vs loaded per render")
     ap.add_argument("--engine", default="plain:full", help="--monologue-only's engine: upsample:rows[:row]")
@@ -187,9 +207,7 @@ def main() -> None:
     out, work = args.out, Path("/tmp/lipstream-targets")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if not SMOKE else "cpu",
-                    "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "batch": BATCH, "cpus": os.cpu_count(),
-                    "torch": torch.__version__}
+    report: dict = {**run_header(SMOKE), "batch": BATCH}
 
     def save(step: str) -> None:
         report.setdefault("elapsed_s", {})[step] = time.perf_counter() - t_start
@@ -203,11 +221,7 @@ def main() -> None:
     m = load_musetalk(random_weights=True, size=size, device=device, seed=0, warn=False)
     sync()
     report["networks_built_s"] = time.perf_counter() - t
-    loop = work / "anchor.mp4"
-    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
-    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=args.track, force=True,
-                   progress=False)
-    avatar_dir = work / "avatars" / "anchor"
+    avatar_dir = bench_avatar(m, work, args.track)
     program = single_scene("anchor", write_audio(work / "monologue.wav", speech_like(seconds, 16000, seed=3), 16000))
     save("setup")
 
