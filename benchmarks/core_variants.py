@@ -1,8 +1,9 @@
 """GPU core and fidelity of engine variants, in one GPU call: `python benchmarks/core_variants.py --out DIR`.
 
-Each variant is `upsample:rows[:row]` (Engine's `upsample`, `decode_rows` and `decode_row`), for
-example `plain:full`, `phases:full`, `transpose:mask:6`. For each: build the Engine (`compile all`,
-graphs, batch 32, buckets 8 and 32), time compile + capture, then the core (engine.render: windows ->
+Each variant is `upsample:rows[:row[:stats]]` (Engine's `upsample`, `decode_rows`, `decode_row`
+and `decode_stats`), for example `plain:full`, `phases:full`, `transpose:mask:6:near`. For each:
+build the Engine (`compile all`, graphs, batch 32, buckets 8 and 32), time compile + capture,
+then the core (engine.render: windows ->
 UNet -> VAE decode -> blend, no encode) over 512 frames three times, and the luma PSNR inside the
 face boxes against the eager fp32 reference engine on 64 frames. The same avatar and requests as
 speed_targets.py. Every variant rewrites DIR/core_variants.json and .md, so a time limit keeps what
@@ -27,7 +28,7 @@ import speed_targets as st  # noqa: E402
 from lipstream.engine import Engine, ReferenceEngine  # noqa: E402
 from lipstream.models import load_musetalk  # noqa: E402
 
-DEFAULT = "plain:full,phases:full,transpose:full,phases:mask:6,phases:mask:8,phases:mask:12"
+DEFAULT = "plain:full,phases:full,transpose:full,phases:mask:6:near,phases:mask:6:rows"
 
 
 def markdown(report: dict) -> str:
@@ -50,7 +51,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     ap = st.common_arguments(argparse.ArgumentParser(), budget=540)
-    ap.add_argument("--variants", default=DEFAULT, help="comma-separated upsample:rows[:row]")
+    ap.add_argument("--variants", default=DEFAULT, help="comma-separated upsample:rows[:row[:stats]]")
     args = ap.parse_args()
     st.SMOKE = args.smoke
     device, size, compile = ("cpu", "tiny", "off") if args.smoke else ("cuda", "full", "all")

@@ -92,9 +92,14 @@ def bench_avatar(m, work: Path, track: Path | None) -> Path:
 
 
 def engine_options(spec: str) -> dict:
-    """`upsample:rows[:row]` (for example `phases:mask:6`) -> Engine keyword arguments."""
-    upsample, rows, *row = spec.split(":")
-    return {"upsample": upsample, "decode_rows": rows, **({"decode_row": int(row[0])} if row else {})}
+    """`upsample:rows[:row[:stats]]` (for example `phases:mask:6:near`) -> Engine keyword arguments."""
+    upsample, rows, *rest = spec.split(":")
+    options = {"upsample": upsample, "decode_rows": rows}
+    if rest:
+        options["decode_row"] = int(rest[0])
+    if len(rest) > 1:
+        options["decode_stats"] = rest[1]
+    return options
 
 
 def requests_for(engine: Engine, avatar_dir: Path, frames: int) -> list[FrameRequest]:
@@ -197,7 +202,7 @@ def main() -> None:
     ap = common_arguments(argparse.ArgumentParser(), budget=520)
     ap.add_argument("--monologue-only", action="store_true",
                     help="the compiled engine's monologue only: resident avatars vs loaded per render")
-    ap.add_argument("--engine", default="plain:full", help="--monologue-only's engine: upsample:rows[:row]")
+    ap.add_argument("--engine", default="plain:full", help="--monologue-only's engine: upsample:rows[:row[:stats]]")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke

@@ -11,7 +11,7 @@ from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
 from lipstream.errors import InputError
 from lipstream.engine.blend import untouched
-from lipstream.engine.decode import HALO, CroppedDecoder, first_mask_row
+from lipstream.engine.decode import HALO, NEAR, CroppedDecoder, CutGroupNorm, first_mask_row
 
 ROW = 12
 
@@ -96,3 +96,31 @@ def test_auto_decode_crops_the_avatars_that_allow_it_and_decodes_the_others_whol
     assert torch.equal(out["auto", "low"], out["mask", "low"])  # every avatar of the batch fits: cropped
     assert torch.equal(out["auto", "high"], out["full", "high"])  # this one does not: whole
     assert torch.equal(out["auto", "both"], out["full", "both"])  # a batch with both: whole
+
+
+def test_cut_groupnorm_is_groupnorm_of_the_map_with_its_cut_rows_like_their_neighbours():
+    norm = torch.nn.GroupNorm(4, 8)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    x = torch.randn(2, 8, 10, 10, generator=torch.Generator().manual_seed(3))
+    cut_norm = CutGroupNorm(norm)
+    torch.testing.assert_close(cut_norm(x), norm(x))  # nothing cut: a plain GroupNorm
+    h = 8  # 2 rows cut; "near" takes them to look like the first 8 // NEAR = 2 decoded rows
+    assert h // NEAR == 10 - h
+    decoded = x[:, :, 2:]
+    stand_in = torch.cat([decoded[:, :, :2], decoded], dim=2)
+    torch.testing.assert_close(cut_norm(decoded), norm(stand_in)[:, :, 2:], rtol=1e-5, atol=1e-5)
+
+
+def test_near_statistics_leave_the_decoder_alone_and_differ_from_the_rows_alone(tiny_models):
+    decoder = tiny_models.vae.decoder
+    z = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(4))
+    near = CroppedDecoder(decoder, ROW, stats="near")
+    assert not any(isinstance(m, CutGroupNorm) for m in decoder.modules())
+    assert sum(isinstance(m, CutGroupNorm) for m in near.modules()) > 0
+    assert near.decoder.conv_in.weight is decoder.conv_in.weight
+    with torch.inference_mode():
+        a, b = near(z), CroppedDecoder(decoder, ROW, stats="rows")(z)
+    assert a.shape == b.shape and not torch.allclose(a, b)
+    with pytest.raises(ValueError, match="stats"):
+        CroppedDecoder(decoder, ROW, stats="mean")

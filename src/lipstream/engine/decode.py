@@ -4,39 +4,90 @@ The blend mask is zero above the nose tip, so the upper rows of every decoded fa
 away. The decoder's cost is in its up blocks at 64-256 px (about 85% of its FLOPs), so those run
 only from `row` (in latent rows, 8 px of the 256 px face) down; the mid block (whose attention
 sees every position) and the first up block stay whole. Two things make it approximate: the
-cropped top edge is zero-padded instead of seeing the rows above, and each GroupNorm takes its
-statistics over the decoded rows only. Both stay far from the mask when `row` is a few latent rows
-above its first non-zero row; measure the PSNR against the full decode before relying on it.
+cropped top edge is zero-padded instead of seeing the rows above, and each GroupNorm's statistics
+span the whole map, rows that were cut included. The edge stays far from the mask when `row` is a
+few latent rows above its first non-zero row. For the statistics, `stats="near"` takes the cut
+rows to look like the first quarter of the decoded rows (their neighbours) and combines their
+moments with the decoded rows'; `stats="rows"` uses the decoded rows alone. A CPU study
+(benchmarks/decode_crop_study.py, docs/BENCHMARKS.md) puts the worst frame's face-box PSNR against
+the full decode at 49.8 dB ("near") and 42.5 dB ("rows") from row 6. Measure it with your weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lipstream.engine.surgery import replace_modules, shared_copy
 from lipstream.errors import InputError
 from lipstream.models.config import LATENT_SIZE
 
 DECODE_ROWS = ("full", "mask", "auto")  # auto: the mask rows where every avatar of a batch allows it
 HALO = 4  # latent rows that must lie between the first decoded row and the mask's first non-zero row
-# Of 32 latent rows (48 of 256 px). Masks start at the nose tip, below the middle of the box. A CPU
-# study (benchmarks/decode_crop_study.py, docs/results/decode_crop_study_cpu.json) of face-box PSNR
-# against the full decode, worst of 16 frames: row 12 36.7 dB, 8 40.4, 6 42.5, 4 45.4.
+# Of 32 latent rows (48 of 256 px). Masks start at the nose tip, below the middle of the box. The
+# CPU study's worst frame, "rows" statistics: row 12 36.7 dB, 8 40.4, 6 42.5, 4 45.4; "near": row 12
+# 33.3, 10 36.8, 8 42.0, 6 49.8 (the neighbours stop resembling the cut rows further down).
 DEFAULT_ROW = 6
+CUT_STATS = ("near", "rows")
+NEAR = 4  # "near": the cut rows' moments are those of the first 1/NEAR of the decoded rows
+
+
+class CutGroupNorm(nn.Module):
+    """A GroupNorm for a map whose top rows were cut: statistics of the whole (square) map, guessed.
+
+    Per group, the mean and mean square of the decoded rows are combined with those of the cut rows,
+    taken to equal the moments of the first 1/NEAR of the decoded rows.
+    """
+
+    def __init__(self, norm: nn.GroupNorm):
+        super().__init__()
+        self.groups, self.eps, self.weight, self.bias = norm.num_groups, norm.eps, norm.weight, norm.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        cut = w - h  # the face maps are square before the cut
+        if cut <= 0:
+            return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+        rows = x.float().reshape(b, self.groups, c // self.groups, h, w)
+        m1, m2 = rows.mean(dim=(2, 4)), rows.square().mean(dim=(2, 4))  # [b, groups, h] per-row moments
+        k = max(1, h // NEAR)
+        mean = (h * m1.mean(-1) + cut * m1[..., :k].mean(-1)) / w
+        square = (h * m2.mean(-1) + cut * m2[..., :k].mean(-1)) / w
+        var = (square - mean.square()).clamp(min=0)
+        scale = torch.rsqrt(var + self.eps)[..., None]
+        y = ((rows.reshape(b, self.groups, -1) - mean[..., None]) * scale).reshape(b, c, h, w)
+        if self.weight is not None:
+            y = y * self.weight[:, None, None] + self.bias[:, None, None]
+        return y.to(x.dtype)
 
 
 class CroppedDecoder(nn.Module):
-    """A diffusers VAE `Decoder` run from latent row `row` down; the rows above come out as zeros."""
+    """A diffusers VAE `Decoder` run from latent row `row` down; the rows above come out as zeros.
 
-    def __init__(self, decoder: nn.Module, row: int):
+    With `stats="near"` it works on a copy of the decoder (sharing its weights) whose GroupNorms
+    after the cut are CutGroupNorms; the decoder passed in is left as it is.
+    """
+
+    def __init__(self, decoder: nn.Module, row: int, stats: str = "near"):
         super().__init__()
         if not 0 <= row < LATENT_SIZE or len(decoder.up_blocks) < 2:
             raise ValueError(f"cannot crop the decode at latent row {row}")
+        if stats not in CUT_STATS:
+            raise ValueError(f"stats must be one of {CUT_STATS}, not {stats!r}")
+        if stats == "near":
+            decoder = shared_copy(decoder)
+            swap: Callable[[nn.Module], nn.Module | None] = \
+                lambda m: CutGroupNorm(m) if isinstance(m, nn.GroupNorm) else None  # noqa: E731
+            for up in decoder.up_blocks[1:]:
+                replace_modules(up, swap)
+            decoder.conv_norm_out = swap(decoder.conv_norm_out) or decoder.conv_norm_out
         self.decoder = decoder
         self.row = row
+        self.stats = stats
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         d = self.decoder

@@ -96,7 +96,8 @@ class Engine:
     max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
     only the face rows from latent row `decode_row` down (engine/decode.py: a fifth less VAE
     work, approximate; every avatar's mask must start below that row); "auto" does so for the
-    batches whose avatars all allow it and decodes the others whole. `upsample` "transpose"
+    batches whose avatars all allow it and decodes the others whole; `decode_stats` picks how its
+    GroupNorms see the rows that were cut (engine/decode.py). `upsample` "transpose"
     or "phases" runs every nearest-upsample + 3x3 conv of both networks as one convolution on the
     small map (engine/upsample.py: exact, 13.5% fewer FLOPs in UNet + decoder).
     """
@@ -104,7 +105,8 @@ class Engine:
     def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
                  compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
                  channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
-                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW, upsample: str = "plain"):
+                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW, decode_stats: str = "near",
+                 upsample: str = "plain"):
         if models.unet is None or models.vae is None:
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
@@ -144,7 +146,7 @@ class Engine:
             self._unet.to(memory_format=torch.channels_last)
         self._decoders = {False: decoder}  # keyed by "cropped"
         if self.decode_row is not None:
-            self._decoders[True] = CroppedDecoder(decoder, decode_row)
+            self._decoders[True] = CroppedDecoder(decoder, decode_row, decode_stats)
         if compile != "off":
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels

@@ -10,12 +10,11 @@ decoder's three upsamplers are 28% of its FLOPs. Only the order of the additions
 
 from __future__ import annotations
 
-import copy
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lipstream.engine.surgery import replace_modules, shared_copy
 
 UPSAMPLE_MODES = ("plain", "transpose", "phases")
 
@@ -86,10 +85,6 @@ def fuse_upsamplers(module: nn.Module, mode: str) -> nn.Module:
     """
     if mode == "plain":
         return module
-    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
-    fused = copy.deepcopy(module, memo=shared)
-    for parent in list(fused.modules()):
-        for name, child in list(parent.named_children()):
-            if can_fuse(child):
-                setattr(parent, name, FusedUpsample(child, mode))
+    fused = shared_copy(module)
+    replace_modules(fused, lambda m: FusedUpsample(m, mode) if can_fuse(m) else None)
     return fused
