@@ -107,6 +107,7 @@ def gflops(fn, *args) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--frames", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="of the random audio windows")
     p.add_argument("--avatar", default=".bench/avatars/anchor")
     p.add_argument("--variants", default="0:12:0,0:8:0,0:6:0,0:4:0,1:12:0,1:8:0,0:8:2,0:12:2",
                    help="after:row:skip, comma separated")
@@ -119,7 +120,7 @@ def main() -> None:
     m = load_musetalk(random_weights=True, size="full", seed=0, components=("unet", "vae", "whisper"), warn=False)
     a = load_avatar(args.avatar, with_frames=False)
     idx = torch.linspace(0, a.num_frames - 1, args.frames).long()
-    windows = torch.randn(args.frames, 50, 384, generator=torch.Generator().manual_seed(0))
+    windows = torch.randn(args.frames, 50, 384, generator=torch.Generator().manual_seed(args.seed))
     alpha = a.masks[idx].float() / 255
     d = fuse_upsamplers(m.vae.decoder, "phases")
     with torch.inference_mode():
