@@ -124,3 +124,42 @@ def test_near_statistics_leave_the_decoder_alone_and_differ_from_the_rows_alone(
     assert a.shape == b.shape and not torch.allclose(a, b)
     with pytest.raises(ValueError, match="stats"):
         CroppedDecoder(decoder, ROW, stats="mean")
+
+
+class _ReplayGraph:
+    """Stands in for a CUDA graph on the CPU: static inputs and output, `fn` run again at each replay."""
+
+    def __init__(self, fn, inputs, device, pool, warmups=2):
+        self.fn, self.inputs = fn, inputs
+        self.out = fn(**inputs)
+        self.graph = type("Pool", (), {"pool": staticmethod(lambda: "pool")})()
+
+    def replay(self):
+        out = self.fn(**self.inputs)
+        if out is not None:
+            self.out.copy_(out)  # the graph's output memory is fixed: readers hold this tensor
+        return self.out
+
+
+def test_graph_bookkeeping_of_auto_decode_matches_the_eager_path(tiny_models, presenter, monkeypatch):
+    """The graph path (static buffers keyed by bucket and decode kind) gives the eager path's frames."""
+    from lipstream.engine import runner
+
+    monkeypatch.setattr(runner, "_Graph", _ReplayGraph)
+    high = load_avatar(presenter)
+    high.masks = high.masks.clone()
+    high.masks[:, 40:50, 100:150] = 255
+    windows = torch.randn(7, 50, 384, generator=torch.Generator().manual_seed(6))
+    out = {}
+    for graphs in (False, True):
+        engine = Engine(tiny_models, 4, graphs=graphs, buckets=(2, 4), decode_rows="auto", decode_row=ROW)
+        low, slot = engine.add_avatar(load_avatar(presenter)), engine.add_avatar(copy.copy(high))
+        engine.warm_up()
+        for name, requests in {"low": [FrameRequest(low, i % 6, windows[i]) for i in range(7)],
+                               "high": [FrameRequest(slot, i % 6, windows[i]) for i in range(3)],
+                               "both": [FrameRequest((low, slot)[i % 2], i % 6, windows[i]) for i in range(5)]}.items():
+            out[graphs, name] = engine.render(requests).clone()
+        if graphs:
+            assert {key[1] for key in engine._net} == {True, False}  # both decode kinds captured
+    for name in ("low", "high", "both"):
+        torch.testing.assert_close(out[True, name], out[False, name], rtol=0, atol=1)

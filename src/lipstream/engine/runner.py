@@ -287,10 +287,12 @@ class Engine:
         of at most `buckets[-1]` requests returns a view of the blend graph's output: valid until
         that bucket runs again (copy it out before the next call).
         """
-        out = []
-        for start in range(0, len(requests), self.buckets[-1]):
-            out.append(self._render_chunk(requests[start:start + self.buckets[-1]]))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        step = self.buckets[-1]
+        if len(requests) <= step:
+            return self._render_chunk(requests)
+        # Each chunk's frames live in its blend graph's buffer, which the next chunk of the same
+        # bucket overwrites: copy them out first.
+        return torch.cat([self._render_chunk(requests[s:s + step]).clone() for s in range(0, len(requests), step)])
 
     def _render_chunk(self, chunk: list[FrameRequest]) -> torch.Tensor:
         n = len(chunk)
