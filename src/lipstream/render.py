@@ -32,6 +32,7 @@ from lipstream.avatar.resident import resident_avatar
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
+from lipstream.interrupts import DeferredInterrupt
 from lipstream.io import check_output_path
 from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
@@ -263,13 +264,16 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
     producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
     try:
-        with make_writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
-                         encoders=encoders, processes=processes, segment=segment, total_frames=len(items)) as writer:
+        with DeferredInterrupt() as interrupt, \
+                make_writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
+                            encoders=encoders, processes=processes, segment=segment,
+                            total_frames=len(items)) as writer:
             marks["writer_open_s"] = time.perf_counter() - t0
             producer.start()
             while True:
                 t = time.perf_counter()
                 while True:
+                    interrupt.check()  # here, not inside the queue's lock: the writer aborts cleanly
                     try:
                         batch = frames.get(timeout=0.002)
                         break
@@ -294,6 +298,7 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                 marks.setdefault("first_batch_written_s", time.perf_counter() - t0)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
+            interrupt.check()
             if writer.frames != len(items):
                 raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
             loop_end = time.perf_counter()
