@@ -68,3 +68,10 @@ def test_engine_with_fused_upsamplers_renders_the_same_frames(tiny_models, prese
     assert all(type(m).__name__ != "FusedUpsample" for m in tiny_models.unet.modules())
     with pytest.raises(ValueError, match="upsample"):
         Engine(tiny_models, 4, upsample="bilinear")
+
+
+def test_engines_on_the_same_networks_share_one_fused_copy(tiny_models):
+    """So torch.compile's per-module cache serves every engine (no second trace and compile)."""
+    a, b = (Engine(tiny_models, 4, upsample="phases", decode_rows="auto") for _ in range(2))
+    assert a._unet is b._unet and a._decoders[False] is b._decoders[False] and a._decoders[True] is b._decoders[True]
+    assert Engine(tiny_models, 4, upsample="transpose")._unet is not a._unet

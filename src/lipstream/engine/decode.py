@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lipstream.engine.surgery import replace_modules, shared_copy
+from lipstream.engine.surgery import cached_variant, replace_modules, shared_copy
 from lipstream.errors import InputError
 from lipstream.models.config import LATENT_SIZE
 
@@ -79,12 +79,7 @@ class CroppedDecoder(nn.Module):
         if stats not in CUT_STATS:
             raise ValueError(f"stats must be one of {CUT_STATS}, not {stats!r}")
         if stats == "near":
-            decoder = shared_copy(decoder)
-            swap: Callable[[nn.Module], nn.Module | None] = \
-                lambda m: CutGroupNorm(m) if isinstance(m, nn.GroupNorm) else None  # noqa: E731
-            for up in decoder.up_blocks[1:]:
-                replace_modules(up, swap)
-            decoder.conv_norm_out = swap(decoder.conv_norm_out) or decoder.conv_norm_out
+            decoder = cached_variant(decoder, "cut groupnorm", lambda: _with_cut_groupnorm(decoder))
         self.decoder = decoder
         self.row = row
         self.stats = stats
@@ -99,6 +94,17 @@ class CroppedDecoder(nn.Module):
             x = up(x, None)
         x = d.conv_out(d.conv_act(d.conv_norm_out(x)))
         return F.pad(x, (0, 0, x.shape[-1] - x.shape[-2], 0))  # back to a square face
+
+
+def _with_cut_groupnorm(decoder: nn.Module) -> nn.Module:
+    """A copy of the decoder (same weights) whose GroupNorms after the first up block are CutGroupNorms."""
+    decoder = shared_copy(decoder)
+    swap: Callable[[nn.Module], nn.Module | None] = \
+        lambda m: CutGroupNorm(m) if isinstance(m, nn.GroupNorm) else None  # noqa: E731
+    for up in decoder.up_blocks[1:]:
+        replace_modules(up, swap)
+    decoder.conv_norm_out = swap(decoder.conv_norm_out) or decoder.conv_norm_out
+    return decoder
 
 
 def first_mask_row(masks: torch.Tensor) -> int:

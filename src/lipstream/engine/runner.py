@@ -25,6 +25,7 @@ import torch
 from lipstream.avatar import Avatar
 from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits, mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
+from lipstream.engine.surgery import cached_variant
 from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
 from lipstream.models import MuseTalk
 from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
@@ -146,7 +147,8 @@ class Engine:
             self._unet.to(memory_format=torch.channels_last)
         self._decoders = {False: decoder}  # keyed by "cropped"
         if self.decode_row is not None:
-            self._decoders[True] = CroppedDecoder(decoder, decode_row, decode_stats)
+            self._decoders[True] = cached_variant(decoder, ("crop", decode_row, decode_stats),
+                                                  lambda: CroppedDecoder(decoder, decode_row, decode_stats))
         if compile != "off":
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels

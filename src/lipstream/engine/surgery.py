@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -29,3 +30,18 @@ def replace_modules(module: nn.Module, make: Callable[[nn.Module], nn.Module | N
                 setattr(parent, name, new)
                 count += 1
     return count
+
+
+_variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_variant(module: nn.Module, key: object, make: Callable[[], nn.Module]) -> nn.Module:
+    """`make()`, once per (module, key) while `module` lives.
+
+    Engines built on the same networks then share one variant module, and so its compiled code:
+    torch.compile's cache is per module, and every new copy would be traced and compiled again.
+    """
+    per_module = _variants.setdefault(module, {})
+    if key not in per_module:
+        per_module[key] = make()
+    return per_module[key]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lipstream.engine.surgery import replace_modules, shared_copy
+from lipstream.engine.surgery import cached_variant, replace_modules, shared_copy
 
 UPSAMPLE_MODES = ("plain", "transpose", "phases")
 
@@ -82,9 +82,14 @@ def fuse_upsamplers(module: nn.Module, mode: str) -> nn.Module:
     """A copy of `module` (sharing its parameters and buffers) with every fusable upsampler fused.
 
     A copy, not an edit: the reference path and other engines keep using the original modules.
+    One copy per module and mode (folded from the weights as they are at the first call).
     """
     if mode == "plain":
         return module
-    fused = shared_copy(module)
-    replace_modules(fused, lambda m: FusedUpsample(m, mode) if can_fuse(m) else None)
-    return fused
+
+    def fuse() -> nn.Module:
+        fused = shared_copy(module)
+        replace_modules(fused, lambda m: FusedUpsample(m, mode) if can_fuse(m) else None)
+        return fused
+
+    return cached_variant(module, ("upsample", mode), fuse)
