@@ -64,16 +64,6 @@ def skipping_group_norm(x, groups, weight=None, bias=None, eps=1e-5):
     return y.reshape_as(x) * weight[:, None, None] + bias[:, None, None]
 
 
-def cropped(d, z: torch.Tensor, after: int, row: int) -> torch.Tensor:
-    x = d.mid_block(d.conv_in(z), None)
-    for i, up in enumerate(d.up_blocks):
-        if i == after + 1:
-            x = x[:, :, x.shape[-2] // z.shape[-2] * row:]
-        x = up(x, None)
-    x = d.conv_out(d.conv_act(d.conv_norm_out(x)))
-    return F.pad(x, (0, 0, x.shape[-1] - x.shape[-2], 0))
-
-
 def progressive(d, z: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     """Cut to latent row rows[i] before up block i + 1: later, costlier stages may start lower."""
     x = d.mid_block(d.conv_in(z), None)
@@ -144,7 +134,8 @@ def main() -> None:
                 decode, extra = (lambda t, c=cuts: progressive(d, t, c)), {"rows": cuts}
             else:
                 after, row, skip = map(int, v.split(":"))
-                decode, extra = (lambda t, a_=after, r_=row: cropped(d, t, a_, r_)), \
+                cuts = (row, row, row) if after == 0 else (0, row, row)  # cut after up block `after`
+                decode, extra = (lambda t, c=cuts: progressive(d, t, c)), \
                     {"after": after, "row": row, "skip": skip}
             SKIP["rows"], STATS["mode"] = extra.get("skip", 0) * 8, args.stats
             out = torch.cat([decode(z[i:i + 4]) for i in range(0, len(z), 4)])

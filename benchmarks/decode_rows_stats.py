@@ -55,9 +55,9 @@ to8 = lambda x: (x.float() / 2 + 0.5).clamp(0, 1) * 255
 psnr = lambda d: [round(10 * math.log10(255 ** 2 / max(float((x ** 2).mean()), 1e-10)), 1) for x in d]
 with torch.inference_mode():
     full = m.vae.decoder(zgen)
-    plain = CroppedDecoder(m.vae.decoder, ROW)(zgen)
+    plain = CroppedDecoder(m.vae.decoder, ROW, stats="rows")(zgen)
     state["mode"] = "record"; m.vae.decoder(zref)
     state["mode"] = "combine"; state["i"] = 0
-    fixed = CroppedDecoder(m.vae.decoder, ROW)(zgen)
+    fixed = CroppedDecoder(m.vae.decoder, ROW, stats="rows")(zgen)
 print("plain crop box PSNR", psnr(alpha * (to8(full) - to8(plain))))
 print("crop + reference upper-row stats box PSNR", psnr(alpha * (to8(full) - to8(fixed))))

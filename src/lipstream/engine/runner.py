@@ -197,7 +197,7 @@ class Engine:
             canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
             self._geometry.append(blend_geometry(boxes, h, w, canvas, a.meta["colour_matrix"]).to(self.device))
 
-    def _cropped(self, slots) -> bool:
+    def _cropped(self, slots: list[int] | None) -> bool:
         """Whether a batch of these avatar slots (all resident ones if None) takes the cropped decode."""
         if self.decode_row is None:
             return False

@@ -20,16 +20,13 @@ def shared_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo=shared)
 
 
-def replace_modules(module: nn.Module, make: Callable[[nn.Module], nn.Module | None]) -> int:
-    """Replace, in place, every descendant for which `make` returns a module; returns how many."""
-    count = 0
+def replace_modules(module: nn.Module, make: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Replace, in place, every descendant for which `make` returns a module."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             new = make(child)
             if new is not None:
                 setattr(parent, name, new)
-                count += 1
-    return count
 
 
 _variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
