@@ -13,7 +13,7 @@ def test_bench_smoke(tiny_models, tmp_path):
     report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("legacy", "fast", "ablation"))
     rows = {(r["scenario"], r["mode"]): r for r in report["rows"]}
     ablation = ["fast -cuda graphs", "fast -gpu blending", "fast -gathered windows", "fast -in-process encode",
-                "fast -yuv path", "fast -parallel encode"]
+                "fast -yuv path", "fast -parallel encode", "fast -upsample fusion", "fast -mask-rows decode"]
     assert set(rows) == {(s, m) for s in "AB" for m in ["legacy", "fast", *ablation]}
     for s in "AB":
         assert all(rows[(s, m)]["frames"] == rows[(s, "fast")]["frames"] and rows[(s, m)]["fps"] > 0 for m in ablation)
@@ -23,6 +23,8 @@ def test_bench_smoke(tiny_models, tmp_path):
         assert legacy["disk_bytes_written"] > 0 and fast["disk_bytes_written"] == 0  # PNGs + a temp video
         assert rows[(scenario, "fast -in-process encode")]["disk_bytes_written"] > 0
         assert rows[(scenario, "fast -yuv path")]["psnr_db"] > 30
+        assert abs(rows[(scenario, "fast -upsample fusion")]["psnr_db"] - fast["psnr_db"]) < 0.5  # exact maths
+        assert rows[(scenario, "fast -mask-rows decode")]["psnr_db"] > 30
         assert fast["speedup"] > 0 and legacy["speedup"] == 1.0
         assert fast["psnr_db"] > 30 and legacy["psnr_db"] > 25  # random-noise faces at crf 18 vs lossless
         for mode in ("legacy", "fast"):

@@ -140,7 +140,7 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
 
 def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], crf: int, preset: str,
             reference: bool, batch: int, encoders: Optional[int], compile_vae: bool, models, random_weights: bool,
-            random_size: str, device: str, decode_rows: str = "full") -> None:
+            random_size: str, device: str, decode_rows: str = "auto") -> None:
     from fractions import Fraction
 
     import torch
@@ -193,7 +193,7 @@ def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name
                avatars: AvatarsOpt = None, start_frame: int = 0,
                fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: the avatar's).")] = None,
                crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False, batch: BatchOpt = 16,
-               encoders: EncodersOpt = None, compile_vae: CompileOpt = False, decode_rows: DecodeRowsOpt = "full",
+               encoders: EncodersOpt = None, compile_vae: CompileOpt = False, decode_rows: DecodeRowsOpt = "auto",
                models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
                device: DeviceOpt = "auto") -> None:
     """Make an avatar speak an audio file: one lip-synced MP4."""
@@ -210,7 +210,7 @@ def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of a
                   fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: first scene's).")] = None,
                   crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
                   batch: BatchOpt = 16, encoders: EncodersOpt = None, compile_vae: CompileOpt = False,
-                  decode_rows: DecodeRowsOpt = "full", models: ModelsOpt = None,
+                  decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
                   random_weights: RandomOpt = False,
                   random_size: RandomSizeOpt = "full", device: DeviceOpt = "auto") -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""

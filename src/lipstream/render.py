@@ -119,7 +119,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
                    engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
                    compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer,
-                   decode_rows: str = "full", resident: bool = True) -> RenderReport:
+                   decode_rows: str = "auto", resident: bool = True) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on

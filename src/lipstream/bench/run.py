@@ -195,6 +195,10 @@ def ablations(compile: str) -> dict:
         "in-process encode": lambda m: {"writer": legacy.PNGSequenceWriter},
         "yuv path": engine("rgb", lambda m: RGBEngine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH))),
         "parallel encode": lambda m: {"encoders": 1},
+        "upsample fusion": engine("plain upsample", lambda m: Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH),
+                                                                     upsample="plain")),
+        "mask-rows decode": engine("full decode", lambda m: Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH),
+                                                                   decode_rows="full")),
     }
     if compile != "off":
         rows["compile"] = engine("no compile", lambda m: Engine(m, FAST_BATCH, buckets=(8, FAST_BATCH)))

@@ -8,9 +8,11 @@ cropped top edge is zero-padded instead of seeing the rows above, and each Group
 span the whole map, rows that were cut included. The edge stays far from the mask when `row` is a
 few latent rows above its first non-zero row. For the statistics, `stats="near"` takes the cut
 rows to look like the first quarter of the decoded rows (their neighbours) and combines their
-moments with the decoded rows'; `stats="rows"` uses the decoded rows alone. A CPU study
-(benchmarks/decode_crop_study.py, docs/BENCHMARKS.md) puts the worst frame's face-box PSNR against
-the full decode at 49.8 dB ("near") and 42.5 dB ("rows") from row 6. Measure it with your weights.
+moments with the decoded rows'; `stats="rows"` uses the decoded rows alone. On the H200
+(benchmarks/core_variants.py, docs/BENCHMARKS.md: full-size random weights, 64 frames, worst
+frame's face-box luma PSNR against eager fp32) "rows" from row 8 keeps 45.9 dB at 625 fps (full
+decode: 70.5 dB, 526 fps); from row 6 53.4 dB, from row 10 42.6 dB. "near" costs 5% of the speed
+(a per-row reduction); it helps at row 8 (47.6 dB) and hurts at row 6 (49.8 dB). Measure it with your weights.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from lipstream.models.config import LATENT_SIZE
 
 DECODE_ROWS = ("full", "mask", "auto")  # auto: the mask rows where every avatar of a batch allows it
 HALO = 4  # latent rows that must lie between the first decoded row and the mask's first non-zero row
-# Of 32 latent rows (48 of 256 px). Masks start at the nose tip, below the middle of the box. The
-# CPU study's worst frame, "rows" statistics: row 12 36.7 dB, 8 40.4, 6 42.5, 4 45.4; "near": row 12
-# 33.3, 10 36.8, 8 42.0, 6 49.8 (the neighbours stop resembling the cut rows further down).
-DEFAULT_ROW = 6
+# Of 32 latent rows (64 of 256 px). Masks start at the nose tip, below the middle of the box. Worst
+# frame on the H200, "rows": row 6 53.4 dB, 8 45.9, 10 42.6; the old row-12 crop gave 38.3 (under the
+# 40 dB bar). The CPU study (decode_crop_study.py) was harsher: "rows" row 8 at 40.4 and "near" row 8 at 42.0.
+DEFAULT_ROW = 8
 CUT_STATS = ("near", "rows")
 NEAR = 4  # "near": the cut rows' moments are those of the first 1/NEAR of the decoded rows
 
@@ -72,7 +74,7 @@ class CroppedDecoder(nn.Module):
     after the cut are CutGroupNorms; the decoder passed in is left as it is.
     """
 
-    def __init__(self, decoder: nn.Module, row: int, stats: str = "near"):
+    def __init__(self, decoder: nn.Module, row: int, stats: str = "rows"):
         super().__init__()
         if not 0 <= row < LATENT_SIZE or len(decoder.up_blocks) < 2:
             raise ValueError(f"cannot crop the decode at latent row {row}")

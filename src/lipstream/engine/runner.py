@@ -96,18 +96,19 @@ class Engine:
     `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
     max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
     only the face rows from latent row `decode_row` down (engine/decode.py: a fifth less VAE
-    work, approximate; every avatar's mask must start below that row); "auto" does so for the
-    batches whose avatars all allow it and decodes the others whole; `decode_stats` picks how its
-    GroupNorms see the rows that were cut (engine/decode.py). `upsample` "transpose"
-    or "phases" runs every nearest-upsample + 3x3 conv of both networks as one convolution on the
-    small map (engine/upsample.py: exact, 13.5% fewer FLOPs in UNet + decoder).
+    work, approximate; every avatar's mask must start below that row); "auto" (the default) does
+    so for the batches whose avatars all allow it and decodes the others whole; "full" is exact.
+    `decode_stats` picks how its GroupNorms see the rows that were cut (engine/decode.py).
+    `upsample` "transpose" (the default) or "phases" runs every nearest-upsample + 3x3 conv of both
+    networks as one convolution on the small map (engine/upsample.py: exact, 13.5% fewer FLOPs in
+    UNet + decoder); "plain" keeps diffusers' modules.
     """
 
     def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
                  compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
                  channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
-                 decode_rows: str = "full", decode_row: int = DEFAULT_ROW, decode_stats: str = "near",
-                 upsample: str = "plain"):
+                 decode_rows: str = "auto", decode_row: int = DEFAULT_ROW, decode_stats: str = "rows",
+                 upsample: str = "transpose"):
         if models.unet is None or models.vae is None:
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
