@@ -163,3 +163,17 @@ def test_graph_bookkeeping_of_auto_decode_matches_the_eager_path(tiny_models, pr
             assert {key[1] for key in engine._net} == {True, False}  # both decode kinds captured
     for name in ("low", "high", "both"):
         torch.testing.assert_close(out[True, name], out[False, name], rtol=0, atol=1)
+
+
+def test_the_reference_path_stays_exact_whatever_the_fast_defaults(tiny_models):
+    """The fast engine's defaults crop the decode and fuse the upsamplers; the reference does neither."""
+    from lipstream.engine import ReferenceEngine
+
+    latents = torch.randn(2, 8, 32, 32, generator=torch.Generator().manual_seed(7))
+    windows = torch.randn(2, 50, 384, generator=torch.Generator().manual_seed(8))
+    fast, reference = Engine(tiny_models, 4), ReferenceEngine(tiny_models)
+    plain = Engine(tiny_models, 4, decode_rows="full", upsample="plain")
+    with torch.inference_mode():
+        want = plain.faces(latents, windows)
+        assert torch.equal(reference.faces(latents, windows), want)
+        assert not torch.allclose(fast.faces(latents, windows), want, atol=1e-3)  # cropped: close, not equal

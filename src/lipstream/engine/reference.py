@@ -56,7 +56,8 @@ class ReferenceEngine(Engine):
     def __init__(self, models: MuseTalk, batch_size: int = 16):
         if models.dtype != torch.float32:
             raise ValueError("the reference path runs in fp32")
-        super().__init__(models, batch_size=batch_size, graphs=False)
+        # The exact maths whatever the fast defaults are: whole decode, diffusers' own upsamplers.
+        super().__init__(models, batch_size=batch_size, graphs=False, decode_rows="full", upsample="plain")
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
