@@ -188,6 +188,10 @@ def ablations(compile: str) -> dict:
     def engine(key: str, make) -> callable:
         return lambda m: {"engine_key": key, "make_engine": lambda: make(m)}
 
+    def fast(m, **change) -> Engine:
+        """The fast engine with one option changed."""
+        return Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH), **change)
+
     rows = {
         "cuda graphs": engine("no graphs", lambda m: Engine(m, FAST_BATCH, graphs=False, compile=compile)),
         "gpu blending": engine("cpu blend", lambda m: CPUBlendEngine(m, FAST_BATCH, compile=compile)),
@@ -195,10 +199,8 @@ def ablations(compile: str) -> dict:
         "in-process encode": lambda m: {"writer": legacy.PNGSequenceWriter},
         "yuv path": engine("rgb", lambda m: RGBEngine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH))),
         "parallel encode": lambda m: {"encoders": 1},
-        "upsample fusion": engine("plain upsample", lambda m: Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH),
-                                                                     upsample="plain")),
-        "mask-rows decode": engine("full decode", lambda m: Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH),
-                                                                   decode_rows="full")),
+        "upsample fusion": engine("plain upsample", lambda m: fast(m, upsample="plain")),
+        "mask-rows decode": engine("full decode", lambda m: fast(m, decode_rows="full")),
     }
     if compile != "off":
         rows["compile"] = engine("no compile", lambda m: Engine(m, FAST_BATCH, buckets=(8, FAST_BATCH)))
