@@ -175,7 +175,8 @@ CompileOpt = Annotated[bool, typer.Option(
 DecodeRowsOpt = Annotated[str, typer.Option(
     help="'auto' (default): decode only the face rows the blend mask uses (+19% GPU core; approximate, 45.9 dB "
          "worst frame with random weights: check it with yours) for the avatars whose mask allows it, the whole "
-         "face for the rest; 'full': always the whole face (exact); 'mask': refuse avatars whose mask starts too high.")]
+         "face for the rest; 'full': always the whole face (exact); 'mask': refuse avatars whose mask starts "
+         "too high.")]
 EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
 

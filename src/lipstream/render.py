@@ -131,9 +131,9 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     windows with upstream's per-frame loop (for the benchmark's ablation); `writer` replaces the
     MP4 writer (the benchmark's disk-based ablation); `decode_rows` "auto" (the default) decodes
     only the face rows the blend uses where the avatar's mask allows it, "full" the whole face
-    (exact), "mask" refuses avatars it cannot crop (engine/decode.py). The avatars' frames decode in the background while the
-    render starts; with `resident` they stay loaded for the process's next renders
-    (avatar/resident.py).
+    (exact), "mask" refuses avatars it cannot crop (engine/decode.py). The avatars' frames decode
+    in the background while the render starts; with `resident` they stay loaded for the
+    process's next renders (avatar/resident.py).
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
