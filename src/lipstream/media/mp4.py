@@ -8,8 +8,17 @@ under a temporary name beside the output and renamed only when complete.
 One libx264 tops out near 160 fps at 1080p even with 16 threads. With `encoders > 1` the video
 is cut into closed-GOP segments, each encoded by its own x264 in a thread pool (PyAV releases
 the GIL while x264 works) or, with `processes=True`, in a persistent pool of spawned encoder
-processes; the packets are muxed in order into the one track, without any re-encode. Identical settings give identical SPS/PPS, so one avcC serves all segments. The first
-segments are short so the first encoded frame comes out quickly.
+processes; the packets are muxed in order into the one track, without any re-encode. Identical
+settings give identical SPS/PPS, so one avcC serves all segments. The first segments are short
+so the first encoded frame comes out quickly.
+
+Joining segments: with B-frames x264 stamps decode times `delay` frames before presentation
+times, but a segment too short to hold a B-frame comes out with no delay, so the segments' own
+DTS overlap at the joins. The joined track therefore gets its DTS renumbered: packet k in
+decode order has DTS k - delay, with `delay` the largest these settings ever use (probed once
+per settings). Each segment's packets keep their order and PTS, and DTS <= PTS still holds,
+since each segment's own delay is at most that. The first DTS is -delay, as from one encoder:
+the MP4 muxer's edit list then starts the video at 0.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ SEGMENT_FRAMES = (2, 8, 16, 32)
 TAIL_FRAMES = 8  # the shortest segment near the end
 _PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
 _EXTRADATA: dict[str, bytes | None] = {}  # SPS/PPS per encoder settings: opening an x264 costs ~10 ms
+_DTS_DELAY: dict[str, int] = {}  # B-frame reorder delay (frames) per encoder settings
 
 
 def _extradata(args: tuple) -> bytes | None:
@@ -45,6 +55,26 @@ def _extradata(args: tuple) -> bytes | None:
     if key not in _EXTRADATA:
         _EXTRADATA[key] = x264_context(*args).extradata or None
     return _EXTRADATA[key]
+
+
+def dts_delay(options: dict[str, str]) -> int:
+    """Frames by which x264 with these options stamps DTS before PTS (0 without B-frames).
+
+    It depends on the settings only (B-frames, pyramid), not on the picture: a 16-frame encode
+    of a tiny still tells, once per settings.
+    """
+    key = repr(sorted(options.items()))
+    if key not in _DTS_DELAY:
+        ctx = x264_context(64, 64, Fraction(25), options, 1, 1)
+        planes = np.full((96, 64), 128, np.uint8)
+        dts = []
+        for i in range(16):
+            frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
+            frame.pts = i
+            dts += [p.dts for p in ctx.encode(frame)]
+        dts += [p.dts for p in ctx.encode(None)]
+        _DTS_DELAY[key] = max(0, -min(dts))
+    return _DTS_DELAY[key]
 
 
 def encoder_processes(n: int) -> ProcessPoolExecutor:
@@ -96,6 +126,7 @@ class MP4Writer:
             self._x264 = {"crf": str(crf), "preset": preset}
             self._matrix = matrix
             self._segment: list = []
+            self._video_packets = 0  # muxed so far: the joined track's decode order
             self._segment_start = 0
             self._segments_done = 0
             self._pending: deque[tuple[Future, list[np.ndarray]]] = deque()
@@ -107,6 +138,7 @@ class MP4Writer:
                                       default_threads(self.encoders))
                 self.video.codec_context.flags |= GLOBAL_HEADER
                 self.video.codec_context.extradata = _extradata(self._segment_args)
+                self._dts_delay = dts_delay(self._x264)
                 self._owns_pool = not processes
                 self._pool = (encoder_processes(self.encoders) if processes
                               else ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment"))
@@ -175,9 +207,14 @@ class MP4Writer:
             encoded = future.result()
             self._free.extend(buffers)
             block = False
-            for data, pts, dts, key in encoded:
+            for data, pts, _, key in encoded:  # the segment's own DTS may overlap the last one's: renumber
+                dts = self._video_packets - self._dts_delay
+                if dts > pts:
+                    raise RuntimeError(f"x264 packet of frame {pts} is reordered by more than "
+                                       f"{self._dts_delay} frames")
                 packet = av.Packet(data)
                 packet.pts, packet.dts, packet.is_keyframe = pts, dts, key
+                self._video_packets += 1
                 packet.time_base, packet.stream = 1 / self.fps, self.video
                 self._mux_video(packet)
             self._segments_done += 1
