@@ -11,6 +11,7 @@ import numpy as np
 
 from lipstream.avatar.colour import default_matrix
 from lipstream.errors import InputError, check_file
+from lipstream.media.demux import open_input
 
 MAX_SIDE = 4096  # pixels; 4K DCI. Larger frames are refused rather than half-processed
 MAX_BYTES = 8 * 2**30  # I420 bytes of all frames held at once (~1700 frames of 1080p)
@@ -42,7 +43,7 @@ def read_loop(path: str | Path, fps: float | Fraction | None = None) -> Loop:
         raise InputError(path, "is empty (0 bytes)")
     still = path.suffix.lower() in IMAGE_SUFFIXES
     try:
-        container = av.open(str(path), metadata_errors="ignore")
+        container = open_input(path)
     except av.error.FFmpegError as e:
         raise InputError(path, f"not a readable video or image ({_reason(e)})") from None
     frames: list[np.ndarray] = []
