@@ -132,6 +132,7 @@ def raises_input_error(path: Path | str, *fragments: str) -> InputError:
     low = message.lower()
     assert any(f in low for f in fragments), message
     return info.value
+    return info.value
 
 
 # ---------------------------------------------------------------- 1. formats: lossless PCM
@@ -391,10 +392,12 @@ def test_video_only_mp4(tmp_path):
     raises_input_error(path, "no audio stream")
 
 
-def test_non_finite_samples(tmp_path):
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_samples(tmp_path, value):
     s = sine(SR, 1.0)
-    s[1000] = np.nan
-    raises_input_error(write_audio(tmp_path / "nan.wav", s, SR, codec="pcm_f32le"), "non-finite")
+    s[8000] = value
+    err = raises_input_error(write_audio(tmp_path / "bad.wav", s, SR, codec="pcm_f32le"), "nan or infinite")
+    assert "0.500 s" in str(err)
 
 
 def test_too_long(tmp_path, monkeypatch):

@@ -197,7 +197,7 @@ scenes:
 # ---- bad inputs: a clear error and no file left ----
 
 @pytest.mark.parametrize("case", ["unknown-avatar", "corrupt-audio", "empty-audio", "no-audio-stream",
-                                  "missing-folder", "output-is-folder"])
+                                  "nan-audio", "inf-audio", "missing-folder", "output-is-folder"])
 def test_bad_inputs_leave_no_file(studio, tiny_models, tmp_path, case):
     audio, avatar, out = studio / "a.wav", "anna", tmp_path / "out.mp4"
     if case == "unknown-avatar":
@@ -212,6 +212,11 @@ def test_bad_inputs_leave_no_file(studio, tiny_models, tmp_path, case):
         match = "empty"
     elif case == "no-audio-stream":
         audio, match = studio / "anna.mp4", "no audio stream"
+    elif case in ("nan-audio", "inf-audio"):  # a float WAV can hold them; the AAC encoder stopped on them
+        samples = speech_like(0.8, 16000, seed=3)
+        samples[4000:4010] = np.nan if case == "nan-audio" else np.inf
+        audio = write_audio(tmp_path / "bad.wav", samples, 16000, codec="pcm_f32le")
+        match = "NaN or infinite"
     elif case == "missing-folder":
         out, match = tmp_path / "nowhere" / "out.mp4", "does not exist"
     else:

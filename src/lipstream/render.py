@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lipstream.audio.decode import decode_audio, to_mono_float
+from lipstream.audio.decode import load_mono
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import resample
 from lipstream.audio.windows import audio_windows, audio_windows_loop
@@ -83,8 +83,7 @@ def resolve_avatar(name: str, avatars_dir: Path | None) -> Path:
 
 def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
     """16 kHz samples on the device (for features) and 48 kHz samples on the CPU (for the output)."""
-    data, rate = decode_audio(path)
-    mono = to_mono_float(torch.from_numpy(data))
+    mono, rate = load_mono(path)
     return resample(mono.to(device), rate, SAMPLE_RATE), resample(mono, rate, AUDIO_RATE).numpy()
 
 

@@ -14,6 +14,7 @@ import torch
 
 from lipstream.audio.resample import resample
 from lipstream.errors import InputError, check_file
+from lipstream.media.demux import open_input
 from lipstream.models.config import SAMPLE_RATE
 
 MAX_SECONDS = 4 * 3600  # a longer "speech" file is a mistake, and would need GBs of features
@@ -35,7 +36,7 @@ def decode_audio(path: str | Path) -> tuple[np.ndarray, int]:
     if path.stat().st_size == 0:
         raise InputError(path, "is empty (0 bytes)")
     try:
-        container = av.open(str(path), metadata_errors="ignore", options=_open_options(path))
+        container = open_input(path, _open_options(path))
     except av.error.FFmpegError as e:
         raise InputError(path, f"not a readable audio or video file ({_reason(e)})") from None
     with container:
@@ -58,13 +59,28 @@ def decode_audio(path: str | Path) -> tuple[np.ndarray, int]:
     return data, rate
 
 
+def load_mono(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.Tensor, int]:
+    """[n] float32 mono samples at the file's own rate on `device`, and that rate.
+
+    The one loader every path goes through (features, the output's audio track): besides
+    decode_audio's checks it refuses NaN or infinite samples, which a float WAV can hold and
+    which no encoder or network can use.
+    """
+    data, rate = decode_audio(path)
+    x = to_mono_float(torch.from_numpy(data).to(device, non_blocking=True))
+    if data.dtype.kind == "f":
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0]) / rate
+            raise InputError(path, f"holds NaN or infinite samples (the first at {first:.3f} s): "
+                                   "the file is damaged; re-export it")
+    return x, rate
+
+
 def load_audio_tensor(path: str | Path, device: str | torch.device = "cpu",
                       sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
     """[n] float32 mono samples at `sample_rate` on `device`; conversion and resampling run there."""
-    data, rate = decode_audio(path)
-    x = to_mono_float(torch.from_numpy(data).to(device, non_blocking=True))
-    if data.dtype.kind == "f" and not bool(torch.isfinite(x).all()):
-        raise InputError(path, "decoded to non-finite samples (corrupt data)")
+    x, rate = load_mono(path, device)
     return resample(x, rate, sample_rate)
 
 
@@ -140,7 +156,7 @@ def _declared_seconds(container: av.container.InputContainer, stream: av.audio.s
     """Duration the file claims. FFmpeg sizes a WAV from the file length, so read its header ourselves."""
     if container.format.name == "wav":
         return _wav_declared_seconds(container.name, stream)
-    if stream.duration is not None and stream.time_base is not None:
+    if stream.duration is not None and stream.time_base:  # PyAV 19: an unset time base is falsy, not None
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
         return container.duration / av.time_base

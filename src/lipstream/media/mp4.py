@@ -111,6 +111,8 @@ class MP4Writer:
         self.first_submit_at: float | None = None  # perf_counter() when the first segment went to an encoder
         self.fps = Fraction(fps)
         self.audio = np.ascontiguousarray(audio, dtype=np.float32)
+        if not np.isfinite(self.audio).all():  # the AAC encoder would stop mid-file with "returned 22"
+            raise ValueError("audio holds NaN or infinite samples")
         self.rate = sample_rate
         self.frames = 0
         self._audio_pos = 0
