@@ -69,10 +69,11 @@ def loop_windows(features: torch.Tensor, fps, frames: int) -> torch.Tensor:
     from fractions import Fraction
     import math
 
+    from lipstream.audio.windows import LEFT_PAD_STEPS
+
     mult = Fraction(50) / as_fps(fps)
-    pad = math.floor(mult)
     z = torch.zeros(1, 5, 384, device=features.device, dtype=features.dtype)
-    padded = torch.cat([z.repeat(pad * 2, 1, 1), features, z.repeat(pad * 6 + 20, 1, 1)])
+    padded = torch.cat([z.repeat(LEFT_PAD_STEPS, 1, 1), features, z.repeat(math.ceil(mult) * 6 + 20, 1, 1)])
     return torch.stack([padded[math.floor(i * mult):math.floor(i * mult) + 10].reshape(50, 384)
                         for i in range(frames)])
 

@@ -45,7 +45,9 @@ def test_batched_encoder_equals_segment_loop(long_audio, tiny_models):
 
 def test_lengths():
     assert num_segments(1) == 1 and num_segments(480_000) == 1 and num_segments(480_001) == 2
-    assert num_feature_steps(320) == 1 and num_feature_steps(321) == 2 and num_feature_steps(16000) == 50
+    # floor(n / 320), as upstream's trim to floor(n / 16000 * 50) steps; at least one step
+    assert num_feature_steps(320) == 1 and num_feature_steps(639) == 1 and num_feature_steps(640) == 2
+    assert num_feature_steps(16000) == 50 and num_feature_steps(16319) == 50 and num_feature_steps(100) == 1
 
 
 def test_rejects_empty(tiny_models):

@@ -34,8 +34,14 @@ def num_segments(n_samples: int) -> int:
 
 
 def num_feature_steps(n_samples: int) -> int:
-    """Encoder steps that carry audio: one per 20 ms started (the rest is the segment's zero padding)."""
-    return math.ceil(n_samples / SAMPLES_PER_FEATURE)
+    """Encoder steps kept: floor(n / 320), one per whole 20 ms of audio, at least 1.
+
+    Upstream (get_whisper_chunk) trims to floor(n / 16000 * 50) steps the same way: the partial
+    last step and the segment's zero padding are dropped, so a window reaching past them reads
+    zeros, exactly as upstream's does. (Upstream computes it in floating point, which at some exact
+    multiples of 320 samples, n = 9280 for one, gives one step fewer; this is the exact value.)
+    """
+    return max(1, n_samples // SAMPLES_PER_FEATURE)
 
 
 def log_mel_segments(audio: torch.Tensor, feature_extractor: WhisperFeatureExtractor) -> torch.Tensor:
@@ -68,9 +74,10 @@ def encode_segments(mel: torch.Tensor, encoder: WhisperEncoder) -> torch.Tensor:
 @torch.inference_mode()
 def whisper_features(audio: torch.Tensor | np.ndarray, encoder: WhisperEncoder,
                      feature_extractor: WhisperFeatureExtractor) -> torch.Tensor:
-    """16 kHz mono samples -> [T, 5, 384] features on the encoder's device, T = ceil(n / 320).
+    """16 kHz mono samples -> [T, 5, 384] features on the encoder's device, T = num_feature_steps(n).
 
-    Steps past the end of the audio (the zero padding of the last segment) are dropped.
+    T = max(1, floor(n / 320)), as upstream: the partial last step and the steps past the end of
+    the audio (the zero padding of the last segment) are dropped.
     """
     device = next(encoder.parameters()).device
     if isinstance(audio, np.ndarray):

@@ -24,7 +24,7 @@ class Speech:
 
     samples: torch.Tensor  # [n] float32, 16 kHz mono, on the encoder's device
     fps: Fraction
-    features: torch.Tensor  # [T, 5, 384], T = ceil(n / 320)
+    features: torch.Tensor  # [T, 5, 384], T = max(1, floor(n / 320)), as upstream
     windows: torch.Tensor  # [frames, 50, 384], no positional encoding
     timings_ms: dict[str, float] = field(default_factory=dict)
 
