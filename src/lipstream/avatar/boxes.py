@@ -13,15 +13,27 @@ def face_boxes(landmarks: np.ndarray, width: int, height: int, *, extra_margin: 
                bbox_shift: int = 0) -> np.ndarray:
     """[N, 68, 2] landmarks -> [N, 4] int32 boxes (x1, y1, x2, y2), exclusive ends, inside the frame.
 
-    Upstream's rule: x from the landmark extremes, bottom = lowest landmark, top mirrors the bottom
-    about landmark 29 (moved down by `bbox_shift`); v1.5 then adds `extra_margin` below.
+    Upstream's rule (musetalk/utils/preprocessing.py, get_landmark_and_bbox), step for step:
+    - the landmarks are truncated to integers (`astype(np.int32)`: toward zero, not rounded);
+    - landmark 29's y is moved down by `bbox_shift`, in place, and the lowest landmark is taken
+      after the shift: shifted to or past the chin, landmark 29 is the bottom and the box is empty;
+    - x1 = min x, x2 = max x, y2 = max y, and the top mirrors the bottom about landmark 29:
+      y1 = max(0, y29 - (y2 - y29));
+    - v1.5's inference then adds `extra_margin` below: y2 = min(y2 + extra_margin, height).
+    Where upstream gives up on that box (x1 < 0, or an empty box) it falls back to the face
+    detector's box. LipStream has none: it keeps the landmark box clipped to the frame (x to
+    [0, width], y to [0, height]), and compile refuses a box smaller than MIN_FACE a side (an empty
+    box is only `extra_margin` px tall after the margin, so with the default margin it is refused).
+    Inside the frame, that clipping changes nothing: the boxes are upstream's bit for bit.
     """
-    pts = np.round(landmarks).astype(np.int64)  # upstream works on integer landmarks
-    x1 = pts[..., 0].min(axis=1)
-    x2 = pts[..., 0].max(axis=1)
-    y2 = pts[..., 1].max(axis=1)
-    half = pts[:, NOSE_BRIDGE, 1] + bbox_shift
-    y1 = half - (y2 - half)
+    pts = np.asarray(landmarks).astype(np.int32).astype(np.int64)  # upstream: face_land_mark.astype(np.int32)
+    xs, ys = pts[..., 0], pts[..., 1].copy()
+    ys[:, NOSE_BRIDGE] = (ys[:, NOSE_BRIDGE] + bbox_shift).astype(np.int64)  # half_face_coord[1] += shift, in place
+    x1 = xs.min(axis=1)
+    x2 = xs.max(axis=1)
+    y2 = ys.max(axis=1)  # after the shift, as upstream
+    half = ys[:, NOSE_BRIDGE]
+    y1 = np.maximum(0, half - (y2 - half))
     y2 = y2 + extra_margin
     boxes = np.stack([x1, y1, x2, y2], axis=1)
     boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, width)
@@ -47,7 +59,12 @@ TEMPLATE_LANDMARKS = np.array([
 
 
 def template_landmarks(boxes: np.ndarray) -> np.ndarray:
-    """[N, 4] MuseTalk boxes (without the v1.5 margin) -> [N, 68, 2] plausible landmarks inside them."""
+    """[N, 4] MuseTalk boxes (without the v1.5 margin) -> [N, 68, 2] plausible landmarks inside them.
+
+    face_boxes(template_landmarks(b), ..., extra_margin=0) gives b back: the extreme landmarks land
+    exactly on the box's edges and landmark 29 exactly half way down. The rule only makes boxes of
+    even height (y1 mirrors y2 about landmark 29), so an odd height comes back 1 px taller.
+    """
     t = TEMPLATE_LANDMARKS
     tb = face_boxes(t[None], 10**6, 10**6, extra_margin=0)[0].astype(np.float32)
     rel = (t - tb[:2]) / (tb[2:] - tb[:2])
