@@ -99,17 +99,27 @@ class AvatarWriter:
 
     The lossless frame encode (the slowest part of writing) starts in a background thread as soon
     as the frames are decoded, overlapping tracking, masks and latents; PyAV releases the GIL
-    while x264 works. Use as a context manager: on any exception the folder is removed and an
-    older avatar at `dest` stays as it was.
+    while x264 works. Use as a context manager: on any exception the folder is removed, as are
+    the folders above it that this writer created (`-o out/avatars` that did not exist) when they
+    are empty again, and an older avatar at `dest` stays as it was.
     """
 
     def __init__(self, dest: Path):
         self.dest = Path(dest)
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.", suffix=".part", dir=self.dest.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        self.tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a cache is as shareable as any folder
+        self._made = _make_parents(self.dest.parent)  # folders created here, deepest first
+        tmp = None
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.", suffix=".part", dir=self.dest.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a cache is as shareable as any folder
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._remove_made()
+            raise
+        self.tmp = tmp
+        self._finished = False
         self._frames: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avatar-frames")
 
@@ -131,6 +141,7 @@ class AvatarWriter:
             old = self.dest.with_name(f".{self.dest.name}.old-{time.time_ns()}")
             self.dest.rename(old)
         self.tmp.rename(self.dest)
+        self._finished = True
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.dest
@@ -145,6 +156,41 @@ class AvatarWriter:
         self._pool.shutdown(wait=True)
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self._finished:
+            self._remove_made()
+
+    def _remove_made(self) -> None:
+        """Remove the folders this writer created, deepest first, while they are empty."""
+        for folder in self._made:
+            try:
+                folder.rmdir()  # fails on a folder that holds anything (another avatar, another writer's)
+            except OSError:
+                break
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; returns the folders it created, deepest first (none that already existed)."""
+    missing = []
+    for p in (folder, *folder.parents):
+        if p.is_dir():
+            break
+        missing.append(p)
+    made = []
+    try:
+        for p in reversed(missing):
+            try:
+                p.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs, not ours to remove
+                if not p.is_dir():
+                    raise
+                continue
+            made.append(p)
+    except BaseException:
+        for p in reversed(made):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    return made[::-1]
 
 
 def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, fps: Fraction) -> None:

@@ -5,6 +5,12 @@ landmarks are fitted inside a box derived from the previous frame's (2-3 ms with
 fit is confirmed by running the detector on a small crop around it (~1-2 ms), which keeps
 tracking cheap and stable and still notices a frame without a face. Misses are filled from the neighbouring frames, and the
 landmark tracks are smoothed over time so a still head gives a still box.
+
+Detections are chosen by score, not size: JPEG blocking gives weak false positives (dlib scores
+~0.01-0.15 on the folds of the astronaut's suit, against ~1.4 for her face) that may well be larger
+than the face. A detection that agrees with the track is preferred, then the track's own
+fit, then a new face, which must also score clearly on the confirming crop, where it is seen at
+the detector's best scale.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import cv2
 import numpy as np
@@ -22,15 +28,28 @@ from lipstream.errors import LipStreamError
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 DETECT_WIDTH = 640  # detection runs on frames scaled down to this width
 REDETECT_EVERY = 25  # frames between full detections while tracking holds
+AGREE_IOU = 0.4  # a detection overlapping the tracked box this much is the same face
+CONFIRM_IOU = 0.5  # the confirming detection must overlap the fitted box this much
+MAX_TRIES = 3  # detections fitted and confirmed per frame, at most (a cluttered frame has many)
+
+
+class Detection(NamedTuple):
+    box: Box
+    score: float  # the backend's confidence: higher is surer; compared only within one backend
 
 
 class FaceBackend(Protocol):
     """What the tracker needs from a face model (dlib today; mediapipe or DWPose later)."""
 
     name: str
+    new_face_score: float  # the least score, on a crop with the face ~100 px, that starts a new track
 
-    def detect(self, gray: np.ndarray) -> list[Box]:
-        """Face boxes in a grey image, most confident first."""
+    def detect(self, gray: np.ndarray) -> list[Detection]:
+        """Every candidate face in a grey image with its score, most confident first.
+
+        Weak candidates belong in the list too: the tracker weighs them by score and by agreement
+        with the track, and confirms them on a crop, so the backend need not decide alone.
+        """
 
     def landmarks(self, gray: np.ndarray, box: Box) -> np.ndarray:
         """[68, 2] iBUG landmarks of the face in `box`."""
@@ -40,6 +59,10 @@ class DlibBackend:
     """dlib's HOG detector + 68-point shape predictor, from the dlib-bin and face-recognition-models wheels."""
 
     name = "dlib-68"
+    # dlib's HOG scores are SVM margins past its own threshold. On the confirming crop a real face
+    # scores ~0.9-1.6 (the astronaut moving, rolled, noisy, small, JPEG, H.264 at crf 35); the false
+    # positives that JPEG blocking gives on her suit score 0.07 at most there, when found at all.
+    new_face_score = 0.15
 
     def __init__(self) -> None:
         try:
@@ -56,10 +79,11 @@ class DlibBackend:
         self._detector = dlib.get_frontal_face_detector()
         self._predictor = dlib.shape_predictor(str(model))
 
-    def detect(self, gray: np.ndarray) -> list[Box]:
-        rects, scores, _ = self._detector.run(gray, 0, 0.0)
-        order = np.argsort(scores)[::-1]
-        return [(rects[i].left(), rects[i].top(), rects[i].right(), rects[i].bottom()) for i in order]
+    def detect(self, gray: np.ndarray) -> list[Detection]:
+        rects, scores, _ = self._detector.run(gray, 0, 0.0)  # threshold 0: every candidate dlib has
+        order = np.argsort(scores, kind="stable")[::-1]
+        return [Detection((rects[i].left(), rects[i].top(), rects[i].right(), rects[i].bottom()), float(scores[i]))
+                for i in order]
 
     def landmarks(self, gray: np.ndarray, box: Box) -> np.ndarray:
         rect = self._dlib.rectangle(*(int(round(v)) for v in box))
@@ -91,21 +115,26 @@ def _iou(a: Box, b: Box) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def _detect(backend: FaceBackend, gray: np.ndarray, near: Box | None) -> Box | None:
+def _candidates(backend: FaceBackend, gray: np.ndarray, near: Box | None) -> list[tuple[Box, bool]]:
+    """Detected boxes in the order to try them, each with whether it agrees with the track at `near`.
+
+    Those that agree with the track come first (the same person), then the rest; each group best
+    score first. Score, not size: a weak false positive can be larger than the face.
+    """
     scale = min(1.0, DETECT_WIDTH / gray.shape[1])
     small = cv2.resize(gray, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA) if scale < 1 else gray
-    boxes = [tuple(v / scale for v in b) for b in backend.detect(small)]
-    if not boxes:
-        return None
-    if near is not None:  # keep following the same person
-        return max(boxes, key=lambda b: _iou(b, near))
-    return max(boxes, key=lambda b: (b[2] - b[0]) * (b[3] - b[1]))  # the presenter: the largest face
+    found = sorted((Detection(tuple(v / scale for v in d.box), d.score) for d in backend.detect(small)),
+                   key=lambda d: d.score, reverse=True)
+    agrees = [near is not None and _iou(d.box, near) >= AGREE_IOU for d in found]
+    return ([(d.box, True) for d, a in zip(found, agrees) if a] +
+            [(d.box, False) for d, a in zip(found, agrees) if not a])
 
 
-def _face_present(backend: FaceBackend, gray: np.ndarray, points: np.ndarray) -> bool:
+def _face_present(backend: FaceBackend, gray: np.ndarray, points: np.ndarray, min_score: float = 0.0) -> bool:
     """Is there really a face where the fitted landmarks say? (A shape model always returns a shape.)
 
-    Runs the detector on a small crop around the fit, scaled so the face is ~100 px: ~1-2 ms.
+    Runs the detector on a small crop around the fit, scaled so the face is ~100 px (~1-2 ms), and
+    asks for a detection that overlaps the fit and scores at least `min_score`.
     """
     x1, y1, x2, y2 = box_from_landmarks(points)
     side = max(x2 - x1, 1.0)
@@ -118,7 +147,34 @@ def _face_present(backend: FaceBackend, gray: np.ndarray, points: np.ndarray) ->
     scale = 100.0 / side
     crop = cv2.resize(gray[cy1:cy2, cx1:cx2], None, fx=scale, fy=scale,
                       interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
-    return bool(backend.detect(crop))
+    fit = ((x1 - cx1) * scale, (y1 - cy1) * scale, (x2 - cx1) * scale, (y2 - cy1) * scale)
+    return any(d.score >= min_score and _iou(d.box, fit) >= CONFIRM_IOU for d in backend.detect(crop))
+
+
+def _follow(backend: FaceBackend, gray: np.ndarray, previous: np.ndarray) -> np.ndarray | None:
+    """Landmarks fitted in the box of the previous frame's, if the fit is plausible and confirmed."""
+    points = backend.landmarks(gray, box_from_landmarks(previous))
+    return points if _plausible(points, previous) and _face_present(backend, gray, points) else None
+
+
+def _find(backend: FaceBackend, gray: np.ndarray, previous: np.ndarray | None, follow: bool) -> np.ndarray | None:
+    """Landmarks from a full detection: the tracked face if it is still there, else a new face."""
+    candidates = _candidates(backend, gray, box_from_landmarks(previous) if previous is not None else None)
+    agreeing = [box for box, agrees in candidates if agrees]
+    new = [box for box, agrees in candidates if not agrees]
+    for box in agreeing[:MAX_TRIES]:
+        points = backend.landmarks(gray, box)
+        if _face_present(backend, gray, points):
+            return points
+    if follow and previous is not None:  # the detector missed it; the fitted track may still hold
+        points = _follow(backend, gray, previous)
+        if points is not None:
+            return points
+    for box in new[:MAX_TRIES]:
+        points = backend.landmarks(gray, box)
+        if _face_present(backend, gray, points, backend.new_face_score):
+            return points
+    return None
 
 
 def track(luma: Callable[[int], np.ndarray], frames: int, backend: FaceBackend,
@@ -129,18 +185,11 @@ def track(luma: Callable[[int], np.ndarray], frames: int, backend: FaceBackend,
     for i in range(frames):
         gray = luma(i)
         points = None
-        if previous is not None and i % REDETECT_EVERY:
-            candidate = backend.landmarks(gray, box_from_landmarks(previous))
-            points = candidate if _plausible(candidate, previous) else None
+        followed = previous is not None and i % REDETECT_EVERY != 0
+        if followed:
+            points = _follow(backend, gray, previous)
         if points is None:
-            box = _detect(backend, gray, box_from_landmarks(previous) if previous is not None else None)
-            if box is not None:
-                points = backend.landmarks(gray, box)
-            elif previous is not None:  # detector lost it; the fitted track may still hold
-                candidate = backend.landmarks(gray, box_from_landmarks(previous))
-                points = candidate if _plausible(candidate, previous) else None
-        if points is not None and not _face_present(backend, gray, points):
-            points = None
+            points = _find(backend, gray, previous, follow=not followed)
         if points is not None:
             out[i] = points
         previous = points
