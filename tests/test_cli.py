@@ -135,3 +135,22 @@ def test_compile_command(tmp_path):
     again = lipstream(*args)
     assert again.returncode == 0 and again.stdout.count("skipped") == 2
     assert lipstream(*args, "--force").stdout.count("compiled") == 2
+
+
+def test_random_weights_alone_just_work_on_a_cpu(tmp_path):
+    """--random-weights with no size: compile picks tiny on the CPU, render follows the avatar (it used to build
+    full-size networks, about 4 s a frame here, and then refuse the tiny avatar's VAE)."""
+    import json
+
+    from lipstream.fixtures.avatar import action_loop
+
+    action_loop(tmp_path / "anchor.mp4", width=480, height=270, seconds=0.5, fps=10)
+    write_audio(tmp_path / "hello.wav", speech_like(0.6, 16000), 16000)
+    r = lipstream("compile", tmp_path / "anchor.mp4", "-o", tmp_path / "avatars", "--random-weights")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "avatars" / "anchor" / "avatar.json").read_text())
+    assert meta["vae"]["random"] == "tiny"
+    r = lipstream("render", "--avatar", "anchor", "--avatars", tmp_path / "avatars", "--audio", tmp_path / "hello.wav",
+                  "-o", tmp_path / "out.mp4", "--random-weights")
+    assert r.returncode == 0, r.stderr
+    assert "random networks: tiny size on cpu" in r.stderr and (tmp_path / "out.mp4").is_file()

@@ -1,5 +1,5 @@
 """`python -m lipstream`: the command line."""
 
-from lipstream.cli import main
+from lipstream.cli import entry
 
-raise SystemExit(main())
+entry()

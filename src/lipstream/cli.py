@@ -8,17 +8,23 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import importlib
+
 import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from lipstream.errors import LipStreamError
+from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.preflight import (
+    RenderOptions, UsageError, check_models, check_output_path, check_program, fps_option, in_range)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="LipStream: fast MuseTalk v1.5 lip-sync for AI presenters.")
 weights_app = typer.Typer(no_args_is_help=True, help="Get, check or fake the MuseTalk v1.5 model files.")
 app.add_typer(weights_app, name="weights")
 err = Console(stderr=True)
+# The click that typer runs on: typer >= 0.2x carries its own copy (typer._click), older typer imports click.
+click = getattr(importlib.import_module("typer.core"), "_click", None) or importlib.import_module("click")
 out = Console()
 
 ModelsOpt = Annotated[Optional[Path], typer.Option(
@@ -27,7 +33,9 @@ RandomOpt = Annotated[bool, typer.Option(
     "--random-weights", help="Use untrained, seeded random networks (speed tests only: no real mouth).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cuda, cpu, or auto (cuda when present).")]
 RandomSizeOpt = Annotated[str, typer.Option(
-    "--random-size", help="With --random-weights: 'full' (real cost) or 'tiny' (CPU tests and demos).")]
+    "--random-size", help="With --random-weights: 'full' (the real networks' size and cost), 'tiny' (CPU tests "
+                          "and demos), or 'auto': render follows the avatar (the size it was compiled with), "
+                          "otherwise tiny on a CPU and full on a GPU.")]
 
 
 def warn_random_weights() -> None:
@@ -46,14 +54,28 @@ def pick_device(name: str) -> str:
     return name
 
 
-def load_models(models, device: str, random_weights: bool, random_size: str, **kwargs):
+def random_size_for(choice: str, device: str, avatar_meta: dict | None = None) -> str:
+    """'auto' -> the size the avatar's random VAE had, else tiny on a CPU (a full-size frame takes seconds
+    there) and full on a GPU; 'tiny' and 'full' as asked."""
+    if choice != "auto":
+        return choice
+    made_with = ((avatar_meta or {}).get("vae") or {}).get("random")
+    if made_with in ("tiny", "full"):
+        return made_with
+    return "tiny" if device == "cpu" else "full"
+
+
+def load_models(models, device: str, random_weights: bool, random_size: str, avatar_meta: dict | None = None,
+                **kwargs):
     """The networks for a command: the warning first when they are random, then loaded on the chosen device."""
     from lipstream.models import load_musetalk
 
+    device = pick_device(device)
+    size = random_size_for(random_size, device, avatar_meta)
     if random_weights:
         warn_random_weights()
-    return load_musetalk(models, device=pick_device(device), random_weights=random_weights, size=random_size,
-                         warn=False, **kwargs)
+        err.print(f"random networks: {size} size on {device}", highlight=False)
+    return load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False, **kwargs)
 
 
 @weights_app.command("download")
@@ -113,16 +135,30 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                 extra_margin: Annotated[int, typer.Option(help="Pixels added below the chin (MuseTalk v1.5: 10).")] = 10,
                 bbox_shift: Annotated[int, typer.Option(help="Move the box's centre line down (+) or up (-), px.")] = 0,
                 fps: Annotated[Optional[str], typer.Option(help="Override the loop's frame rate (stills: 25).")] = None,
-                models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+                models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                 device: DeviceOpt = "auto") -> None:
     """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
+    RenderOptions(device=device, random_size=random_size).check()
+    fps_option(fps)
+    in_range("--extra-margin", extra_margin, 0, 200, "pixels")
+    in_range("--bbox-shift", bbox_shift, -200, 200, "pixels")
+    for path in inputs:
+        if not path.exists():
+            raise InputError(path, "no such video, image or folder")
+    if output.exists() and not output.is_dir():
+        raise InputError(output, "is a file, expected the avatars folder")
+    if track is not None and not track.exists():
+        raise InputError(track, "no such track file or folder")
+    check_models(models, random_weights)
+
     from rich.table import Table
 
     from lipstream.avatar import CompileOptions, compile_many
 
     m = load_models(models, device, random_weights, random_size, components=["vae"])
     results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
-                           options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force)
+                           options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
+                           vae_random=m.config.name if m.random_weights else None)
     table = Table(title=f"avatars in {output}")
     for col in ("avatar", "status", "frames", "size", "fps", "face box", "time", "note"):
         table.add_column(col)
@@ -138,24 +174,24 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
 
 
-def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], crf: int, preset: str,
-            reference: bool, batch: int, encoders: Optional[int], compile_vae: bool, models, random_weights: bool,
-            random_size: str, device: str, decode_rows: str = "auto") -> None:
-    from fractions import Fraction
+def _render(program, output: Path, avatars: Optional[Path], options: RenderOptions, reference: bool,
+            compile_vae: bool, models, random_weights: bool) -> None:
+    """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
+    options.check()
+    metas = check_program(program, avatars, output)
+    check_models(models, random_weights)
 
     import torch
 
     from lipstream.engine.runner import FAST_COMPILE
     from lipstream.render import render_program
 
-    from lipstream.engine.decode import DECODE_ROWS
-
-    if decode_rows not in DECODE_ROWS:
-        raise LipStreamError(f"--decode-rows {decode_rows!r}: expected one of {', '.join(DECODE_ROWS)}")
-    m = load_models(models, device, random_weights, random_size, dtype=torch.float32 if reference else None)
-    report = render_program(program, output, m, avatars_dir=avatars, fps=Fraction(fps) if fps else None,
-                            reference=reference, batch_size=batch, crf=crf, preset=preset, encoders=encoders,
-                            compile=FAST_COMPILE if compile_vae else "off", decode_rows=decode_rows)
+    m = load_models(models, options.device, random_weights, options.random_size, next(iter(metas.values())),
+                    dtype=torch.float32 if reference else None)
+    report = render_program(program, output, m, avatars_dir=avatars, fps=options.fps, reference=reference,
+                            batch_size=options.batch, crf=options.crf, preset=options.preset,
+                            encoders=options.encoders, compile=FAST_COMPILE if compile_vae else "off",
+                            decode_rows=options.decode_rows)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
@@ -166,10 +202,11 @@ def _render(program, output: Path, avatars: Optional[Path], fps: Optional[str], 
 
 AvatarsOpt = Annotated[Optional[Path], typer.Option(
     "--avatars", help="Folder of compiled avatars (default: $LIPSTREAM_AVATARS or ./avatars).")]
-CrfOpt = Annotated[int, typer.Option(help="x264 quality (0 = lossless, 18 = visually lossless, 23 = default).")]
-PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast .. veryslow.")]
+CrfOpt = Annotated[int, typer.Option(help="x264 quality, 0-51 (0 = lossless, 18 = visually lossless, 23 = x264's default).")]
+PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, "
+                                                   "slow, slower, veryslow.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
-BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch.")]
+BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch, 1-256.")]
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="torch.compile the network step (CUDA; about a minute the first time, then cached on disk).")]
 DecodeRowsOpt = Annotated[str, typer.Option(
@@ -188,38 +225,43 @@ def _avatars_dir(value: Optional[Path]) -> Optional[Path]:
     return Path(env) if env else Path("avatars")
 
 
+FpsOpt = Annotated[Optional[str], typer.Option(
+    help="Output frame rate, e.g. 25, 29.97 or 30000/1001 (default: the first avatar's).")]
+
+
 @app.command("render")
 def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name in --avatars, or its folder.")],
                audio: Annotated[Path, typer.Option(help="Speech: any audio file, or a video with audio.")],
                output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
-               avatars: AvatarsOpt = None, start_frame: int = 0,
-               fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: the avatar's).")] = None,
-               crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False, batch: BatchOpt = 16,
-               encoders: EncodersOpt = None, compile_vae: CompileOpt = False, decode_rows: DecodeRowsOpt = "auto",
-               models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
-               device: DeviceOpt = "auto") -> None:
+               avatars: AvatarsOpt = None,
+               start_frame: Annotated[int, typer.Option(help="Where in its loop the avatar starts.")] = 0,
+               fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
+               batch: BatchOpt = 16, encoders: EncodersOpt = None, compile_vae: CompileOpt = False,
+               decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False,
+               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """Make an avatar speak an audio file: one lip-synced MP4."""
     from lipstream.script import single_scene
 
-    _render(single_scene(avatar, audio, start_frame), output, _avatars_dir(avatars), fps, crf, preset, reference,
-            batch, encoders, compile_vae, models, random_weights, random_size, device, decode_rows)
+    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, start_frame, device,
+                            random_size)
+    _render(single_scene(avatar, audio, start_frame), output, _avatars_dir(avatars), options, reference,
+            compile_vae, models, random_weights)
 
 
 @app.command("broadcast")
 def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
                   output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
-                  avatars: AvatarsOpt = None,
-                  fps: Annotated[Optional[str], typer.Option(help="Output frame rate (default: first scene's).")] = None,
-                  crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
-                  batch: BatchOpt = 16, encoders: EncodersOpt = None, compile_vae: CompileOpt = False,
-                  decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
-                  random_weights: RandomOpt = False,
-                  random_size: RandomSizeOpt = "full", device: DeviceOpt = "auto") -> None:
+                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = "veryfast",
+                  reference: ReferenceOpt = False, batch: BatchOpt = 16, encoders: EncodersOpt = None,
+                  compile_vae: CompileOpt = False, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
+                  random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+                  device: DeviceOpt = "auto") -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
     from lipstream.script import load_script
 
-    _render(load_script(script), output, _avatars_dir(avatars), fps, crf, preset, reference, batch, encoders,
-            compile_vae, models, random_weights, random_size, device, decode_rows)
+    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, 0, device, random_size)
+    _render(load_script(script), output, _avatars_dir(avatars), options, reference, compile_vae, models,
+            random_weights)
 
 
 @app.command("bench")
@@ -230,26 +272,39 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
                   help="Comma-separated: legacy, fast, ablation (fast with each optimisation off in turn).")]
               = "legacy,fast,ablation",
               weights: Annotated[str, typer.Option(help="'random' or a models folder.")] = "random",
-              random_size: RandomSizeOpt = "full", compile_vae: CompileOpt = False,
+              random_size: Annotated[str, typer.Option(
+                  "--random-size", help="With --weights random: 'full' (default: the real cost) or 'tiny'.")]
+              = "full", compile_vae: CompileOpt = False,
               device: DeviceOpt = "auto",
               scenarios: Annotated[str, typer.Option(
                   help="Comma-separated subset (A, B); the other scenarios' rows already in the report folder "
                        "are kept, so a long bench can be split across runs.")] = "") -> None:
     """Scenario A (3-presenter broadcast, 12 s) and B (25.8 s monologue): legacy vs fast, one report."""
+    try:
+        width, height = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--size {size!r}: expected WIDTHxHEIGHT, e.g. 1920x1080") from None
+    in_range("--size", min(width, height), 64, 4096, "a frame side in pixels")
+    if not 0 < scale <= 1:
+        raise UsageError(f"--scale {scale}: expected a fraction above 0 and at most 1")
+    picked = {x.strip() for x in modes.split(",") if x.strip()}
+    if not picked or picked - {"legacy", "fast", "ablation"}:
+        raise UsageError(f"--modes {modes!r}: expected a comma-separated subset of legacy, fast, ablation")
+    if {x.strip().upper() for x in scenarios.split(",") if x.strip()} - {"A", "B"}:
+        raise UsageError(f"--scenarios {scenarios!r}: expected A, B or A,B")
+    RenderOptions(device=device, random_size=random_size).check()
+    random_weights = weights == "random"
+    check_models(None if random_weights else Path(weights), random_weights)
+
     from rich.table import Table
 
     from lipstream.bench.run import HEADER, cells, run
     from lipstream.models import load_musetalk
 
-    try:
-        width, height = (int(v) for v in size.lower().split("x"))
-    except ValueError:
-        raise LipStreamError(f"--size {size!r}: expected WIDTHxHEIGHT, e.g. 1920x1080") from None
-    random_weights = weights == "random"
     if random_weights:
         warn_random_weights()
     m = load_musetalk(None if random_weights else weights, device=pick_device(device), random_weights=random_weights,
-                      size=random_size, warn=False)
+                      size=random_size_for(random_size, pick_device(device)), warn=False)
     report = run(m, out_dir, width=width, height=height, scale=scale,
                  modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae,
                  only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None,
@@ -267,13 +322,20 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",
              output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Save features + windows (.safetensors).")] = None,
-             models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "full",
+             models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
              device: DeviceOpt = "auto") -> None:
     """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
-    from lipstream.audio import as_fps, prepare_speech
+    rate = fps_option(fps)
+    RenderOptions(device=device, random_size=random_size).check()
+    check_file(audio, "audio file")
+    if output is not None:
+        check_output_path(output)
+    check_models(models, random_weights)
+
+    from lipstream.audio import prepare_speech
 
     m = load_models(models, device, random_weights, random_size, components=["whisper"])
-    speech = prepare_speech(audio, as_fps(fps), m.whisper, m.feature_extractor)
+    speech = prepare_speech(audio, rate, m.whisper, m.feature_extractor)
     out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
               f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {m.device}")
     out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))
@@ -287,19 +349,42 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every error a user can cause ends in one line: exit 1, or 2 for usage, 130 for Ctrl-C."""
     logging.basicConfig(level=os.environ.get("LIPSTREAM_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(args=argv, prog_name="lipstream")  # click handles usage errors and exits through SystemExit
+        # standalone_mode=False: click's usage errors come here (one line) instead of a multi-line panel;
+        # typer turns a KeyboardInterrupt into the return value 130.
+        code = app(args=argv, prog_name="lipstream", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help(), err=True)
+        return 2
+    except click.exceptions.UsageError as e:
+        command = e.ctx.command_path if e.ctx else "lipstream"
+        err.print(f"[bold red]error:[/] {e.format_message()} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        return 2
+    except UsageError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return e.exit_code
     except LipStreamError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 1
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        return 130
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        code = 130
+    if code == 130:
+        err.print("interrupted: stopped, no output written", highlight=False)
+    return code if isinstance(code, int) else 0
+
+
+def entry() -> None:
+    """The `lipstream` program. After Ctrl-C the output is already cleaned up, so the process ends at once:
+    tearing down torch (and a CUDA context) took seconds more, and Ctrl-C must stop within one."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -8,20 +8,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from lipstream.errors import InputError
-
-
-def check_output_path(dest: str | Path) -> Path:
-    """Fail early, before any work, if `dest` cannot become an output file."""
-    dest = Path(dest)
-    if dest.is_dir():
-        raise InputError(dest, "is a folder, expected an output file name")
-    parent = dest.parent if str(dest.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(dest, f"output folder {parent} does not exist")
-    return dest
+from lipstream.preflight import check_output_path
 
 
 @contextlib.contextmanager
@@ -46,7 +34,8 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         raise
 
 
-def save_safetensors_atomic(dest: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def save_safetensors_atomic(dest: str | Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """Tensors (name -> torch.Tensor) into a .safetensors file, atomically."""
     from safetensors.torch import save_file
 
     with atomic_path(dest) as tmp:

@@ -33,7 +33,7 @@ from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
 from lipstream.interrupts import DeferredInterrupt
-from lipstream.io import check_output_path
+from lipstream.preflight import check_output_path, resolve_avatar
 from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
 from lipstream.models import MuseTalk
@@ -67,18 +67,6 @@ class RenderReport:
     @property
     def render_fps(self) -> float:
         return self.frames / self.wall_s if self.wall_s else 0.0
-
-
-def resolve_avatar(name: str, avatars_dir: Path | None) -> Path:
-    """A compiled avatar by folder path, or by name inside the avatars folder."""
-    direct = Path(name)
-    if (direct / "avatar.json").is_file():
-        return direct
-    if avatars_dir is not None and (Path(avatars_dir) / name / "avatar.json").is_file():
-        return Path(avatars_dir) / name
-    where = f" in {avatars_dir}" if avatars_dir else ""
-    raise InputError(name, f"unknown avatar: no compiled avatar by that name{where} "
-                           "(compile it with `lipstream compile`, or pass --avatars DIR)")
 
 
 def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:

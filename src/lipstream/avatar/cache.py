@@ -326,8 +326,12 @@ def load_avatar(folder: str | Path, device: str | torch.device = "cpu", *, vae_f
     t0 = time.perf_counter()
     meta = read_meta(folder)
     if vae_fingerprint is not None and meta["vae"]["fingerprint"] != vae_fingerprint:
+        made_with = meta["vae"].get("random")
+        hint = (f"it was made with random {made_with} weights: render with --random-weights --random-size {made_with}"
+                f" (or --random-size auto), or compile it again with these weights (--force)" if made_with
+                else "compile it again with these weights (--force)")
         raise InputError(folder, f"was compiled with another VAE (fingerprint {meta['vae']['fingerprint']}, "
-                                 f"loaded VAE {vae_fingerprint}); compile it again with these weights (--force)")
+                                 f"loaded VAE {vae_fingerprint}); {hint}")
     try:
         tensors = load_file(str(folder / TENSORS), device=str(device))
     except Exception as e:

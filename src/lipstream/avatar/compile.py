@@ -117,8 +117,12 @@ def save_track(path: Path, landmarks: np.ndarray, source: Path) -> None:
 def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *,
                    options: CompileOptions = CompileOptions(), track_file: Path | None = None,
                    save_track_dir: Path | None = None, backend: FaceBackend | None = None,
-                   force: bool = False, progress: bool = True) -> CompileResult:
-    """Compile one action loop into avatars_dir/<file stem>; skipped when an identical cache exists."""
+                   force: bool = False, progress: bool = True, vae_random: str | None = None) -> CompileResult:
+    """Compile one action loop into avatars_dir/<file stem>; skipped when an identical cache exists.
+
+    `vae_random` names the random preset ("tiny", "full") when the VAE is seeded random weights:
+    recorded so that a render with --random-weights can build the same networks by itself.
+    """
     t0 = time.perf_counter()
     source = Path(source)
     name = source.stem
@@ -173,7 +177,7 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         t = time.perf_counter()
         result.frames, result.size, result.fps = n, (loop.width, loop.height), str(loop.fps)
         result.face = tuple(int(v) for v in np.median(sizes, axis=0))
-        meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, track_file)
+        meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, track_file, vae_random)
         tensors = {"latents": latents, "boxes": torch.from_numpy(boxes), "masks": torch.from_numpy(masks),
                    "landmarks": torch.from_numpy(np.ascontiguousarray(landmarks, dtype=np.float32))}
         writer.finish(meta, tensors)
@@ -201,7 +205,7 @@ def _landmarks(loop: Loop, source: Path, name: str, track_file: Path | None, sav
 
 
 def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOptions, vae, vae_fingerprint: str,
-          result: CompileResult, track_file: Path | None) -> dict:
+          result: CompileResult, track_file: Path | None, vae_random: str | None) -> dict:
     return {
         "format": FORMAT_VERSION,
         "name": name,
@@ -220,7 +224,8 @@ def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOption
         "tracker": "track-file" if track_file else "dlib-68",
         "parameters": asdict(options),
         "latents": "VAE latent_dist.mean x 0.18215; [masked lower half, reference] = 8 channels",
-        "vae": {"fingerprint": vae_fingerprint, "dtype": str(next(vae.parameters()).dtype).removeprefix("torch.")},
+        "vae": {"fingerprint": vae_fingerprint, "dtype": str(next(vae.parameters()).dtype).removeprefix("torch."),
+                "random": vae_random},
         "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
     }
 

@@ -1,9 +1,24 @@
 """MuseTalk v1.5 networks: definitions from diffusers/transformers, upstream checkpoint loading,
-and a seeded random-weight fallback."""
+and a seeded random-weight fallback.
 
-from lipstream.models.config import PRESETS, ModelConfig, preset
-from lipstream.models.load import COMPONENTS, RANDOM_WARNING, MuseTalk, default_dtype, load_musetalk
-from lipstream.models.positional import PositionalEncoding
+The names below load on first use (PEP 562), so `lipstream.models.layout` (where the files live)
+can be imported by the CLI's early checks without importing torch and diffusers (seconds).
+"""
 
-__all__ = ["COMPONENTS", "PRESETS", "RANDOM_WARNING", "ModelConfig", "MuseTalk", "PositionalEncoding",
-           "default_dtype", "load_musetalk", "preset"]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"PRESETS": "config", "ModelConfig": "config", "preset": "config", "COMPONENTS": "load",
+         "RANDOM_WARNING": "load", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",
+         "PositionalEncoding": "positional"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,136 @@
+"""What a user types wrong is caught before anything heavy loads, in one line that says what is allowed.
+
+Each case runs the real CLI in a fresh interpreter and checks that it stopped before torch was
+even imported (the networks take 6-20 s to build, torch and diffusers seconds to import).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lipstream import preflight
+from lipstream.cli import random_size_for
+
+PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "
+         "print('torch-imported' if 'torch' in sys.modules else 'torch-not-imported'); sys.exit(code)")
+
+
+def run_cli(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    p = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                       timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "COLUMNS": "200"})
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def desk(tmp_path_factory):
+    """A working folder with speech, an avatars folder with two (fake, metadata-only) avatars, a stray folder."""
+    root = tmp_path_factory.mktemp("desk")
+    (root / "speech.wav").write_bytes(b"RIFF....WAVE")  # never read: every case stops before decoding
+    for name, size in (("anna", (640, 360)), ("ben", (640, 360)), ("wide", (1280, 720))):
+        folder = root / "avatars" / name
+        folder.mkdir(parents=True)
+        (folder / "avatar.json").write_text(json.dumps({"width": size[0], "height": size[1], "fps": "25"}))
+    (root / "avatars" / "notes").mkdir()
+    (root / "photos").mkdir()
+    return root
+
+
+RENDER = ["render", "--avatar", "anna", "--audio", "speech.wav", "-o", "out.mp4", "--avatars", "avatars",
+          "--random-weights"]
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--preset", "superfast2"], ["--preset 'superfast2'", "ultrafast", "veryslow"]),
+    (["--fps", "abc"], ["--fps 'abc'", "29.97"]),
+    (["--fps", "-5"], ["--fps '-5'", "above 0"]),
+    (["--fps", "0"], ["--fps '0'", "above 0"]),
+    (["--batch", "0"], ["--batch 0", "1 to 256"]),
+    (["--batch", "abc"], ["--batch", "integer"]),
+    (["--crf", "99"], ["--crf 99", "0 to 51"]),
+    (["--encoders", "0"], ["--encoders 0", "1 to 64"]),
+    (["--decode-rows", "half"], ["--decode-rows 'half'", "auto, full, mask"]),
+    (["--device", "gpu"], ["--device 'gpu'", "cuda"]),
+    (["--random-size", "huge"], ["--random-size 'huge'", "tiny"]),
+    (["--start-frame", "-1"], ["--start-frame -1"]),
+    (["--no-such-flag"], ["--no-such-flag"]),
+], ids=lambda v: v[0] if isinstance(v, list) and v and v[0].startswith("--") else None)
+def test_bad_options_are_usage_errors_of_one_line(desk, extra, fragments):
+    code, stdout, stderr = run_cli(RENDER + extra, desk)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "torch-not-imported" in stdout
+    assert not (desk / "out.mp4").exists()
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"--avatar": "nobody"}, ["nobody", "unknown avatar", "anna, ben, wide"]),
+    ({"--avatar": "photos"}, ["photos", "not a compiled avatar", "lipstream compile"]),
+    ({"--avatar": "notes"}, ["notes", "not a compiled avatar"]),
+    ({"--avatars": "nowhere"}, ["unknown avatar", "nowhere does not exist"]),
+    ({"--audio": "missing.wav"}, ["missing.wav", "no such audio file"]),
+    ({"--audio": "photos"}, ["photos", "is a folder"]),
+    ({"-o": "no/such/dir/out.mp4"}, ["output folder no/such/dir does not exist"]),
+    ({"-o": "photos"}, ["photos", "is a folder"]),
+], ids=lambda c: "-".join(f"{k.strip('-')}={v}" for k, v in c.items()) if isinstance(c, dict) else None)
+def test_bad_paths_are_reported_before_anything_loads(desk, change, fragments):
+    args = list(RENDER)
+    for flag, value in change.items():
+        args[args.index(flag) + 1] = value
+    code, stdout, stderr = run_cli(args, desk)
+    assert code == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "torch-not-imported" in stdout
+
+
+def test_a_broadcast_of_two_frame_sizes_is_refused_early(desk):
+    script = desk / "show.yaml"
+    script.write_text("scenes:\n  - {avatar: anna, audio: speech.wav}\n  - {avatar: wide, audio: speech.wav}\n")
+    code, stdout, stderr = run_cli(["broadcast", script, "-o", "show.mp4", "--avatars", "avatars",
+                                    "--random-weights"], desk)
+    assert code == 1 and "same frame size" in stderr and "wide 1280x720" in stderr, stderr
+    assert "torch-not-imported" in stdout
+
+
+def test_missing_models_folder_mentions_random_weights(desk):
+    args = [a for a in RENDER if a != "--random-weights"] + ["--models", "no-models-here"]
+    code, stdout, stderr = run_cli(args, desk)
+    assert code == 1 and "no-models-here does not exist" in stderr and "--random-weights" in stderr, stderr
+    assert "torch-not-imported" in stdout
+
+
+def test_compile_checks_its_inputs_first(desk):
+    code, stdout, stderr = run_cli(["compile", "nothing.mp4", "-o", "out", "--random-weights"], desk)
+    assert code == 1 and "nothing.mp4: no such video" in stderr, stderr
+    code, stdout, stderr = run_cli(["compile", "photos", "-o", "out", "--fps", "fast", "--random-weights"], desk)
+    assert code == 2 and "--fps 'fast'" in stderr, stderr
+    assert "torch-not-imported" in stdout and not (desk / "out").exists()
+
+
+def test_no_arguments_shows_help(desk):
+    code, stdout, stderr = run_cli([], desk)
+    assert code == 2 and "render" in stdout + stderr and "compile" in stdout + stderr
+
+
+def test_random_size_follows_the_avatar_then_the_device():
+    assert random_size_for("auto", "cpu", {"vae": {"random": "full"}}) == "full"
+    assert random_size_for("auto", "cuda", {"vae": {"random": "tiny"}}) == "tiny"
+    assert random_size_for("auto", "cpu", {"vae": {"fingerprint": "abc"}}) == "tiny"
+    assert random_size_for("auto", "cuda", None) == "full"
+    assert random_size_for("full", "cpu", {"vae": {"random": "tiny"}}) == "full"
+
+
+def test_the_early_checks_know_the_engines_choices():
+    from lipstream.engine.decode import DECODE_ROWS
+
+    assert set(preflight.DECODE_ROWS) == set(DECODE_ROWS)
