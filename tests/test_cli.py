@@ -146,11 +146,11 @@ def test_random_weights_alone_just_work_on_a_cpu(tmp_path):
 
     action_loop(tmp_path / "anchor.mp4", width=480, height=270, seconds=0.5, fps=10)
     write_audio(tmp_path / "hello.wav", speech_like(0.6, 16000), 16000)
-    r = lipstream("compile", tmp_path / "anchor.mp4", "-o", tmp_path / "avatars", "--random-weights")
+    r = lipstream("compile", tmp_path / "anchor.mp4", "-o", tmp_path / "avatars", "--random-weights", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "avatars" / "anchor" / "avatar.json").read_text())
     assert meta["vae"]["random"] == "tiny"
     r = lipstream("render", "--avatar", "anchor", "--avatars", tmp_path / "avatars", "--audio", tmp_path / "hello.wav",
-                  "-o", tmp_path / "out.mp4", "--random-weights")
+                  "-o", tmp_path / "out.mp4", "--random-weights", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "random networks: tiny size on cpu" in r.stderr and (tmp_path / "out.mp4").is_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,7 +245,7 @@ def test_malformed_scripts(tmp_path, text, match):
 
 
 def _cli(args, cwd, env_extra=None):
-    exe = Path(sys.executable).with_name("lipstream")
+    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or shutil.which("lipstream") or "lipstream"
     env = {**os.environ, "COLUMNS": "200", **(env_extra or {})}
     return subprocess.Popen([str(exe), *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
-
-import importlib
 
 import typer
 from rich.console import Console
@@ -36,6 +36,20 @@ RandomSizeOpt = Annotated[str, typer.Option(
     "--random-size", help="With --random-weights: 'full' (the real networks' size and cost), 'tiny' (CPU tests "
                           "and demos), or 'auto': render follows the avatar (the size it was compiled with), "
                           "otherwise tiny on a CPU and full on a GPU.")]
+
+
+_IMPORTED = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (from /proc on Linux; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
 
 
 def warn_random_weights() -> None:
@@ -196,6 +210,9 @@ def _render(program, output: Path, avatars: Optional[Path], options: RenderOptio
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
               + (" [reference path]" if reference else ""))
+    age = process_age()  # what the user waited: imports, networks and set-up included
+    out.print(f"process: {age:.2f} s so far, first encoded packet {age - report.wall_s + report.first_frame_s:.2f} s "
+              "after it started", highlight=False)
     if random_weights:
         out.print("[bold red]random weights: the mouth is noise, not speech[/]")
 
