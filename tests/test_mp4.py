@@ -92,3 +92,15 @@ def test_dts_delay_follows_the_settings():
     assert dts_delay({"preset": "ultrafast"}) == 0
     assert dts_delay({"preset": "veryfast"}) == dts_delay({"preset": "medium"}) == 2  # B-pyramid
     assert dts_delay({"preset": "medium", "tune": "zerolatency"}) == 0
+
+
+def test_an_aborted_segment_write_leaves_nothing(tmp_path):
+    """An exception (Ctrl-C) mid-render: queued segments dropped, running ones not waited for, no file."""
+    frames = moving_frames(40, seed=2)
+    audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
+    with pytest.raises(KeyboardInterrupt):
+        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, preset="medium", encoders=2, total_frames=80) as w:
+            for f in frames:
+                w.write(f)
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []

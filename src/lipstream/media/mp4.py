@@ -257,13 +257,13 @@ class MP4Writer:
             self._atomic.__exit__(None, None, None)
         else:
             if self._pool is not None:
+                # Queued segments are cancelled; running ones are not waited for (a 1080p segment takes
+                # over a second, and Ctrl-C must stop within one): they only return packets, which are
+                # dropped, and never touch the file.
                 for future, _ in self._pending:
                     future.cancel()
-                for future, _ in self._pending:  # a running segment finishes; its result is dropped
-                    with contextlib.suppress(BaseException):
-                        future.result()
                 if self._owns_pool:
-                    self._pool.shutdown(wait=True)
+                    self._pool.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(Exception):
                 self.container.close()
             self._atomic.__exit__(exc_type, exc, tb)
