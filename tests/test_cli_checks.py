@@ -26,6 +26,16 @@ def run_cli(args: list[str], cwd: Path) -> tuple[int, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
+def assert_early_one_line_error(code: int, stdout: str, stderr: str, expected: int, fragments: list[str]) -> None:
+    """Exit status `expected`, one line on stderr holding every fragment, and torch never imported."""
+    assert code == expected, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "torch-not-imported" in stdout
+
+
 @pytest.fixture(scope="module")
 def desk(tmp_path_factory):
     """A working folder with speech, an avatars folder with two (fake, metadata-only) avatars, a stray folder."""
@@ -60,13 +70,7 @@ RENDER = ["render", "--avatar", "anna", "--audio", "speech.wav", "-o", "out.mp4"
     (["--no-such-flag"], ["--no-such-flag"]),
 ], ids=lambda v: v[0] if isinstance(v, list) and v and v[0].startswith("--") else None)
 def test_bad_options_are_usage_errors_of_one_line(desk, extra, fragments):
-    code, stdout, stderr = run_cli(RENDER + extra, desk)
-    assert code == 2, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert "torch-not-imported" in stdout
+    assert_early_one_line_error(*run_cli(RENDER + extra, desk), 2, fragments)
     assert not (desk / "out.mp4").exists()
 
 
@@ -84,13 +88,7 @@ def test_bad_paths_are_reported_before_anything_loads(desk, change, fragments):
     args = list(RENDER)
     for flag, value in change.items():
         args[args.index(flag) + 1] = value
-    code, stdout, stderr = run_cli(args, desk)
-    assert code == 1, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert "torch-not-imported" in stdout
+    assert_early_one_line_error(*run_cli(args, desk), 1, fragments)
 
 
 def test_a_broadcast_of_two_frame_sizes_is_refused_early(desk):
