@@ -316,12 +316,8 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
     from rich.table import Table
 
     from lipstream.bench.run import HEADER, cells, run
-    from lipstream.models import load_musetalk
 
-    if random_weights:
-        warn_random_weights()
-    m = load_musetalk(None if random_weights else weights, device=pick_device(device), random_weights=random_weights,
-                      size=random_size_for(random_size, pick_device(device)), warn=False)
+    m = load_models(None if random_weights else weights, device, random_weights, random_size)
     report = run(m, out_dir, width=width, height=height, scale=scale,
                  modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae,
                  only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None,
