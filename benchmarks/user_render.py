@@ -1,13 +1,16 @@
-"""Time what a user types: `lipstream compile` and `lipstream render`, default flags, fresh processes.
+"""Time what a user types: `lipstream compile`, `render` and `warmup`, default flags, fresh processes.
 
 Each run is a new process; the wall clock is taken around it, and the first encoded packet is
-what the CLI reports counted from the process's own start. The first render on a machine is
-"cold" (no file cache, nothing compiled), the next ones "warm". Each output is decoded and
-checked: frame count, strictly rising DTS, audio and video length and start.
+what the CLI reports counted from the process's own start. The sequence is what a user meets on
+a new machine: a render with nothing cached (the cache folders are fresh: the uncompiled engine),
+`lipstream warmup` (builds the compiled engine), then warm renders with the default flags (the
+compiled engine), with `--decode-rows full` (the exact path) and with `--no-compile`. Each
+output is decoded and checked: frame count, strictly rising DTS, audio and video length and start.
 
     python benchmarks/user_render.py --out DIR [--size 1920x1080 --fps 30 --seconds 25.83 --runs 3]
-        [-- EXTRA RENDER FLAGS]
+        [--no-warmup] [--track-truth] [-- EXTRA RENDER FLAGS]
 
+`--track-truth` compiles the avatar from the fixture's own landmarks (no dlib model needed).
 Writes DIR/user_render.json and prints a markdown table.
 """
 
@@ -27,11 +30,33 @@ from pathlib import Path
 import av
 
 
-def lipstream(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
+def lipstream(*args: str, cwd: Path, env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "lipstream", *args], cwd=cwd, capture_output=True, text=True,
-                       env={**os.environ, "COLUMNS": "200"})
+                       env={**os.environ, "COLUMNS": "200", **(env or {})})
     return time.perf_counter() - t, p
+
+
+def render_row(kind: str, flags: list[str], work: Path, run: int, env: dict) -> dict:
+    out = work / f"out{run}.mp4"
+    wall, p = lipstream("render", "--avatar", "anchor", "--audio", "speech.wav", "-o", out.name,
+                        "--random-weights", "--timings", *flags, cwd=work, env=env)
+    row = {"run": run, "kind": kind, "flags": flags, "rc": p.returncode, "wall_s": round(wall, 2)}
+    m = re.search(r"first encoded packet ([\d.]+) s after it started", p.stdout)
+    row["first_packet_s"] = float(m.group(1)) if m else None
+    m = re.search(r"in ([\d.]+) s = ([\d.]+) fps", p.stdout)
+    row["render_s"], row["render_fps"] = (float(m.group(1)), float(m.group(2))) if m else (None, None)
+    m = re.search(r"^(\w+ engine|reference path): .*$", p.stderr, re.M)
+    row["engine"] = m.group(0) if m else None
+    row["timings"] = p.stderr[p.stderr.find("start-up and render"):][-2500:] if "start-up and render" in p.stderr else ""
+    if p.returncode == 0:
+        row.update(probe(out))
+        out.unlink()
+    else:
+        row["tail"] = p.stderr[-1500:]
+    print(json.dumps({k: v for k, v in row.items() if k != "timings"}), flush=True)
+    print(row["timings"], flush=True)
+    return row
 
 
 def probe(path: Path) -> dict:
@@ -59,48 +84,55 @@ def main() -> None:
     ap.add_argument("--loop-seconds", type=float, default=10.0)
     ap.add_argument("--seconds", type=float, default=25.83, help="speech length (775 frames at 30 fps)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-warmup", action="store_true", help="only the renders with nothing cached")
+    ap.add_argument("--track-truth", action="store_true", help="compile from the fixture's landmarks (no dlib)")
     ap.add_argument("extra", nargs="*", help="extra render flags, after --")
     args = ap.parse_args()
+    import numpy as np
+
+    from lipstream.avatar.boxes import TEMPLATE_LANDMARKS
     from lipstream.fixtures import speech_like, write_audio
     from lipstream.fixtures.avatar import action_loop
 
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    cache = args.out / "cache"  # fresh: nothing compiled, no Inductor kernels
+    env = {"LIPSTREAM_CACHE": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     width, height = (int(v) for v in args.size.split("x"))
     t = time.perf_counter()
-    action_loop(work / "anchor.mp4", width=width, height=height, seconds=args.loop_seconds, fps=args.fps)
+    truth = action_loop(work / "anchor.mp4", width=width, height=height, seconds=args.loop_seconds, fps=args.fps)
     write_audio(work / "speech.wav", speech_like(args.seconds, 16000), 16000)
+    track = []
+    if args.track_truth:
+        points = np.einsum("nij,kj->nki", truth.transforms[:, :, :2], TEMPLATE_LANDMARKS) + truth.transforms[:, None, :, 2]
+        (work / "anchor.track.json").write_text(json.dumps({"landmarks": points.round(2).tolist()}))
+        track = ["--track", "anchor.track.json"]
     report = {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
               "av": av.__version__, "commit": os.environ.get("LIPSTREAM_COMMIT", ""), "size": args.size,
               "fps": args.fps, "speech_s": args.seconds, "expected_frames": math.ceil(args.seconds * args.fps),
               "extra_flags": args.extra, "fixtures_s": round(time.perf_counter() - t, 2), "runs": []}
 
-    wall, p = lipstream("compile", "anchor.mp4", "-o", "avatars", "--random-weights", cwd=work)
+    wall, p = lipstream("compile", "anchor.mp4", "-o", "avatars", "--random-weights", *track, cwd=work, env=env)
     report["compile"] = {"wall_s": round(wall, 2), "rc": p.returncode, "tail": p.stdout[-600:] + p.stderr[-600:]}
     print(f"compile: rc {p.returncode}, {wall:.2f} s", flush=True)
+    runs = report["runs"]
+    runs.append(render_row("nothing cached (first on this machine)", args.extra, work, 0, env))
+    if not args.no_warmup:
+        wall, p = lipstream("warmup", "--random-weights", cwd=work, env=env)
+        report["warmup"] = {"wall_s": round(wall, 2), "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
+        print(f"warmup: rc {p.returncode}, {wall:.2f} s\n{report['warmup']['tail']}", flush=True)
     for run in range(args.runs):
-        out = work / f"out{run}.mp4"
-        wall, p = lipstream("render", "--avatar", "anchor", "--audio", "speech.wav", "-o", out.name,
-                            "--random-weights", *args.extra, cwd=work)
-        row = {"run": run, "kind": "cold (first on this machine)" if run == 0 else "warm", "rc": p.returncode,
-               "wall_s": round(wall, 2)}
-        m = re.search(r"first encoded packet ([\d.]+) s after it started", p.stdout)
-        row["first_packet_s"] = float(m.group(1)) if m else None
-        m = re.search(r"in ([\d.]+) s = ([\d.]+) fps", p.stdout)
-        row["render_s"], row["render_fps"] = (float(m.group(1)), float(m.group(2))) if m else (None, None)
-        if p.returncode == 0:
-            row.update(probe(out))
-            out.unlink()
-        else:
-            row["tail"] = p.stderr[-1500:]
-        report["runs"].append(row)
-        print(json.dumps(row), flush=True)
+        runs.append(render_row("warm, defaults", args.extra, work, len(runs), env))
+    for run in range(args.runs):
+        runs.append(render_row("warm, exact (--decode-rows full)", ["--decode-rows", "full", *args.extra], work,
+                               len(runs), env))
+    runs.append(render_row("warm, --no-compile", ["--no-compile", *args.extra], work, len(runs), env))
     (args.out / "user_render.json").write_text(json.dumps(report, indent=2))
-    print("\n| run | rc | process wall | first packet | render_program | frames | DTS rising | B-frames |")
+    print("\n| run | rc | process wall | first packet | render_program | frames | DTS rising | engine |")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
         print(f"| {r['kind']} | {r['rc']} | {r['wall_s']} s | {r.get('first_packet_s')} s | {r.get('render_s')} s "
-              f"({r.get('render_fps')} fps) | {r.get('frames')} | {r.get('dts_rising')} | {r.get('b_frames')} |")
+              f"({r.get('render_fps')} fps) | {r.get('frames')} | {r.get('dts_rising')} | {r.get('engine')} |")
 
 
 if __name__ == "__main__":

@@ -73,5 +73,7 @@ def test_engine_with_fused_upsamplers_renders_the_same_frames(tiny_models, prese
 def test_engines_on_the_same_networks_share_one_fused_copy(tiny_models):
     """So torch.compile's per-module cache serves every engine (no second trace and compile)."""
     a, b = (Engine(tiny_models, 4, upsample="phases", decode_rows="auto") for _ in range(2))
-    assert a._unet is b._unet and a._decoders[False] is b._decoders[False] and a._decoders[True] is b._decoders[True]
-    assert Engine(tiny_models, 4, upsample="transpose")._unet is not a._unet
+    for cropped in (False, True):
+        assert a._steps[cropped].unet is b._steps[cropped].unet
+        assert a._steps[cropped].decoder is b._steps[cropped].decoder
+    assert Engine(tiny_models, 4, upsample="transpose")._steps[False].unet is not a._steps[False].unet

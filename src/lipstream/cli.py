@@ -16,7 +16,8 @@ from rich.panel import Panel
 
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.preflight import (
-    RenderOptions, UsageError, check_models, check_output_path, check_program, fps_option, in_range)
+    RenderOptions, UsageError, check_models, check_output_path, check_program, fps_option, in_range, machine_defaults,
+    random_size_for)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="LipStream: fast MuseTalk v1.5 lip-sync for AI presenters.")
@@ -58,34 +59,14 @@ def warn_random_weights() -> None:
     err.print(Panel(RANDOM_WARNING, title="WARNING", style="bold red"))
 
 
-def pick_device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise LipStreamError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
-    return name
-
-
-def random_size_for(choice: str, device: str, avatar_meta: dict | None = None) -> str:
-    """'auto' -> the size the avatar's random VAE had, else tiny on a CPU (a full-size frame takes seconds
-    there) and full on a GPU; 'tiny' and 'full' as asked."""
-    if choice != "auto":
-        return choice
-    made_with = ((avatar_meta or {}).get("vae") or {}).get("random")
-    if made_with in ("tiny", "full"):
-        return made_with
-    return "tiny" if device == "cpu" else "full"
-
-
 def load_models(models, device: str, random_weights: bool, random_size: str, avatar_meta: dict | None = None,
                 **kwargs):
     """The networks for a command: the warning first when they are random, then loaded on the chosen device."""
     from lipstream.models import load_musetalk
+    from lipstream.startup import pick_device
 
     device = pick_device(device)
-    size = random_size_for(random_size, device, avatar_meta)
+    size = random_size_for(random_size, device.type, avatar_meta)
     if random_weights:
         warn_random_weights()
         err.print(f"random networks: {size} size on {device}", highlight=False)
@@ -189,43 +170,100 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
 
 
 def _render(program, output: Path, avatars: Optional[Path], options: RenderOptions, reference: bool,
-            compile_vae: bool, models, random_weights: bool) -> None:
+            compile: str, models, random_weights: bool, timings: bool = False) -> None:
     """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
     options.check()
     metas = check_program(program, avatars, output)
     check_models(models, random_weights)
+    t_checked = process_age()
 
     import torch
 
-    from lipstream.engine.runner import FAST_COMPILE
-    from lipstream.render import render_program
+    from lipstream.startup import load_networks, pick_device
 
-    m = load_models(models, options.device, random_weights, options.random_size, next(iter(metas.values())),
-                    dtype=torch.float32 if reference else None)
-    report = render_program(program, output, m, avatars_dir=avatars, fps=options.fps, reference=reference,
-                            batch_size=options.batch, crf=options.crf, preset=options.preset,
-                            encoders=options.encoders, compile=FAST_COMPILE if compile_vae else "off",
+    device = pick_device(options.device)
+    t_torch = process_age()
+    chosen = machine_defaults(device.type, os.cpu_count() or 1)
+    batch, preset = options.batch or chosen["batch"], options.preset or chosen["preset"]
+    encoders = options.encoders or chosen["encoders"]
+    size = random_size_for(options.random_size, device.type, next(iter(metas.values())))
+    if random_weights:
+        warn_random_weights()
+    nets = load_networks(models, device, random_weights, size, compile="off" if reference else compile,
+                         decode_rows=options.decode_rows, dtype=torch.float32 if reference else None,
+                         report=lambda line: err.print(line, highlight=False))
+    from lipstream.render import render_program  # after the networks: its imports overlap nothing
+
+    t_networks = process_age()
+    where = f"{size} random networks" if random_weights else "networks"
+    engine = "reference path" if reference else f"{nets.engine} engine"
+    err.print(f"{engine}: {where} on {device}, batch {batch}, {encoders} x264 encoder{'s' * (encoders > 1)} "
+              f"({preset}, crf {options.crf})", highlight=False)
+    if nets.note:
+        err.print(nets.note, highlight=False, soft_wrap=True)
+    report = render_program(program, output, nets.models, avatars_dir=avatars, fps=options.fps, reference=reference,
+                            batch_size=batch, crf=options.crf, preset=preset, encoders=encoders,
                             decode_rows=options.decode_rows)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
               + (" [reference path]" if reference else ""))
     age = process_age()  # what the user waited: imports, networks and set-up included
-    out.print(f"process: {age:.2f} s so far, first encoded packet {age - report.wall_s + report.first_frame_s:.2f} s "
+    started = age - report.wall_s
+    out.print(f"process: {age:.2f} s so far, first encoded packet {started + report.first_frame_s:.2f} s "
               "after it started", highlight=False)
+    if timings:
+        _print_timings(report, nets, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
+                                      "networks": t_networks - t_torch, "render set-up": started - t_networks})
     if random_weights:
         out.print("[bold red]random weights: the mouth is noise, not speech[/]")
+
+
+def _print_timings(report, nets, before: dict[str, float]) -> None:
+    """--timings: where the process's time went, from its start to the finished MP4."""
+    from rich.table import Table
+
+    t = report.timings
+    table = Table(title="start-up and render, seconds from the process start")
+    for col in ("step", "seconds", "note"):
+        table.add_column(col)
+    notes = {"networks": f"{nets.engine} engine" + "".join(
+        f", {k.removesuffix('_s')} {v:.2f} s" for k, v in nets.timings.items() if k != "networks_s")}
+    for name, seconds in before.items():
+        table.add_row(name, f"{seconds:.2f}", notes.get(name, ""))
+    rows = [("audio: decode + Whisper features", t.get("audio_s")), ("avatars: load", t.get("load_s")),
+            ("graph capture", t.get("warmup_s")),
+            ("first encoded packet (after render start)", report.first_frame_s),
+            ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
+                t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "plan_s"))),
+            ("flush: last segments, audio, faststart", t.get("finish_s"))]
+    for name, seconds in rows:
+        if seconds is not None:
+            table.add_row(name, f"{seconds:.2f}", "")
+    table.add_row("render_program total", f"{report.wall_s:.2f}", f"{report.frames} frames")
+    err.print(table)
 
 
 AvatarsOpt = Annotated[Optional[Path], typer.Option(
     "--avatars", help="Folder of compiled avatars (default: $LIPSTREAM_AVATARS or ./avatars).")]
 CrfOpt = Annotated[int, typer.Option(help="x264 quality, 0-51 (0 = lossless, 18 = visually lossless, 23 = x264's default).")]
-PresetOpt = Annotated[str, typer.Option(help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, "
-                                                   "slow, slower, veryslow.")]
+PresetOpt = Annotated[Optional[str], typer.Option(
+    show_default=False, help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, slow, slower, "
+                             "veryslow. Default: ultrafast with a GPU (the engine outruns x264), veryfast on a CPU.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
-BatchOpt = Annotated[int, typer.Option(help="Frames per engine batch, 1-256.")]
-CompileOpt = Annotated[bool, typer.Option(
+BatchOpt = Annotated[Optional[int], typer.Option(
+    show_default=False, help="Frames per engine batch, 1-256. Default: 32 with a GPU, 16 on a CPU.")]
+CompileOpt = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", show_default=False,
+    help="Default (neither): the compiled engine where `lipstream warmup` has built it on this CUDA machine, else "
+         "the uncompiled one. --compile: build it first if missing (minutes, once). --no-compile: never.")]
+TimingsOpt = Annotated[bool, typer.Option("--timings", help="Print where the time went: start-up steps and render.")]
+BenchCompileOpt = Annotated[bool, typer.Option(
     "--compile", help="torch.compile the network step (CUDA; about a minute the first time, then cached on disk).")]
+
+
+def _compile_choice(value: Optional[bool]) -> str:
+    return {None: "auto", True: "on", False: "off"}[value]
 DecodeRowsOpt = Annotated[str, typer.Option(
     help="'auto' (default): decode only the face rows the blend mask uses (+19% GPU core; approximate, 45.9 dB "
          "worst frame with random weights: check it with yours) for the avatars whose mask allows it, the whole "
@@ -252,33 +290,66 @@ def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name
                output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
                avatars: AvatarsOpt = None,
                start_frame: Annotated[int, typer.Option(help="Where in its loop the avatar starts.")] = 0,
-               fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = "veryfast", reference: ReferenceOpt = False,
-               batch: BatchOpt = 16, encoders: EncodersOpt = None, compile_vae: CompileOpt = False,
+               fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None, reference: ReferenceOpt = False,
+               batch: BatchOpt = None, encoders: EncodersOpt = None, compile: CompileOpt = None,
                decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False,
-               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
+               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
     """Make an avatar speak an audio file: one lip-synced MP4."""
     from lipstream.script import single_scene
 
     options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, start_frame, device,
                             random_size)
     _render(single_scene(avatar, audio, start_frame), output, _avatars_dir(avatars), options, reference,
-            compile_vae, models, random_weights)
+            _compile_choice(compile), models, random_weights, timings)
 
 
 @app.command("broadcast")
 def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
                   output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
-                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = "veryfast",
-                  reference: ReferenceOpt = False, batch: BatchOpt = 16, encoders: EncodersOpt = None,
-                  compile_vae: CompileOpt = False, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
+                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None,
+                  reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
+                  compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
                   random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
-                  device: DeviceOpt = "auto") -> None:
+                  device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
     from lipstream.script import load_script
 
     options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, 0, device, random_size)
-    _render(load_script(script), output, _avatars_dir(avatars), options, reference, compile_vae, models,
-            random_weights)
+    _render(load_script(script), output, _avatars_dir(avatars), options, reference, _compile_choice(compile), models,
+            random_weights, timings)
+
+
+@app.command("warmup")
+def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
+               random_size: Annotated[str, typer.Option(
+                   "--random-size", help="With --random-weights: full or tiny (auto: tiny on a CPU, full on a GPU).")]
+               = "auto",
+               decode_rows: DecodeRowsOpt = "auto", device: DeviceOpt = "auto",
+               force: Annotated[bool, typer.Option(help="Build again even if cached.")] = False) -> None:
+    """Build the compiled engine for this machine ahead of time (a container build, a server start).
+
+    Writes AOTInductor packages and the weights they read to the cache folder ($LIPSTREAM_CACHE,
+    default ~/.cache/lipstream/aot); renders then load them in about a second. Safe to delete.
+    """
+    RenderOptions(device=device, random_size=random_size, decode_rows=decode_rows).check()
+    check_models(models, random_weights)
+
+    from lipstream.startup import KINDS_FOR_ROWS, pick_device, warmup
+
+    dev = pick_device(device)
+    size = random_size_for(random_size, dev.type)
+    if random_weights:
+        warn_random_weights()
+    t0 = time.perf_counter()
+    built = warmup(models, dev, random_weights, size, kinds=KINDS_FOR_ROWS[decode_rows], force=force,
+                   report=lambda line: err.print(line, highlight=False, soft_wrap=True))
+    failed = [b for b in built if b.status == "failed"]
+    out.print(f"compiled engine for {dev}: {sum(b.status == 'built' for b in built)} built, "
+              f"{sum(b.status == 'cached' for b in built)} already cached, {len(failed)} failed, "
+              f"{time.perf_counter() - t0:.1f} s", highlight=False)
+    if failed:
+        raise LipStreamError("could not compile: " + "; ".join(f"{b.kind}: {b.message}" for b in failed)
+                             + " (renders use the uncompiled engine for these)")
 
 
 @app.command("bench")
@@ -291,7 +362,7 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
               weights: Annotated[str, typer.Option(help="'random' or a models folder.")] = "random",
               random_size: Annotated[str, typer.Option(
                   "--random-size", help="With --weights random: 'full' (default: the real cost) or 'tiny'.")]
-              = "full", compile_vae: CompileOpt = False,
+              = "full", compile_vae: BenchCompileOpt = False,
               device: DeviceOpt = "auto",
               scenarios: Annotated[str, typer.Option(
                   help="Comma-separated subset (A, B); the other scenarios' rows already in the report folder "

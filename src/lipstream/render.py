@@ -6,6 +6,8 @@ muxes. They meet in a bounded queue, so memory stays flat and both sides stay bu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import math
 import os
@@ -33,12 +35,14 @@ from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
 from lipstream.errors import InputError, LipStreamError
 from lipstream.interrupts import DeferredInterrupt
-from lipstream.preflight import check_output_path, resolve_avatar
+from lipstream.preflight import check_output_path, default_encoders, resolve_avatar
 from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
-from lipstream.models import MuseTalk
 from lipstream.models.config import SAMPLE_RATE
 from lipstream.script import Program
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 FIRST_BATCH = 8  # the first batch is small: the first encoded frame comes out sooner
@@ -164,8 +168,7 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                                      "all avatars of one video must have the same frame size")
     t_load = time.perf_counter()
     if encoders is None:
-        cores = os.cpu_count() or 1
-        encoders = min(8, cores // 2) if cores >= 8 else 1
+        encoders = default_encoders(os.cpu_count() or 1)
     processes = bool(encoder_processes)  # threads measured faster: frames cross no process boundary
     if processes and encoders > 1:
         media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)

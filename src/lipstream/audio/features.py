@@ -11,13 +11,17 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from transformers import WhisperFeatureExtractor
-from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from lipstream.models.config import (
     AUDIO_DIM, HIDDEN_STATES, HOP_LENGTH, MEL_FRAMES, N_FFT, SAMPLES_PER_FEATURE, SEGMENT_SAMPLES)
+
+if TYPE_CHECKING:  # transformers costs seconds to import: the compiled render path never needs it
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 MAX_SEGMENTS_PER_CALL = 64  # 32 minutes of audio per encoder call bounds activation memory
 
@@ -57,15 +61,25 @@ def log_mel_segments(audio: torch.Tensor, feature_extractor: WhisperFeatureExtra
     return (torch.maximum(mel, peak - 8.0) + 4.0) / 4.0
 
 
+def _device_dtype(encoder) -> tuple[torch.device, torch.dtype]:
+    if isinstance(encoder, torch.nn.Module):
+        p = next(encoder.parameters())
+        return p.device, p.dtype
+    return encoder.device, encoder.dtype
+
+
 @torch.inference_mode()
 def encode_segments(mel: torch.Tensor, encoder: WhisperEncoder) -> torch.Tensor:
     """[S, 80, 3000] -> [S * 1500, 5, 384]: every hidden state of every segment, in time order."""
-    dtype = next(encoder.parameters()).dtype
+    _, dtype = _device_dtype(encoder)
+    stacked = getattr(encoder, "stacked", None)  # a compiled encoder (engine/aot.py) stacks them itself
     out = []
     for start in range(0, mel.shape[0], MAX_SEGMENTS_PER_CALL):
         batch = mel[start:start + MAX_SEGMENTS_PER_CALL].to(dtype)
-        hidden = encoder(batch, output_hidden_states=True).hidden_states
-        out.append(torch.stack(hidden, dim=2))  # [s, 1500, 5, 384]
+        if stacked is not None:
+            out.append(stacked(batch))
+        else:
+            out.append(torch.stack(encoder(batch, output_hidden_states=True).hidden_states, dim=2))  # [s, 1500, 5, 384]
     states = torch.cat(out) if len(out) > 1 else out[0]
     assert states.shape[2:] == (HIDDEN_STATES, AUDIO_DIM), states.shape
     return states.reshape(-1, HIDDEN_STATES, AUDIO_DIM)
@@ -79,7 +93,7 @@ def whisper_features(audio: torch.Tensor | np.ndarray, encoder: WhisperEncoder,
     T = max(1, floor(n / 320)), as upstream: the partial last step and the steps past the end of
     the audio (the zero padding of the last segment) are dropped.
     """
-    device = next(encoder.parameters()).device
+    device, _ = _device_dtype(encoder)
     if isinstance(audio, np.ndarray):
         audio = torch.from_numpy(audio)
     audio = audio.to(device=device, dtype=torch.float32, non_blocking=True)

@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from transformers import WhisperFeatureExtractor
-from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from lipstream.audio.decode import load_audio_tensor
 from lipstream.audio.features import whisper_features
 from lipstream.audio.windows import as_fps, audio_windows, num_frames
 from lipstream.models.config import SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 
 @dataclass

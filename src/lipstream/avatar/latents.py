@@ -9,13 +9,17 @@ this VAE) carries no information.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import cv2
 import numpy as np
 import torch
-from diffusers import AutoencoderKL
 
 from lipstream.avatar.colour import yuv_to_rgb_affine
 from lipstream.models.config import CROP_SIZE, VAE_SCALING_FACTOR
+
+if TYPE_CHECKING:  # diffusers costs seconds to import: rendering never needs it here
+    from diffusers import AutoencoderKL
 
 
 def face_crop(frame: np.ndarray, box: np.ndarray, width: int, height: int, matrix: str,

@@ -5,6 +5,8 @@ Slow and obvious on purpose: the fast engine must match it (PSNR on the face box
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import cv2
 import numpy as np
 import torch
@@ -12,7 +14,9 @@ import torch
 from lipstream.avatar.colour import MATRICES, i420_to_rgb
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.runner import Engine, FrameRequest
-from lipstream.models import MuseTalk
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
 
 
 

@@ -19,16 +19,19 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lipstream.avatar import Avatar
 from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits, mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
+from lipstream.engine.step import NetStep
 from lipstream.engine.surgery import cached_variant
 from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
-from lipstream.models import MuseTalk
-from lipstream.models.config import UNET_TIMESTEP, VAE_SCALING_FACTOR
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,32 @@ class _IndexRing:
         return out
 
 
+def net_steps(models: MuseTalk, upsample: str = "transpose", decode_row: int | None = DEFAULT_ROW,
+              decode_stats: str = "rows", channels_last: bool = False) -> dict[bool, NetStep]:
+    """The network step with the whole decode (False) and, if `decode_row` is set, the cropped one (True).
+
+    The step modules share the networks' weights; the fused upsamplers are copies of the modules
+    made once per network (engine/upsample.py), so every engine and export on the same networks
+    shares them.
+    """
+    decoder = fuse_upsamplers(models.vae.decoder, upsample)
+    unet = fuse_upsamplers(models.unet, upsample)
+    if channels_last:
+        decoder.to(memory_format=torch.channels_last)
+        unet.to(memory_format=torch.channels_last)
+    steps = {False: NetStep(models.pe, unet, models.vae.post_quant_conv, decoder).eval()}
+    if decode_row is not None:
+        cropped = cached_variant(decoder, ("crop", decode_row, decode_stats),
+                                 lambda: CroppedDecoder(decoder, decode_row, decode_stats))
+        steps[True] = NetStep(models.pe, unet, models.vae.post_quant_conv, cropped).eval()
+    return steps
+
+
+def _compiled(module: torch.nn.Module, mode: str | None) -> torch.nn.Module:
+    """torch.compile once per module (engines on the same networks share its compiled code)."""
+    return cached_variant(module, ("compiled", mode), lambda: torch.compile(module, dynamic=False, mode=mode))
+
+
 class Engine:
     """Renders frames with the fast path: fp16 on CUDA (fp32 on CPU), batched device-side blending.
 
@@ -109,7 +138,7 @@ class Engine:
                  channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
                  decode_rows: str = "auto", decode_row: int = DEFAULT_ROW, decode_stats: str = "rows",
                  upsample: str = "transpose"):
-        if models.unet is None or models.vae is None:
+        if getattr(models, "steps", None) is None and (models.unet is None or models.vae is None):
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
         if compile not in COMPILE_MODES:
@@ -128,9 +157,6 @@ class Engine:
         self._net: dict[tuple[int, bool], _Graph] = {}  # (bucket, cropped decode)
         self._blend: dict[tuple, _Graph] = {}
         self._pool = None
-        # A device tensor, as upstream passes it: a Python int would be copied from the CPU at every
-        # step, which also breaks graph capture.
-        self._timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
         self._staging = _IndexRing(models.device)
@@ -141,24 +167,26 @@ class Engine:
         self.decode_rows = decode_rows
         self.decode_row = decode_row if decode_rows != "full" else None
         self._crop_ok: list[bool] = []  # per avatar: its masks fit the cropped decode
-        decoder = fuse_upsamplers(models.vae.decoder, upsample)  # a copy when fused: the models stay plain
-        self._unet = fuse_upsamplers(models.unet, upsample)
-        if channels_last:
-            decoder.to(memory_format=torch.channels_last)
-            self._unet.to(memory_format=torch.channels_last)
-        self._decoders = {False: decoder}  # keyed by "cropped"
-        if self.decode_row is not None:
-            self._decoders[True] = cached_variant(decoder, ("crop", decode_row, decode_stats),
-                                                  lambda: CroppedDecoder(decoder, decode_row, decode_stats))
+        self.aot = getattr(models, "steps", None) is not None  # ahead-of-time compiled packages (engine/aot.py)
+        if self.aot:
+            if compile != "off" or channels_last or autotune:
+                raise ValueError("an engine on compiled packages takes no compile, channels_last or autotune option")
+            self.decode_row = models.options.decode_row if decode_rows != "full" else None
+            self._steps: dict[bool, Callable] = dict(models.steps)
+            if self.decode_row is not None and True not in self._steps:
+                raise ValueError("these compiled packages have no cropped decode: use decode_rows='full'")
+            return
+        self._steps = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
         if compile != "off":
             cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels
             mode = "max-autotune-no-cudagraphs" if autotune else None  # our own graphs wrap it
             # Modules, not the step: a compiled module's code is shared by every Engine with the same
             # shapes (parameters are graph inputs), so a second engine in a process reuses it.
-            self._decoders = {k: torch.compile(d, dynamic=False, mode=mode) for k, d in self._decoders.items()}
-            if compile == "all":
-                self._unet = torch.compile(self._unet, dynamic=False)
+            for step in self._steps.values():
+                step.decoder = _compiled(step.decoder, mode)
+                if compile == "all":
+                    step.unet = _compiled(step.unet, None)
 
     @property
     def device(self) -> torch.device:
@@ -205,18 +233,12 @@ class Engine:
         return all(self._crop_ok[s] for s in slots) if slots else self.decode_rows == "mask" or all(self._crop_ok)
 
     def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
-        audio = self.m.pe(windows)
-        pred = self._unet(latents, self._timestep, encoder_hidden_states=audio).sample
-        z = pred / VAE_SCALING_FACTOR
-        if self.m.vae.post_quant_conv is not None:
-            z = self.m.vae.post_quant_conv(z)
-        image = self._decoders[cropped](z)
-        return (image.float() / 2 + 0.5).clamp_(0, 1)
+        return self._steps[cropped](latents, windows)
 
     def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool) -> torch.Tensor:
         """The step without graphs; compiled code still sees only bucket shapes (no recompiles)."""
         n = latents.shape[0]
-        if self.compile == "off" or n in self.buckets:
+        if (self.compile == "off" and not self.aot) or n in self.buckets:
             return self._step(latents, windows, cropped)
         bucket = next((b for b in self.buckets if b >= n), n)
         pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731

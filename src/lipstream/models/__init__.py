@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {"PRESETS": "config", "ModelConfig": "config", "preset": "config", "COMPONENTS": "load",
-         "RANDOM_WARNING": "load", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",
+         "RANDOM_WARNING": "config", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",
          "PositionalEncoding": "positional"}
 
 __all__ = sorted(_LAZY)

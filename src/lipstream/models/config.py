@@ -13,6 +13,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+RANDOM_WARNING = ("RANDOM WEIGHTS: these networks are untrained. Output will not look like a mouth; "
+                  "use it only to test the pipeline or measure speed.")
+
 # Pipeline constants, named once.
 SAMPLE_RATE = 16_000  # Whisper input, Hz
 HOP_LENGTH = 160  # mel frames: 100 Hz

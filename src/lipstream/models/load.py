@@ -16,6 +16,7 @@ from lipstream.errors import WeightsError
 from lipstream.models import build
 from lipstream.models.checkpoint import (
     fingerprint, load_strict, read_json, read_state_dict, rename_old_vae_attention)
+from lipstream.models.config import RANDOM_WARNING  # noqa: F401  (re-exported)
 from lipstream.models.config import (
     AUDIO_DIM, HIDDEN_STATES, N_FFT, HOP_LENGTH, N_MELS, SAMPLE_RATE, SEGMENT_SECONDS, ModelConfig, preset)
 from lipstream.models.layout import HOW_TO_GET, UNET_DIR, VAE_DIR, WHISPER_DIR, find, models_dir, upstream_file
@@ -24,9 +25,6 @@ from lipstream.models.positional import PositionalEncoding
 log = logging.getLogger(__name__)
 
 COMPONENTS = ("unet", "vae", "whisper")
-RANDOM_WARNING = ("RANDOM WEIGHTS: these networks are untrained. Output will not look like a mouth; "
-                  "use it only to test the pipeline or measure speed.")
-
 
 @dataclass
 class MuseTalk:

@@ -1,0 +1,499 @@
+"""Ahead-of-time compiled network steps: torch.export + AOTInductor packages, cached on disk.
+
+torch.compile traces and compiles in every process (about 20 s on the H200 even with a warm
+Inductor cache). A package here is compiled once per machine and loads in a fraction of a
+second: no dynamo, no Inductor, and the render path imports neither diffusers nor transformers.
+
+Three kinds of package: the frame step with the whole decode ("full"), with the decode of the
+face rows only ("crop", engine/decode.py), and the Whisper encoder ("whisper"). Each is keyed
+by what its code depends on: the GPU (name and compute capability), torch and CUDA versions,
+dtype, the engine options that change the graph, and the networks' architecture. Not by the
+weights: they are not inside the package (that also avoids torch 2.11's crash loading a 1.7 GB
+package). The weights live beside it, one safetensors file per checkpoint, holding exactly the
+tensors the steps read (the fused upsamplers' folded weights included); they are mmapped straight
+to the GPU and handed to the packages. So one package serves every checkpoint of its shape, and
+real weights load as fast as random ones.
+
+Layout under the cache folder ($LIPSTREAM_CACHE, default ~/.cache/lipstream):
+
+    aot/packages/<kind>-<key>/step.pt2, meta.json
+    aot/weights/<key>.safetensors
+
+Everything there is safe to delete at any time; `lipstream warmup` builds it again. The folder
+is bounded ($LIPSTREAM_CACHE_GB, default 20): the least recently used entries go first. A package
+that does not load (corrupt, truncated, built by another torch) is removed with a warning and
+the caller falls back to the uncompiled engine; the next warmup rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lipstream.engine.decode import DEFAULT_ROW
+from lipstream.models.config import AUDIO_DIM, HIDDEN_STATES, MEL_FRAMES, N_MELS, ModelConfig
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the package layout or the step's maths changes: every old entry is ignored
+KINDS = ("crop", "full", "whisper")
+STEP_KINDS = {"full": False, "crop": True}  # kind -> cropped decode
+MAX_BATCH = 256  # the packages take any batch from 1 to this
+DEFAULT_LIMIT_GB = 20.0
+PACKAGE_FILE = "step.pt2"
+META_FILE = "meta.json"
+
+
+def cache_root() -> Path:
+    """The cache folder: $LIPSTREAM_CACHE or ~/.cache/lipstream (Inductor's kernels live there too)."""
+    return Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser()
+
+
+def aot_dir(root: Path | None = None) -> Path:
+    return (root or cache_root()) / "aot"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What compiled code depends on besides its source: the GPU architecture and the software."""
+    info: dict[str, Any] = {"torch": torch.__version__, "type": device.type}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        info.update(name=torch.cuda.get_device_name(index), capability=list(torch.cuda.get_device_capability(index)),
+                    cuda=torch.version.cuda)
+    else:
+        info.update(machine=platform.machine())
+    return info
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The engine options a package's graph depends on (engine/runner.py documents them)."""
+
+    dtype: str = "float16"
+    upsample: str = "transpose"
+    decode_row: int = DEFAULT_ROW
+    decode_stats: str = "rows"
+
+    def for_kind(self, kind: str) -> dict[str, Any]:
+        if kind == "whisper":
+            return {"dtype": self.dtype}
+        out = {"dtype": self.dtype, "upsample": self.upsample}
+        if kind == "crop":
+            out.update(decode_row=self.decode_row, decode_stats=self.decode_stats)
+        return out
+
+
+def default_options(device: torch.device) -> StepOptions:
+    """The engine's defaults, in the dtype the networks run in on that device (fp16 on CUDA, fp32 elsewhere)."""
+    return StepOptions(dtype="float16" if device.type == "cuda" else "float32")
+
+
+def architecture(config: ModelConfig, kind: str) -> dict[str, Any]:
+    """The network configs a kind's graph is built from (weights are inputs, not part of the key)."""
+    public = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_")}  # noqa: E731
+    if kind == "whisper":
+        return {"whisper": public(config.whisper)}
+    return {"unet": public(config.unet), "vae": public(config.vae)}
+
+
+def package_key(kind: str, config: ModelConfig, options: StepOptions, device: dict[str, Any]) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    return f"{kind}-" + _digest({"format": FORMAT, "kind": kind, "arch": architecture(config, kind),
+                                 "options": options.for_kind(kind), "device": device})
+
+
+def weights_key(source: dict[str, Any], options: StepOptions) -> str:
+    """`source`: where the weights come from (random: size, seed and device type; a folder: its
+    files' paths, sizes and modification times), plus what changes the stored tensors."""
+    return _digest({"format": FORMAT, "source": source, "dtype": options.dtype, "upsample": options.upsample})
+
+
+def random_source(size: str, seed: int, device: torch.device) -> dict[str, Any]:
+    # Random weights are drawn on the device that runs them: a GPU's draw differs from a CPU's.
+    return {"random": size, "seed": seed, "device": device.type}
+
+
+def folder_source(files: Iterable[Path]) -> dict[str, Any]:
+    out = {}
+    for path in files:
+        st = path.stat()
+        out[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
+    return {"files": out}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building (lipstream warmup): needs the networks themselves, so diffusers and transformers.
+
+@dataclass
+class Built:
+    kind: str
+    path: Path
+    status: str  # "built", "cached", "failed"
+    seconds: float = 0.0
+    bytes: int = 0
+    message: str = ""
+
+
+def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}{k}": v for k, v in module.named_parameters(remove_duplicate=False)}
+    out.update({f"{prefix}{k}": v for k, v in module.named_buffers(remove_duplicate=False)})
+    return out
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
+def _steps_for_export(models: MuseTalk, options: StepOptions) -> dict[str, torch.nn.Module]:
+    from lipstream.engine.runner import net_steps
+    from lipstream.engine.step import WhisperStep
+
+    steps = net_steps(models, options.upsample, options.decode_row, options.decode_stats)
+    out: dict[str, torch.nn.Module] = {"full": steps[False], "crop": steps[True]}
+    if models.whisper is not None:
+        out["whisper"] = WhisperStep(models.whisper).eval()
+    return out
+
+
+def _canonical(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """One name per tensor the steps read: the full step's names, then the Whisper encoder's."""
+    named = _named_tensors(modules["full"], "step.")
+    if "whisper" in modules:
+        named.update(_named_tensors(modules["whisper"], "whisper."))
+    seen: dict[tuple, str] = {}
+    out = {}
+    for name, t in named.items():
+        ident = _identity(t)
+        if ident not in seen:
+            seen[ident] = name
+            out[name] = t
+    return out
+
+
+def _example_inputs(kind: str, device: torch.device, dtype: torch.dtype, batch: int = 4) -> tuple[torch.Tensor, ...]:
+    if kind == "whisper":
+        return (torch.zeros(1, N_MELS, MEL_FRAMES, device=device, dtype=dtype),)
+    return (torch.randn(batch, 8, 32, 32, device=device, dtype=dtype),
+            torch.randn(batch, 50, AUDIO_DIM, device=device, dtype=dtype))
+
+
+def _export(kind: str, module: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    from torch.export import Dim
+
+    inputs = _example_inputs(kind, device, dtype)
+    shapes = None
+    if kind != "whisper":
+        batch = Dim("batch", min=1, max=MAX_BATCH)
+        shapes = {"latents": {0: batch}, "windows": {0: batch}}
+    with torch.no_grad():
+        return torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
+
+
+def build_package(kind: str, module: torch.nn.Module, canonical: dict[str, torch.Tensor], target: Path,
+                  key_fields: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[Path, int]:
+    """Export `module`, compile it with AOTInductor (weights left out) and write the package folder atomically."""
+    t0 = time.perf_counter()
+    program = _export(kind, module, device, dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        package = str(work / PACKAGE_FILE)
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=package, inductor_configs={"aot_inductor.package_constants_in_so": False})
+        runner = _load_runner(Path(package), device)
+        by_identity = {_identity(t): name for name, t in canonical.items()}
+        named = _named_tensors(module, "")
+        constants: dict[str, str] = {}
+        extra: dict[str, torch.Tensor] = {}
+        for fqn in runner.get_constant_fqns():
+            t = named.get(fqn)
+            if t is None:
+                t = program.state_dict.get(fqn, program.constants.get(fqn))
+            if t is None:
+                raise RuntimeError(f"the {kind} package needs a tensor {fqn!r} the step does not have")
+            name = by_identity.get(_identity(t))
+            if name is None:  # a tensor only this kind reads: stored with the package's weights
+                name = f"{kind}.{fqn}"
+                extra[name] = t
+            constants[fqn] = name
+        meta = {"format": FORMAT, "kind": kind, "key": key_fields, "constants": constants,
+                "extra": sorted(extra), "built": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "build_s": round(time.perf_counter() - t0, 1)}
+        (work / META_FILE).write_text(json.dumps(meta, indent=1))
+        if target.exists():  # another build got there first, or a broken one is being replaced
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in target.iterdir())
+    return target, size
+
+
+def _save_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    from lipstream.io import save_safetensors_atomic
+
+    plain = {k: v.detach().contiguous() for k, v in tensors.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_safetensors_atomic(path, plain, metadata)
+    return path.stat().st_size
+
+
+def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = KINDS,
+              options: StepOptions | None = None, *, root: Path | None = None, force: bool = False,
+              report: Callable[[Built], None] | None = None) -> list[Built]:
+    """Build every package of `kinds` that is missing (or all with `force`), and the weights file.
+
+    A kind that fails to build is reported as failed (the render falls back for it); the others go on.
+    """
+    device = models.device
+    options = options or default_options(device)
+    if getattr(torch, options.dtype) != models.dtype:
+        raise ValueError(f"the networks are {models.dtype}, the options say {options.dtype}")
+    info = device_info(device)
+    base = aot_dir(root)
+    modules = _steps_for_export(models, options)
+    canonical = _canonical(modules)
+    results: list[Built] = []
+    extras: dict[str, torch.Tensor] = {}
+    for kind in kinds:
+        if kind not in modules:
+            continue
+        key = package_key(kind, models.config, options, info)
+        target = base / "packages" / key
+        if not force and _package_ok(target):
+            results.append(Built(kind, target, "cached", bytes=_folder_bytes(target)))
+        else:
+            t0 = time.perf_counter()
+            try:
+                key_fields = {"arch": architecture(models.config, kind), "options": options.for_kind(kind),
+                              "device": info}
+                path, size = build_package(kind, modules[kind], canonical, target, key_fields, device, models.dtype)
+                results.append(Built(kind, path, "built", time.perf_counter() - t0, size))
+            except Exception as e:  # noqa: BLE001  (a compiler failure must not stop the others)
+                log.warning("building the %s package failed: %s", kind, e)
+                results.append(Built(kind, target, "failed", time.perf_counter() - t0,
+                                     message=f"{type(e).__name__}: {e}"[:300]))
+        if report:
+            report(results[-1])
+        if results[-1].status != "failed":
+            extras.update(_extra_tensors(kind, modules[kind], target, device, models.dtype))
+    wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
+    t0 = time.perf_counter()
+    existing = _weights_names(wpath)
+    wanted = {**canonical, **extras}
+    mel = np.asarray(models.feature_extractor.mel_filters, dtype=np.float32)
+    wanted["mel_filters"] = torch.from_numpy(mel)
+    if force or existing is None or not set(wanted) <= existing:
+        meta = {"format": str(FORMAT), "source": json.dumps(source, sort_keys=True), "config": models.config.name,
+                "random_weights": str(bool(models.random_weights)), "origin": models.source,
+                "fingerprints": json.dumps(models.fingerprints, sort_keys=True)}
+        size = _save_weights(wpath, wanted, meta)
+        results.append(Built("weights", wpath, "built", time.perf_counter() - t0, size))
+    else:
+        results.append(Built("weights", wpath, "cached", bytes=wpath.stat().st_size))
+    if report:
+        report(results[-1])
+    prune(base)
+    return results
+
+
+def _extra_tensors(kind: str, module: torch.nn.Module, folder: Path, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors only this package reads (constants made while tracing, none normally): from a new export."""
+    meta = json.loads((folder / META_FILE).read_text())
+    wanted = {fqn: name for fqn, name in meta["constants"].items() if name in meta.get("extra", [])}
+    if not wanted:
+        return {}
+    named = _named_tensors(module, "")
+    program = _export(kind, module, device, dtype) if set(wanted) - set(named) else None
+    return {name: named[fqn] if fqn in named else program.state_dict.get(fqn, program.constants.get(fqn))
+            for fqn, name in wanted.items()}
+
+
+def _weights_names(path: Path) -> set[str] | None:
+    if not path.exists():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return set(f.keys())
+    except Exception:  # noqa: BLE001  (unreadable: rewrite it)
+        return None
+
+
+def _package_ok(folder: Path) -> bool:
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        return meta.get("format") == FORMAT and (folder / PACKAGE_FILE).stat().st_size > 0
+    except (OSError, ValueError):
+        return False
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading (every render): torch, safetensors and the packages; nothing else.
+
+def _load_runner(path: Path, device: torch.device):
+    from torch._inductor.package import load_package
+
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
+    # run_single_threaded: no per-call model pool and its events, so a CUDA graph can capture the call
+    return load_package(str(path), run_single_threaded=True, device_index=index)
+
+
+class CompiledStep:
+    """A loaded package with its weights: call it like the module it was exported from."""
+
+    def __init__(self, kind: str, runner: Any, constants: dict[str, torch.Tensor]):
+        self.kind = kind
+        self.runner = runner
+        self.constants = constants  # kept alive here: the runner holds raw pointers to them
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.runner(*inputs)
+
+
+class CompiledWhisper:
+    """The Whisper package in the shape audio/features.py calls an encoder: one 30 s segment per call."""
+
+    def __init__(self, step: CompiledStep, device: torch.device, dtype: torch.dtype):
+        self.step, self.device, self.dtype = step, device, dtype
+
+    def stacked(self, mel: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.step(mel[i:i + 1]) for i in range(mel.shape[0])])
+
+
+@dataclass
+class MelFilters:
+    mel_filters: np.ndarray  # what audio/features.py reads from a WhisperFeatureExtractor
+
+
+@dataclass
+class CompiledNetworks:
+    """What the engine and the renderer need, from packages instead of diffusers/transformers modules."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    options: StepOptions
+    steps: dict[bool, CompiledStep]  # cropped decode -> step
+    whisper: CompiledWhisper
+    feature_extractor: MelFilters
+    random_weights: bool
+    source: str
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    unet: None = None
+    vae: None = None
+
+
+class NotBuilt(Exception):
+    """No usable package or weights file for this machine, options and checkpoint (yet)."""
+
+
+def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.device,
+                  options: StepOptions | None = None, kinds: Iterable[str] = KINDS, *,
+                  root: Path | None = None) -> CompiledNetworks:
+    """Load the packages of `kinds` and their weights; raises NotBuilt (with the reason) if any is missing.
+
+    A package or weights file that exists but does not load is removed with a warning (so the
+    next warmup builds it again) and reported as NotBuilt: the caller falls back, never crashes.
+    """
+    t0 = time.perf_counter()
+    options = options or default_options(device)
+    base = aot_dir(root)
+    info = device_info(device)
+    folders = {kind: base / "packages" / package_key(kind, config, options, info) for kind in kinds}
+    missing = [k for k, f in folders.items() if not _package_ok(f)]
+    wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
+    if missing or not wpath.exists():
+        what = ", ".join(missing + ([] if wpath.exists() else ["weights"]))
+        raise NotBuilt(f"no compiled {what} for this GPU, torch {torch.__version__} and these networks")
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(wpath), "pt") as f:
+            meta = f.metadata() or {}
+        weights = load_file(str(wpath), device=str(device) if device.type != "cuda" else
+                            f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}")
+    except Exception as e:  # noqa: BLE001
+        _discard(wpath, f"the compiled engine's weights {wpath} do not load ({type(e).__name__}: {e})")
+        raise NotBuilt(f"the weights file {wpath} was unreadable and is removed") from None
+    t_weights = time.perf_counter()
+    steps: dict[str, CompiledStep] = {}
+    for kind, folder in folders.items():
+        try:
+            package_meta = json.loads((folder / META_FILE).read_text())
+            runner = _load_runner(folder / PACKAGE_FILE, device)
+            constants = {fqn: weights[name] for fqn, name in package_meta["constants"].items()}
+            runner.load_constants(constants, check_full_update=True, user_managed=True)
+        except Exception as e:  # noqa: BLE001
+            _discard(folder, f"the compiled {kind} package {folder} does not load ({type(e).__name__}: {e})")
+            raise NotBuilt(f"the {kind} package was unusable and is removed") from None
+        steps[kind] = CompiledStep(kind, runner, constants)
+        os.utime(folder)  # least recently used goes first when the cache is pruned
+    os.utime(wpath)
+    dtype = getattr(torch, options.dtype)
+    whisper = CompiledWhisper(steps["whisper"], device, dtype) if "whisper" in steps else None
+    return CompiledNetworks(
+        config=config, device=device, dtype=dtype, options=options,
+        steps={cropped: steps[k] for k, cropped in STEP_KINDS.items() if k in steps}, whisper=whisper,
+        feature_extractor=MelFilters(weights["mel_filters"].cpu().numpy()),
+        random_weights=meta.get("random_weights") == "True", source=meta.get("origin", str(wpath)),
+        fingerprints=json.loads(meta.get("fingerprints", "{}")),
+        timings={"weights_s": t_weights - t0, "packages_s": time.perf_counter() - t_weights})
+
+
+def _discard(path: Path, message: str) -> None:
+    log.warning("%s; removed: `lipstream warmup` builds it again", message)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prune(base: Path | None = None, limit_gb: float | None = None) -> list[Path]:
+    """Remove the least recently used packages and weights until the folder holds at most `limit_gb`."""
+    base = base or aot_dir()
+    if limit_gb is None:
+        limit_gb = float(os.environ.get("LIPSTREAM_CACHE_GB", DEFAULT_LIMIT_GB))
+    entries = [p for p in (base / "packages").glob("*") if p.is_dir()] + list((base / "weights").glob("*.safetensors"))
+    sized = sorted(((p.stat().st_mtime, p, _folder_bytes(p) if p.is_dir() else p.stat().st_size) for p in entries),
+                   key=lambda e: e[0])
+    total = sum(s for _, _, s in sized)
+    removed = []
+    for _, path, size in sized:
+        if total <= limit_gb * 2**30:
+            break
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        total -= size
+        removed.append(path)
+    return removed

@@ -1,0 +1,125 @@
+"""What a command loads before its first frame: the networks, as compiled packages or as modules.
+
+`load_networks` is the one place that decides which engine a render gets. With compile "auto"
+(the default) a CUDA machine uses the ahead-of-time packages (engine/aot.py) when `lipstream
+warmup` has built them, and otherwise the uncompiled networks (CUDA graphs, no compile wait),
+saying how to get the compiled engine. "on" builds whatever is missing first (minutes, once per
+machine); "off" always uses the uncompiled networks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lipstream.errors import LipStreamError
+from lipstream.models.config import ModelConfig, preset
+from lipstream.preflight import random_size_for  # noqa: F401  (re-exported)
+
+COMPILE_CHOICES = ("auto", "on", "off")
+RANDOM_SEED = 0
+# What each --decode-rows needs compiled: the cropped decode, the whole one, or either per avatar.
+KINDS_FOR_ROWS = {"auto": ("crop", "full", "whisper"), "full": ("full", "whisper"), "mask": ("crop", "whisper")}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LipStreamError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+    return torch.device(name)
+
+
+@dataclass
+class WeightsSource:
+    """Which networks a command runs: their architecture and where their weights come from."""
+
+    config: ModelConfig
+    source: dict[str, Any]  # engine/aot.py's weights key: random size + seed + device, or the files
+    models: Path | None  # the models folder (None: random weights)
+    size: str | None  # the random preset (None: a folder)
+
+
+def weights_source(models: str | Path | None, random_weights: bool, size: str, device: torch.device) -> WeightsSource:
+    """Read only what is needed to name the weights: no tensor is loaded."""
+    from lipstream.engine.aot import folder_source, random_source
+
+    if random_weights:
+        return WeightsSource(preset(size), random_source(size, RANDOM_SEED, device), None, size)
+    from lipstream.models.checkpoint import read_json
+    from lipstream.models.layout import UNET_DIR, UPSTREAM_FILES, VAE_DIR, WHISPER_DIR, find, models_dir
+
+    root = models_dir(models)
+    configs = []
+    for rel in (f"{UNET_DIR}/musetalk.json", f"{VAE_DIR}/config.json", f"{WHISPER_DIR}/config.json"):
+        path = find(root, rel)
+        configs.append(read_json(path) if path else {})
+    files = [p for p in (find(root, f.path) for f in UPSTREAM_FILES) if p is not None]
+    return WeightsSource(ModelConfig(f"folder:{root}", *configs), folder_source(files), root, None)
+
+
+@dataclass
+class Networks:
+    """The networks a command got, and how it got them (printed, and in the render's timings)."""
+
+    models: Any  # models.MuseTalk or engine.aot.CompiledNetworks
+    engine: str  # "compiled" (AOTInductor packages) or "uncompiled"
+    note: str = ""  # why not compiled, and how to get it
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_networks(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
+                  compile: str = "auto", decode_rows: str = "auto", dtype: torch.dtype | None = None,
+                  report: Callable[[str], None] | None = None) -> Networks:
+    """The fastest networks this machine has ready (see the module docstring)."""
+    import time
+
+    from lipstream.engine import aot
+
+    t0 = time.perf_counter()
+    wanted = compile == "on" or (compile == "auto" and device.type == "cuda" and dtype is None)
+    note = ""
+    if wanted:
+        src = weights_source(models, random_weights, size, device)
+        kinds = KINDS_FOR_ROWS[decode_rows]
+        try:
+            try:
+                compiled = aot.load_compiled(src.config, src.source, device, kinds=kinds)
+            except aot.NotBuilt:
+                if compile != "on":
+                    raise
+                warmup(models, device, random_weights, size, kinds=kinds, report=report)
+                compiled = aot.load_compiled(src.config, src.source, device, kinds=kinds)
+            return Networks(compiled, "compiled", timings={"networks_s": time.perf_counter() - t0,
+                                                           **compiled.timings})
+        except aot.NotBuilt as e:
+            note = (f"{e}: rendering with the uncompiled networks; `lipstream warmup` builds the compiled engine "
+                    "once for this machine (a few minutes)")
+    from lipstream.models import load_musetalk
+
+    m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False, dtype=dtype)
+    return Networks(m, "uncompiled", note, {"networks_s": time.perf_counter() - t0})
+
+
+def warmup(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
+           kinds: tuple[str, ...] = KINDS_FOR_ROWS["auto"], force: bool = False,
+           report: Callable[[str], None] | None = None) -> list:
+    """Build every compiled package and weights file a render on this machine needs (engine/aot.py)."""
+    from lipstream.engine import aot
+    from lipstream.models import load_musetalk
+
+    src = weights_source(models, random_weights, size, device)
+    m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False)
+
+    def tell(b: aot.Built) -> None:
+        if report:
+            size_mb = f", {b.bytes / 2**20:.0f} MiB" if b.bytes else ""
+            took = f" in {b.seconds:.1f} s" if b.seconds else ""
+            report(f"{b.kind}: {b.status}{took}{size_mb}: {b.path}" + (f" ({b.message})" if b.message else ""))
+
+    if report:
+        report(f"building the compiled engine in {aot.aot_dir()} (once per machine, torch and network shape)")
+    return aot.build_all(m, src.source, kinds, force=force, report=tell)

@@ -1,0 +1,161 @@
+"""Ahead-of-time compiled packages (engine/aot.py): the same frames as the modules, and a cache that
+never crashes: keys that change with what the code depends on, broken entries removed and rebuilt.
+
+The packages are built once for the tiny networks on the CPU (AOTInductor's C++ path; about two
+minutes on 2 cores) into a session cache folder that every test here copies from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import av
+import pytest
+import torch
+
+from lipstream.audio.features import whisper_features
+from lipstream.avatar import load_avatar
+from lipstream.engine import Engine, FrameRequest
+from lipstream.engine import aot
+from lipstream.fixtures import speech_like, write_audio
+from lipstream.models import preset
+
+CPU = torch.device("cpu")
+SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
+
+
+@pytest.fixture(scope="session")
+def built_cache(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("aot-cache")
+    results = aot.build_all(tiny_models, SOURCE, root=root)
+    assert {b.kind: b.status for b in results} == {"crop": "built", "full": "built", "whisper": "built",
+                                                    "weights": "built"}
+    return root
+
+
+@pytest.fixture
+def cache(built_cache, tmp_path):
+    """A private copy of the built cache (a test may break it)."""
+    root = tmp_path / "cache"
+    shutil.copytree(built_cache, root)
+    return root
+
+
+def _frames(engine: Engine, avatar_dir, windows: torch.Tensor) -> torch.Tensor:
+    slot = engine.add_avatar(load_avatar(avatar_dir))
+    n = engine.avatars[slot].num_frames
+    return engine.render([FrameRequest(slot, i % n, windows[i]) for i in range(len(windows))]).clone()
+
+
+@pytest.mark.parametrize("rows", ["auto", "full"])
+def test_compiled_frames_match_the_modules(built_cache, tiny_models, presenter, rows):
+    compiled = aot.load_compiled(preset("tiny"), SOURCE, CPU, root=built_cache)
+    windows = torch.randn(7, 50, 384, generator=torch.Generator().manual_seed(5))
+    fast = _frames(Engine(compiled, 4, decode_rows=rows), presenter, windows)
+    plain = _frames(Engine(tiny_models, 4, decode_rows=rows), presenter, windows)
+    assert fast.shape == plain.shape and fast.dtype == torch.uint8
+    assert (fast.int() - plain.int()).abs().max() <= 1  # the same maths, fused differently
+    assert compiled.fingerprints == tiny_models.fingerprints  # the avatar's VAE check still holds
+
+
+def test_compiled_whisper_matches_the_encoder(built_cache, tiny_models):
+    compiled = aot.load_compiled(preset("tiny"), SOURCE, CPU, root=built_cache)
+    audio = torch.from_numpy(speech_like(31.0, 16000))  # two segments
+    fast = whisper_features(audio, compiled.whisper, compiled.feature_extractor)
+    plain = whisper_features(audio, tiny_models.whisper, tiny_models.feature_extractor)
+    assert fast.shape == plain.shape == (31 * 50, 5, 384)
+    torch.testing.assert_close(fast, plain, atol=2e-4, rtol=1e-4)
+
+
+def test_keys_follow_what_the_code_depends_on():
+    info = aot.device_info(CPU)
+    options = aot.StepOptions(dtype="float32")
+    key = aot.package_key("crop", preset("tiny"), options, info)
+    assert key == aot.package_key("crop", preset("tiny"), options, dict(info))  # stable
+    assert key.startswith("crop-")
+    changed = [aot.package_key("full", preset("tiny"), options, info),
+               aot.package_key("crop", preset("full"), options, info),
+               aot.package_key("crop", preset("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info),
+               aot.package_key("crop", preset("tiny"), aot.StepOptions(dtype="float16"), info),
+               aot.package_key("crop", preset("tiny"), options, {**info, "torch": "2.99.0"})]
+    assert len({key, *changed}) == 1 + len(changed)
+    # The Whisper package does not depend on the UNet or on the decode options.
+    assert aot.package_key("whisper", preset("tiny"), options, info) == \
+        aot.package_key("whisper", preset("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info)
+    with pytest.raises(ValueError, match="kind"):
+        aot.package_key("unet", preset("tiny"), options, info)
+
+
+def test_weights_key_follows_the_files(tmp_path):
+    f = tmp_path / "unet.pth"
+    f.write_bytes(b"x" * 10)
+    options = aot.StepOptions()
+    first = aot.weights_key(aot.folder_source([f]), options)
+    assert first == aot.weights_key(aot.folder_source([f]), options)
+    f.write_bytes(b"y" * 11)
+    assert aot.weights_key(aot.folder_source([f]), options) != first
+    assert aot.weights_key(aot.random_source("tiny", 0, CPU), options) != \
+        aot.weights_key(aot.random_source("tiny", 1, CPU), options)
+
+
+def test_another_torch_is_not_built(cache, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    with pytest.raises(aot.NotBuilt, match="no compiled crop, full, whisper"):
+        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+
+
+def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_models, caplog):
+    folder = next((cache / "aot" / "packages").glob("whisper-*"))
+    (folder / aot.PACKAGE_FILE).write_bytes(b"not a package")
+    with caplog.at_level(logging.WARNING, logger="lipstream.engine.aot"), pytest.raises(aot.NotBuilt):
+        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+    assert "does not load" in caplog.text and "lipstream warmup" in caplog.text
+    assert not folder.exists()
+    statuses = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    assert statuses == {"crop": "cached", "full": "cached", "whisper": "built", "weights": "cached"}
+    aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+
+
+def test_corrupt_weights_are_removed_with_a_warning(cache, caplog):
+    path = next((cache / "aot" / "weights").glob("*.safetensors"))
+    path.write_bytes(path.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING, logger="lipstream.engine.aot"), pytest.raises(aot.NotBuilt):
+        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+    assert "weights" in caplog.text and not path.exists()
+
+
+def test_the_cache_is_bounded_least_recently_used_first(cache):
+    base = cache / "aot"
+    entries = sorted((base / "packages").glob("*"))
+    for age, entry in enumerate(entries):  # the first is the oldest
+        stamp = 1_000_000 + age
+        os.utime(entry, (stamp, stamp))
+    sizes = {e: sum(f.stat().st_size for f in e.rglob("*") if f.is_file()) for e in entries}
+    weights = sum(f.stat().st_size for f in (base / "weights").glob("*"))
+    limit = (sum(sizes.values()) + weights - sizes[entries[0]] + 1) / 2**30
+    removed = aot.prune(base, limit)
+    assert removed == [entries[0]]
+    assert all(e.exists() for e in entries[1:])
+
+
+def test_warmup_and_a_compiled_render_from_the_command_line(built_cache, tmp_path, presenter):
+    """`lipstream warmup` finds everything cached; `render --compile` says it runs the compiled engine."""
+    env = {"LIPSTREAM_CACHE": str(built_cache), "PATH": "/usr/bin:/bin"}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "lipstream", *args], capture_output=True,  # noqa: E731
+                                       text=True, env=env, cwd=tmp_path, timeout=600)
+    p = run("warmup", "--random-weights", "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+    assert "0 built, 4 already cached, 0 failed" in p.stdout
+    write_audio(tmp_path / "s.wav", speech_like(1.0, 16000), 16000)
+    p = run("render", "--avatar", str(presenter), "--audio", "s.wav", "-o", "out.mp4", "--random-weights",
+            "--device", "cpu", "--compile", "--timings")
+    assert p.returncode == 0, p.stderr
+    assert "compiled engine: tiny random networks on cpu" in p.stderr
+    assert "start-up and render" in p.stderr
+    with av.open(str(tmp_path / "out.mp4")) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 10  # 1 s at the avatar's 10 fps
+    assert [f.name for f in tmp_path.iterdir()] and not list(tmp_path.glob("*.tmp*"))
