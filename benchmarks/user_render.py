@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ def lipstream(*args: str, cwd: Path, env: dict | None = None) -> tuple[float, su
     return time.perf_counter() - t, p
 
 
-def render_row(kind: str, flags: list[str], work: Path, run: int, env: dict) -> dict:
+def render_row(kind: str, flags: list[str], work: Path, run: int, env: dict, report: dict, dest: Path) -> dict:
     out = work / f"out{run}.mp4"
     wall, p = lipstream("render", "--avatar", "anchor", "--audio", "speech.wav", "-o", out.name,
                         "--random-weights", "--timings", *flags, cwd=work, env=env)
@@ -56,6 +57,8 @@ def render_row(kind: str, flags: list[str], work: Path, run: int, env: dict) -> 
         row["tail"] = p.stderr[-1500:]
     print(json.dumps({k: v for k, v in row.items() if k != "timings"}), flush=True)
     print(row["timings"], flush=True)
+    report["runs"].append(row)
+    dest.write_text(json.dumps(report, indent=2))  # after every run: a call cut short keeps what it measured
     return row
 
 
@@ -84,7 +87,8 @@ def main() -> None:
     ap.add_argument("--loop-seconds", type=float, default=10.0)
     ap.add_argument("--seconds", type=float, default=25.83, help="speech length (775 frames at 30 fps)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--no-warmup", action="store_true", help="only the renders with nothing cached")
+    ap.add_argument("--no-warmup", action="store_true", help="skip `lipstream warmup`")
+    ap.add_argument("--keep-cache", action="store_true", help="reuse DIR/cache (and DIR/work) from an earlier run")
     ap.add_argument("--track-truth", action="store_true", help="compile from the fixture's landmarks (no dlib)")
     ap.add_argument("extra", nargs="*", help="extra render flags, after --")
     args = ap.parse_args()
@@ -100,6 +104,8 @@ def main() -> None:
     env = {"LIPSTREAM_CACHE": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     width, height = (int(v) for v in args.size.split("x"))
     t = time.perf_counter()
+    if args.keep_cache and (work / "avatars").is_dir():
+        args.track_truth = False
     truth = action_loop(work / "anchor.mp4", width=width, height=height, seconds=args.loop_seconds, fps=args.fps)
     write_audio(work / "speech.wav", speech_like(args.seconds, 16000), 16000)
     track = []
@@ -112,22 +118,24 @@ def main() -> None:
               "fps": args.fps, "speech_s": args.seconds, "expected_frames": math.ceil(args.seconds * args.fps),
               "extra_flags": args.extra, "fixtures_s": round(time.perf_counter() - t, 2), "runs": []}
 
-    wall, p = lipstream("compile", "anchor.mp4", "-o", "avatars", "--random-weights", *track, cwd=work, env=env)
-    report["compile"] = {"wall_s": round(wall, 2), "rc": p.returncode, "tail": p.stdout[-600:] + p.stderr[-600:]}
-    print(f"compile: rc {p.returncode}, {wall:.2f} s", flush=True)
     runs = report["runs"]
-    runs.append(render_row("nothing cached (first on this machine)", args.extra, work, 0, env))
+    dest = args.out / "user_render.json"
+    if not args.keep_cache:
+        shutil.rmtree(cache, ignore_errors=True)
+        wall, p = lipstream("compile", "anchor.mp4", "-o", "avatars", "--random-weights", *track, cwd=work, env=env)
+        report["compile"] = {"wall_s": round(wall, 2), "rc": p.returncode, "tail": p.stdout[-600:] + p.stderr[-600:]}
+        print(f"compile: rc {p.returncode}, {wall:.2f} s", flush=True)
+        render_row("nothing cached (first on this machine)", args.extra, work, 0, env, report, dest)
     if not args.no_warmup:
         wall, p = lipstream("warmup", "--random-weights", cwd=work, env=env)
         report["warmup"] = {"wall_s": round(wall, 2), "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
         print(f"warmup: rc {p.returncode}, {wall:.2f} s\n{report['warmup']['tail']}", flush=True)
     for run in range(args.runs):
-        runs.append(render_row("warm, defaults", args.extra, work, len(runs), env))
+        render_row("warm, defaults", args.extra, work, len(runs), env, report, dest)
     for run in range(args.runs):
-        runs.append(render_row("warm, exact (--decode-rows full)", ["--decode-rows", "full", *args.extra], work,
-                               len(runs), env))
-    runs.append(render_row("warm, --no-compile", ["--no-compile", *args.extra], work, len(runs), env))
-    (args.out / "user_render.json").write_text(json.dumps(report, indent=2))
+        render_row("warm, exact (--decode-rows full)", ["--decode-rows", "full", *args.extra], work, len(runs), env,
+                   report, dest)
+    render_row("warm, --no-compile", ["--no-compile", *args.extra], work, len(runs), env, report, dest)
     print("\n| run | rc | process wall | first packet | render_program | frames | DTS rising | engine |")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:

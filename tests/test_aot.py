@@ -120,6 +120,25 @@ def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_mod
     aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
 
 
+def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, tiny_models, monkeypatch):
+    """On the H200 image (torch 2.11) loading any package kills the process: found once, by the child check."""
+    shutil.rmtree(next((cache / "aot" / "packages").glob("whisper-*")))
+    monkeypatch.setattr(aot, "_check_in_child", lambda *a: {"ok": False, "signal": 11, "message": "Segmentation fault"})
+    results = {b.kind: b for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    assert results["whisper"].status == "failed" and "signal 11" in results["whisper"].message
+    for kind in ("crop", "full"):  # not tried: they would crash the same way
+        assert results[kind].status == "failed" and results[kind].message.startswith("skipped")
+    assert not list((cache / "aot" / "packages").glob("whisper-*"))  # nothing half-built is left
+    assert not list((cache / "aot" / "packages").glob(".*"))
+    with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11"):
+        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+    monkeypatch.undo()
+    statuses = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache, force=True,
+                                                         kinds=("whisper",))}
+    assert statuses == {"whisper": "built", "weights": "built"}  # --force clears the mark and tries again
+    assert aot.unsupported(aot.device_info(CPU), cache) is None
+
+
 def test_corrupt_weights_are_removed_with_a_warning(cache, caplog):
     path = next((cache / "aot" / "weights").glob("*.safetensors"))
     path.write_bytes(path.read_bytes()[:1000])

@@ -30,7 +30,7 @@ def lipstream(*args, env=None):
 def test_help_lists_only_working_commands():
     r = lipstream("--help")
     assert r.returncode == 0
-    for cmd in ("compile", "render", "broadcast", "bench", "features", "weights"):
+    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights"):
         assert cmd in r.stdout
     for future in ("serve",):
         assert future not in r.stdout
@@ -153,4 +153,4 @@ def test_random_weights_alone_just_work_on_a_cpu(tmp_path):
     r = lipstream("render", "--avatar", "anchor", "--avatars", tmp_path / "avatars", "--audio", tmp_path / "hello.wav",
                   "-o", tmp_path / "out.mp4", "--random-weights", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    assert "random networks: tiny size on cpu" in r.stderr and (tmp_path / "out.mp4").is_file()
+    assert "uncompiled engine: tiny random networks on cpu" in r.stderr and (tmp_path / "out.mp4").is_file()

@@ -326,7 +326,7 @@ def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
                = "auto",
                decode_rows: DecodeRowsOpt = "auto", device: DeviceOpt = "auto",
                force: Annotated[bool, typer.Option(help="Build again even if cached.")] = False) -> None:
-    """Build the compiled engine for this machine ahead of time (a container build, a server start).
+    """Build the compiled engine for this machine ahead of time (in a container build, or at provisioning).
 
     Writes AOTInductor packages and the weights they read to the cache folder ($LIPSTREAM_CACHE,
     default ~/.cache/lipstream/aot); renders then load them in about a second. Safe to delete.

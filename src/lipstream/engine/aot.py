@@ -58,6 +58,11 @@ MAX_BATCH = 256  # the packages take any batch from 1 to this
 DEFAULT_LIMIT_GB = 20.0
 PACKAGE_FILE = "step.pt2"
 META_FILE = "meta.json"
+CHECK_FILE = "check.safetensors"  # inputs and the module's output: a package is checked against them
+EXTRA_FILE = "extra.safetensors"  # tensors only that package reads (none normally)
+UNSUPPORTED_FILE = "unsupported.json"  # machines whose torch crashes loading any package
+CHECK_DB = 40.0  # a package must match its module to 40 dB (fp16 rounding gives about 60)
+BUILD_ORDER = ("whisper", "crop", "full")  # the smallest first: it finds a broken loader soonest
 
 
 def cache_root() -> Path:
@@ -212,125 +217,111 @@ def _export(kind: str, module: torch.nn.Module, device: torch.device, dtype: tor
 
 
 def build_package(kind: str, module: torch.nn.Module, canonical: dict[str, torch.Tensor], target: Path,
-                  key_fields: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[Path, int]:
-    """Export `module`, compile it with AOTInductor (weights left out) and write the package folder atomically."""
+                  key_fields: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                  weights: Path) -> tuple[Path, int]:
+    """Export `module`, compile it with AOTInductor (weights left out), check it in a child process,
+    and move the package folder into place (atomically: a folder that is there is complete).
+
+    Nothing is loaded in this process: on some builds loading a package crashes the process
+    (torch 2.11 on the H200 image), so a child loads it, runs it on the inputs in check.safetensors
+    and compares with what the module gave. A child killed by a signal raises LoaderCrashed.
+    """
+    from safetensors.torch import save_file
+
     t0 = time.perf_counter()
     program = _export(kind, module, device, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        package = str(work / PACKAGE_FILE)
         torch._inductor.aoti_compile_and_package(
-            program, package_path=package, inductor_configs={"aot_inductor.package_constants_in_so": False})
-        runner = _load_runner(Path(package), device)
+            program, package_path=str(work / PACKAGE_FILE),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
         by_identity = {_identity(t): name for name, t in canonical.items()}
-        named = _named_tensors(module, "")
         constants: dict[str, str] = {}
         extra: dict[str, torch.Tensor] = {}
-        for fqn in runner.get_constant_fqns():
-            t = named.get(fqn)
-            if t is None:
-                t = program.state_dict.get(fqn, program.constants.get(fqn))
-            if t is None:
-                raise RuntimeError(f"the {kind} package needs a tensor {fqn!r} the step does not have")
-            name = by_identity.get(_identity(t))
-            if name is None:  # a tensor only this kind reads: stored with the package's weights
+        for fqn, t in {**program.state_dict, **program.constants}.items():
+            name = by_identity.get(_identity(t)) if isinstance(t, torch.Tensor) else None
+            if name is None:  # a tensor only this package reads (made while tracing): kept beside it
                 name = f"{kind}.{fqn}"
-                extra[name] = t
+                extra[name] = t.detach().contiguous().cpu()
             constants[fqn] = name
+        if extra:
+            save_file(extra, str(work / EXTRA_FILE))
+        inputs = _example_inputs(kind, device, dtype)
+        with torch.inference_mode():
+            expected = module(*inputs)
+        save_file({**{f"input{i}": x.cpu().contiguous() for i, x in enumerate(inputs)},
+                   "expected": expected.cpu().contiguous()},
+                  str(work / CHECK_FILE))
         meta = {"format": FORMAT, "kind": kind, "key": key_fields, "constants": constants,
-                "extra": sorted(extra), "built": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "build_s": round(time.perf_counter() - t0, 1)}
+                "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "build_s": round(time.perf_counter() - t0, 1),
+                "sha256": _sha256(work / PACKAGE_FILE)}
         (work / META_FILE).write_text(json.dumps(meta, indent=1))
+        check = _check_in_child(work, weights, device)
+        meta["check"] = check
+        (work / META_FILE).write_text(json.dumps(meta, indent=1))
+        if check.get("signal"):
+            raise LoaderCrashed(f"loading an AOTInductor package killed the process (signal {check['signal']}) "
+                                f"on torch {torch.__version__}")
+        if not check.get("ok"):
+            raise RuntimeError(f"the compiled {kind} step does not match the module: {check.get('message')}")
         if target.exists():  # another build got there first, or a broken one is being replaced
             shutil.rmtree(target, ignore_errors=True)
         os.replace(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    size = sum(f.stat().st_size for f in target.iterdir())
-    return target, size
+    return target, _folder_bytes(target)
+
+
+class LoaderCrashed(RuntimeError):
+    """This machine's torch cannot load AOTInductor packages at all (its loader dies)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_in_child(folder: Path, weights: Path, device: torch.device) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lipstream.engine.aot", "check", str(folder), str(weights), str(device)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode < 0:
+        return {"ok": False, "signal": -p.returncode, "message": p.stderr[-500:]}
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"ok": False, "message": f"exit {p.returncode}: {p.stderr[-500:]}"}
+
+
+def check_package(folder: Path, weights: Path, device: torch.device) -> dict[str, Any]:
+    """Load a package as a render does, run it on its check inputs: how close it is to the module."""
+    from safetensors.torch import load_file
+
+    step = _load_step(folder, load_file(str(weights), device=_device_str(device)), device, verify_hash=False)
+    data = load_file(str(folder / CHECK_FILE), device=_device_str(device))
+    inputs = [data[f"input{i}"] for i in range(sum(k.startswith("input") for k in data))]
+    with torch.inference_mode():
+        got = step(*inputs).float()
+    want = data["expected"].float()
+    rms = (got - want).pow(2).mean().sqrt().item()
+    peak = max(want.abs().max().item(), 1e-12)
+    db = 99.0 if rms == 0 else 20 * np.log10(peak / rms)
+    return {"ok": bool(db >= CHECK_DB), "db": round(float(db), 1), "message": f"{db:.1f} dB against the module"}
 
 
 def _save_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
     from lipstream.io import save_safetensors_atomic
 
-    plain = {k: v.detach().contiguous() for k, v in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors_atomic(path, plain, metadata)
+    save_safetensors_atomic(path, tensors, metadata)
     return path.stat().st_size
-
-
-def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = KINDS,
-              options: StepOptions | None = None, *, root: Path | None = None, force: bool = False,
-              report: Callable[[Built], None] | None = None) -> list[Built]:
-    """Build every package of `kinds` that is missing (or all with `force`), and the weights file.
-
-    A kind that fails to build is reported as failed (the render falls back for it); the others go on.
-    """
-    device = models.device
-    options = options or default_options(device)
-    if getattr(torch, options.dtype) != models.dtype:
-        raise ValueError(f"the networks are {models.dtype}, the options say {options.dtype}")
-    info = device_info(device)
-    base = aot_dir(root)
-    modules = _steps_for_export(models, options)
-    canonical = _canonical(modules)
-    results: list[Built] = []
-    extras: dict[str, torch.Tensor] = {}
-    for kind in kinds:
-        if kind not in modules:
-            continue
-        key = package_key(kind, models.config, options, info)
-        target = base / "packages" / key
-        if not force and _package_ok(target):
-            results.append(Built(kind, target, "cached", bytes=_folder_bytes(target)))
-        else:
-            t0 = time.perf_counter()
-            try:
-                key_fields = {"arch": architecture(models.config, kind), "options": options.for_kind(kind),
-                              "device": info}
-                path, size = build_package(kind, modules[kind], canonical, target, key_fields, device, models.dtype)
-                results.append(Built(kind, path, "built", time.perf_counter() - t0, size))
-            except Exception as e:  # noqa: BLE001  (a compiler failure must not stop the others)
-                log.warning("building the %s package failed: %s", kind, e)
-                results.append(Built(kind, target, "failed", time.perf_counter() - t0,
-                                     message=f"{type(e).__name__}: {e}"[:300]))
-        if report:
-            report(results[-1])
-        if results[-1].status != "failed":
-            extras.update(_extra_tensors(kind, modules[kind], target, device, models.dtype))
-    wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
-    t0 = time.perf_counter()
-    existing = _weights_names(wpath)
-    wanted = {**canonical, **extras}
-    mel = np.asarray(models.feature_extractor.mel_filters, dtype=np.float32)
-    wanted["mel_filters"] = torch.from_numpy(mel)
-    if force or existing is None or not set(wanted) <= existing:
-        meta = {"format": str(FORMAT), "source": json.dumps(source, sort_keys=True), "config": models.config.name,
-                "random_weights": str(bool(models.random_weights)), "origin": models.source,
-                "fingerprints": json.dumps(models.fingerprints, sort_keys=True)}
-        size = _save_weights(wpath, wanted, meta)
-        results.append(Built("weights", wpath, "built", time.perf_counter() - t0, size))
-    else:
-        results.append(Built("weights", wpath, "cached", bytes=wpath.stat().st_size))
-    if report:
-        report(results[-1])
-    prune(base)
-    return results
-
-
-def _extra_tensors(kind: str, module: torch.nn.Module, folder: Path, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors only this package reads (constants made while tracing, none normally): from a new export."""
-    meta = json.loads((folder / META_FILE).read_text())
-    wanted = {fqn: name for fqn, name in meta["constants"].items() if name in meta.get("extra", [])}
-    if not wanted:
-        return {}
-    named = _named_tensors(module, "")
-    program = _export(kind, module, device, dtype) if set(wanted) - set(named) else None
-    return {name: named[fqn] if fqn in named else program.state_dict.get(fqn, program.constants.get(fqn))
-            for fqn, name in wanted.items()}
 
 
 def _weights_names(path: Path) -> set[str] | None:
@@ -346,9 +337,11 @@ def _weights_names(path: Path) -> set[str] | None:
 
 
 def _package_ok(folder: Path) -> bool:
+    """Complete, of this format, and it passed its check when it was built."""
     try:
         meta = json.loads((folder / META_FILE).read_text())
-        return meta.get("format") == FORMAT and (folder / PACKAGE_FILE).stat().st_size > 0
+        return (meta.get("format") == FORMAT and bool(meta.get("check", {}).get("ok"))
+                and (folder / PACKAGE_FILE).stat().st_size > 0)
     except (OSError, ValueError):
         return False
 
@@ -357,8 +350,111 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def _machine_id(info: dict[str, Any]) -> str:
+    return _digest(info)
+
+
+def unsupported(info: dict[str, Any], root: Path | None = None) -> str | None:
+    """Why packages cannot be used with this GPU and torch (a loader that crashed), or None."""
+    try:
+        entries = json.loads((aot_dir(root) / UNSUPPORTED_FILE).read_text())
+        return entries.get(_machine_id(info), {}).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _mark_unsupported(info: dict[str, Any], reason: str, root: Path | None, clear: bool = False) -> None:
+    from lipstream.io import atomic_path
+
+    path = aot_dir(root) / UNSUPPORTED_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if clear:
+        if entries.pop(_machine_id(info), None) is None:
+            return
+    else:
+        entries[_machine_id(info)] = {"reason": reason, "device": info, "when": time.strftime("%Y-%m-%d %H:%M")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(entries, indent=1))
+
+
+def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = KINDS,
+              options: StepOptions | None = None, *, root: Path | None = None, force: bool = False,
+              report: Callable[[Built], None] | None = None) -> list[Built]:
+    """Build the weights file and every package of `kinds` that is missing (or all, with `force`).
+
+    A kind that fails to build is reported as failed (renders fall back for it); the others go
+    on, unless loading crashed the checking process: then no package can work with this torch,
+    the machine is marked so (renders stop trying), and the rest are skipped.
+    """
+    device = models.device
+    options = options or default_options(device)
+    if getattr(torch, options.dtype) != models.dtype:
+        raise ValueError(f"the networks are {models.dtype}, the options say {options.dtype}")
+    info = device_info(device)
+    base = aot_dir(root)
+    modules = _steps_for_export(models, options)
+    canonical = _canonical(modules)
+    results: list[Built] = []
+
+    def done(b: Built) -> None:
+        results.append(b)
+        if report:
+            report(b)
+
+    wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
+    t0 = time.perf_counter()
+    wanted = {**canonical, "mel_filters": torch.from_numpy(
+        np.asarray(models.feature_extractor.mel_filters, dtype=np.float32))}
+    names = _weights_names(wpath)
+    if force or names is None or not set(wanted) <= names:
+        meta = {"format": str(FORMAT), "source": json.dumps(source, sort_keys=True), "config": models.config.name,
+                "random_weights": str(bool(models.random_weights)), "origin": models.source,
+                "fingerprints": json.dumps(models.fingerprints, sort_keys=True)}
+        done(Built("weights", wpath, "built", time.perf_counter() - t0, _save_weights(wpath, wanted, meta)))
+    else:
+        done(Built("weights", wpath, "cached", bytes=wpath.stat().st_size))
+    if force:
+        _mark_unsupported(info, "", root, clear=True)
+    crashed = unsupported(info, root)
+    for kind in sorted(kinds, key=BUILD_ORDER.index):
+        if kind not in modules:
+            continue
+        target = base / "packages" / package_key(kind, models.config, options, info)
+        if crashed:
+            done(Built(kind, target, "failed", message=f"skipped: {crashed}"))
+            continue
+        if not force and _package_ok(target):
+            done(Built(kind, target, "cached", bytes=_folder_bytes(target)))
+            continue
+        t0 = time.perf_counter()
+        key_fields = {"arch": architecture(models.config, kind), "options": options.for_kind(kind), "device": info}
+        try:
+            path, size = build_package(kind, modules[kind], canonical, target, key_fields, device, models.dtype,
+                                       wpath)
+            done(Built(kind, path, "built", time.perf_counter() - t0, size))
+        except LoaderCrashed as e:
+            crashed = f"{e} (checked by `lipstream warmup`; renders use the uncompiled engine)"
+            _mark_unsupported(info, crashed, root)
+            done(Built(kind, target, "failed", time.perf_counter() - t0, message=str(e)))
+        except Exception as e:  # noqa: BLE001  (a compiler failure must not stop the others)
+            log.warning("building the %s package failed: %s", kind, e)
+            done(Built(kind, target, "failed", time.perf_counter() - t0, message=f"{type(e).__name__}: {e}"[:300]))
+    prune(base)
+    return results
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading (every render): torch, safetensors and the packages; nothing else.
+
+def _device_str(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
 
 def _load_runner(path: Path, device: torch.device):
     from torch._inductor.package import load_package
@@ -366,6 +462,23 @@ def _load_runner(path: Path, device: torch.device):
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     # run_single_threaded: no per-call model pool and its events, so a CUDA graph can capture the call
     return load_package(str(path), run_single_threaded=True, device_index=index)
+
+
+def _load_step(folder: Path, weights: dict[str, torch.Tensor], device: torch.device,
+               verify_hash: bool = True) -> CompiledStep:
+    """One package with its weights handed in (no copy: the runner reads the tensors in place)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / META_FILE).read_text())
+    if verify_hash and _sha256(folder / PACKAGE_FILE) != meta["sha256"]:
+        raise ValueError("its file does not match the checksum it was built with")
+    if (folder / EXTRA_FILE).exists():
+        weights = {**weights, **load_file(str(folder / EXTRA_FILE), device=_device_str(device))}
+    runner = _load_runner(folder / PACKAGE_FILE, device)
+    wanted = set(runner.get_constant_fqns())
+    constants = {fqn: weights[name] for fqn, name in meta["constants"].items() if fqn in wanted}
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    return CompiledStep(meta["kind"], runner, constants)
 
 
 class CompiledStep:
@@ -430,6 +543,9 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
     options = options or default_options(device)
     base = aot_dir(root)
     info = device_info(device)
+    reason = unsupported(info, root)
+    if reason:
+        raise NotBuilt(f"the compiled engine does not work on this machine: {reason}")
     folders = {kind: base / "packages" / package_key(kind, config, options, info) for kind in kinds}
     missing = [k for k, f in folders.items() if not _package_ok(f)]
     wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
@@ -442,8 +558,7 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
 
         with safe_open(str(wpath), "pt") as f:
             meta = f.metadata() or {}
-        weights = load_file(str(wpath), device=str(device) if device.type != "cuda" else
-                            f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}")
+        weights = load_file(str(wpath), device=_device_str(device))
     except Exception as e:  # noqa: BLE001
         _discard(wpath, f"the compiled engine's weights {wpath} do not load ({type(e).__name__}: {e})")
         raise NotBuilt(f"the weights file {wpath} was unreadable and is removed") from None
@@ -451,14 +566,10 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
     steps: dict[str, CompiledStep] = {}
     for kind, folder in folders.items():
         try:
-            package_meta = json.loads((folder / META_FILE).read_text())
-            runner = _load_runner(folder / PACKAGE_FILE, device)
-            constants = {fqn: weights[name] for fqn, name in package_meta["constants"].items()}
-            runner.load_constants(constants, check_full_update=True, user_managed=True)
+            steps[kind] = _load_step(folder, weights, device)
         except Exception as e:  # noqa: BLE001
             _discard(folder, f"the compiled {kind} package {folder} does not load ({type(e).__name__}: {e})")
             raise NotBuilt(f"the {kind} package was unusable and is removed") from None
-        steps[kind] = CompiledStep(kind, runner, constants)
         os.utime(folder)  # least recently used goes first when the cache is pruned
     os.utime(wpath)
     dtype = getattr(torch, options.dtype)
@@ -497,3 +608,15 @@ def prune(base: Path | None = None, limit_gb: float | None = None) -> list[Path]
         total -= size
         removed.append(path)
     return removed
+
+
+if __name__ == "__main__":  # python -m lipstream.engine.aot check FOLDER WEIGHTS DEVICE (the builder's child)
+    import sys
+
+    if len(sys.argv) != 5 or sys.argv[1] != "check":
+        sys.exit("usage: python -m lipstream.engine.aot check PACKAGE_FOLDER WEIGHTS DEVICE")
+    try:
+        result = check_package(Path(sys.argv[2]), Path(sys.argv[3]), torch.device(sys.argv[4]))
+    except Exception as e:  # noqa: BLE001  (reported to the builder, which decides)
+        result = {"ok": False, "message": f"{type(e).__name__}: {e}"[:500]}
+    print(json.dumps(result))

@@ -15,6 +15,7 @@ encoders. Optionally Inductor compiles the VAE decoder (78% of the FLOPs) or the
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -249,11 +253,19 @@ class Engine:
         if not self.use_graphs:
             return
         kinds = {self._cropped([s]) for s in range(len(self.avatars))} or {self._cropped(None)}
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-            for cropped in kinds:
-                self._net_graph(b, cropped)
-                for a in self.avatars:
-                    self._blend_graph(b, *a.size, cropped)
+        try:
+            for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+                for cropped in kinds:
+                    self._net_graph(b, cropped)
+                    for a in self.avatars:
+                        self._blend_graph(b, *a.size, cropped)
+        except RuntimeError as e:
+            if not self.aot:
+                raise
+            # A compiled package whose calls cannot be captured still runs, only with more CPU work.
+            log.warning("the compiled step cannot be captured in a CUDA graph (%s); running it without graphs", e)
+            torch.cuda.synchronize(self.device)
+            self.use_graphs, self._net, self._blend, self._pool = False, {}, {}, None
 
     def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
         key = (bucket, self._cropped(None) if cropped is None else cropped)
@@ -262,7 +274,9 @@ class Engine:
                       "windows": torch.zeros(bucket, 50, 384, device=self.device, dtype=self.m.dtype)}
             step = functools.partial(self._step, cropped=key[1])
             with torch.inference_mode():
-                self._net[key] = _Graph(step, inputs, self.device, self._pool)
+                # torch.compile needs a second warm-up run (it compiles in the first); eager modules do not
+                warmups = 2 if self.compile != "off" else 1
+                self._net[key] = _Graph(step, inputs, self.device, self._pool, warmups)
             self._pool = self._pool or self._net[key].graph.pool()
         return self._net[key]
 
