@@ -130,6 +130,10 @@ def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, 
         assert results[kind].status == "failed" and results[kind].message.startswith("skipped")
     assert not list((cache / "aot" / "packages").glob("whisper-*"))  # nothing half-built is left
     assert not list((cache / "aot" / "packages").glob(".*"))
+    assert not list((cache / "aot" / "weights").glob("*"))  # useless here: removed
+    again = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    assert set(again.values()) == {"failed"}  # marked: nothing is tried or written again
+    assert not list((cache / "aot" / "weights").glob("*"))
     with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11"):
         aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
     monkeypatch.undo()

@@ -37,3 +37,17 @@ def test_bench_smoke(tiny_models, tmp_path):
     for picture in ("bench_fps.png", "freeze_A.png", "freeze_B.png"):
         assert (tmp_path / picture).stat().st_size > 1000
         assert f"({picture})" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_oneshot_rows_run_the_command_a_user_types(tiny_models, tmp_path):
+    """Each one-shot row is a fresh `lipstream broadcast` process: same frames as the scenario, its own wall clock."""
+    report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("oneshot",))
+    rows = {(r["scenario"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(s, m) for s in "AB" for m in ("one-shot, nothing cached", "one-shot, warm")}
+    for (scenario, _), row in rows.items():
+        assert row["frames"] == {"A": 15, "B": 39}[scenario]
+        assert 0 < row["first_frame_s"] < row["wall_s"]  # from the process start, imports included
+        assert row["engine"].startswith("uncompiled engine: tiny random networks on cpu")
+        assert "start-up and render" in row["timings_table"]
+        assert row["psnr_db"] > 30
+    assert "One-shot rows" in (tmp_path / "bench.md").read_text()

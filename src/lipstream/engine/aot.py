@@ -405,21 +405,24 @@ def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = K
         if report:
             report(b)
 
+    if force:
+        _mark_unsupported(info, "", root, clear=True)
+    crashed = unsupported(info, root)
     wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
     t0 = time.perf_counter()
     wanted = {**canonical, "mel_filters": torch.from_numpy(
         np.asarray(models.feature_extractor.mel_filters, dtype=np.float32))}
     names = _weights_names(wpath)
-    if force or names is None or not set(wanted) <= names:
+    if crashed:
+        done(Built("weights", wpath, "failed", message=f"skipped: {crashed}"))
+    elif force or names is None or not set(wanted) <= names:
         meta = {"format": str(FORMAT), "source": json.dumps(source, sort_keys=True), "config": models.config.name,
                 "random_weights": str(bool(models.random_weights)), "origin": models.source,
                 "fingerprints": json.dumps(models.fingerprints, sort_keys=True)}
-        done(Built("weights", wpath, "built", time.perf_counter() - t0, _save_weights(wpath, wanted, meta)))
+        size = _save_weights(wpath, wanted, meta)
+        done(Built("weights", wpath, "built", time.perf_counter() - t0, size))
     else:
         done(Built("weights", wpath, "cached", bytes=wpath.stat().st_size))
-    if force:
-        _mark_unsupported(info, "", root, clear=True)
-    crashed = unsupported(info, root)
     for kind in sorted(kinds, key=BUILD_ORDER.index):
         if kind not in modules:
             continue
@@ -439,6 +442,7 @@ def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = K
         except LoaderCrashed as e:
             crashed = f"{e} (checked by `lipstream warmup`; renders use the uncompiled engine)"
             _mark_unsupported(info, crashed, root)
+            wpath.unlink(missing_ok=True)  # of no use on this machine (1.9 GB for the full-size networks)
             done(Built(kind, target, "failed", time.perf_counter() - t0, message=str(e)))
         except Exception as e:  # noqa: BLE001  (a compiler failure must not stop the others)
             log.warning("building the %s package failed: %s", kind, e)
