@@ -134,8 +134,9 @@ def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, 
     again = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache)}
     assert set(again.values()) == {"failed"}  # marked: nothing is tried or written again
     assert not list((cache / "aot" / "weights").glob("*"))
-    with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11"):
+    with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11") as info:
         aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+    assert not info.value.buildable  # the render's note does not suggest a warmup that cannot help
     monkeypatch.undo()
     statuses = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache, force=True,
                                                          kinds=("whisper",))}

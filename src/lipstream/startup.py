@@ -17,7 +17,6 @@ import torch
 
 from lipstream.errors import LipStreamError
 from lipstream.models.config import ModelConfig, preset
-from lipstream.preflight import random_size_for  # noqa: F401  (re-exported)
 
 COMPILE_CHOICES = ("auto", "on", "off")
 RANDOM_SEED = 0
@@ -96,8 +95,9 @@ def load_networks(models: str | Path | None, device: torch.device, random_weight
             return Networks(compiled, "compiled", timings={"networks_s": time.perf_counter() - t0,
                                                            **compiled.timings})
         except aot.NotBuilt as e:
-            note = (f"{e}: rendering with the uncompiled networks; `lipstream warmup` builds the compiled engine "
-                    "once for this machine (a few minutes)")
+            note = f"{e}: rendering with the uncompiled networks"
+            if e.buildable:
+                note += "; `lipstream warmup` builds the compiled engine once for this machine (a few minutes)"
     if device.type == "cuda":  # create the CUDA context while diffusers and transformers import (seconds)
         import threading
 

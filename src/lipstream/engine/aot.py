@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from lipstream.engine.decode import DEFAULT_ROW
-from lipstream.models.config import AUDIO_DIM, HIDDEN_STATES, MEL_FRAMES, N_MELS, ModelConfig
+from lipstream.models.config import AUDIO_DIM, MEL_FRAMES, N_MELS, ModelConfig
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -534,6 +534,10 @@ class CompiledNetworks:
 class NotBuilt(Exception):
     """No usable package or weights file for this machine, options and checkpoint (yet)."""
 
+    def __init__(self, message: str, buildable: bool = True):
+        super().__init__(message)
+        self.buildable = buildable  # False: this machine cannot use packages, a warmup would not help
+
 
 def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.device,
                   options: StepOptions | None = None, kinds: Iterable[str] = KINDS, *,
@@ -549,7 +553,7 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
     info = device_info(device)
     reason = unsupported(info, root)
     if reason:
-        raise NotBuilt(f"the compiled engine does not work on this machine: {reason}")
+        raise NotBuilt(f"the compiled engine does not work on this machine: {reason}", buildable=False)
     folders = {kind: base / "packages" / package_key(kind, config, options, info) for kind in kinds}
     missing = [k for k, f in folders.items() if not _package_ok(f)]
     wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"

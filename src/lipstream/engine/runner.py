@@ -19,7 +19,6 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -182,8 +181,9 @@ class Engine:
             return
         self._steps = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
         if compile != "off":
-            cache = Path(os.environ.get("LIPSTREAM_CACHE", "~/.cache/lipstream")).expanduser() / "inductor"
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))  # warm starts reuse compiled kernels
+            from lipstream.engine.aot import cache_root
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # warm starts reuse compiled kernels
             mode = "max-autotune-no-cudagraphs" if autotune else None  # our own graphs wrap it
             # Modules, not the step: a compiled module's code is shared by every Engine with the same
             # shapes (parameters are graph inputs), so a second engine in a process reuses it.
