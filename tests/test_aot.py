@@ -20,7 +20,7 @@ import torch
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
-from lipstream.engine import aot
+from lipstream.engine import aot, aot_build
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.models import preset
 
@@ -31,7 +31,7 @@ SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
 @pytest.fixture(scope="session")
 def built_cache(tmp_path_factory, tiny_models):
     root = tmp_path_factory.mktemp("aot-cache")
-    results = aot.build_all(tiny_models, SOURCE, root=root)
+    results = aot_build.build_all(tiny_models, SOURCE, root=root)
     assert {b.kind: b.status for b in results} == {"crop": "built", "full": "built", "whisper": "built",
                                                     "weights": "built"}
     return root
@@ -115,7 +115,7 @@ def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_mod
         aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
     assert "does not load" in caplog.text and "lipstream warmup" in caplog.text
     assert not folder.exists()
-    statuses = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    statuses = {b.kind: b.status for b in aot_build.build_all(tiny_models, SOURCE, root=cache)}
     assert statuses == {"crop": "cached", "full": "cached", "whisper": "built", "weights": "cached"}
     aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
 
@@ -123,22 +123,22 @@ def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_mod
 def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, tiny_models, monkeypatch):
     """On the H200 image (torch 2.11) loading any package kills the process: found once, by the child check."""
     shutil.rmtree(next((cache / "aot" / "packages").glob("whisper-*")))
-    monkeypatch.setattr(aot, "_check_in_child", lambda *a: {"ok": False, "signal": 11, "message": "Segmentation fault"})
-    results = {b.kind: b for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    monkeypatch.setattr(aot_build, "_check_in_child", lambda *a: {"ok": False, "signal": 11, "message": "Segmentation fault"})
+    results = {b.kind: b for b in aot_build.build_all(tiny_models, SOURCE, root=cache)}
     assert results["whisper"].status == "failed" and "signal 11" in results["whisper"].message
     for kind in ("crop", "full"):  # not tried: they would crash the same way
         assert results[kind].status == "failed" and results[kind].message.startswith("skipped")
     assert not list((cache / "aot" / "packages").glob("whisper-*"))  # nothing half-built is left
     assert not list((cache / "aot" / "packages").glob(".*"))
     assert not list((cache / "aot" / "weights").glob("*"))  # useless here: removed
-    again = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache)}
+    again = {b.kind: b.status for b in aot_build.build_all(tiny_models, SOURCE, root=cache)}
     assert set(again.values()) == {"failed"}  # marked: nothing is tried or written again
     assert not list((cache / "aot" / "weights").glob("*"))
     with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11") as info:
         aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
     assert not info.value.buildable  # the render's note does not suggest a warmup that cannot help
     monkeypatch.undo()
-    statuses = {b.kind: b.status for b in aot.build_all(tiny_models, SOURCE, root=cache, force=True,
+    statuses = {b.kind: b.status for b in aot_build.build_all(tiny_models, SOURCE, root=cache, force=True,
                                                          kinds=("whisper",))}
     assert statuses == {"whisper": "built", "weights": "built"}  # --force clears the mark and tries again
     assert aot.unsupported(aot.device_info(CPU), cache) is None

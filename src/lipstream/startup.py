@@ -115,14 +115,14 @@ def load_networks(models: str | Path | None, device: torch.device, random_weight
 def warmup(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
            kinds: tuple[str, ...] = KINDS_FOR_ROWS["auto"], force: bool = False,
            report: Callable[[str], None] | None = None) -> list:
-    """Build every compiled package and weights file a render on this machine needs (engine/aot.py)."""
-    from lipstream.engine import aot
+    """Build every compiled package and weights file a render on this machine needs (engine/aot_build.py)."""
+    from lipstream.engine import aot, aot_build
     from lipstream.models import load_musetalk
 
     src = weights_source(models, random_weights, size, device)
     m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False)
 
-    def tell(b: aot.Built) -> None:
+    def tell(b: aot_build.Built) -> None:
         if report:
             size_mb = f", {b.bytes / 2**20:.0f} MiB" if b.bytes else ""
             took = f" in {b.seconds:.1f} s" if b.seconds else ""
@@ -130,4 +130,4 @@ def warmup(models: str | Path | None, device: torch.device, random_weights: bool
 
     if report:
         report(f"building the compiled engine in {aot.aot_dir()} (once per machine, torch and network shape)")
-    return aot.build_all(m, src.source, kinds, force=force, report=tell)
+    return aot_build.build_all(m, src.source, kinds, force=force, report=tell)

@@ -19,7 +19,8 @@ Layout under the cache folder ($LIPSTREAM_CACHE, default ~/.cache/lipstream):
     aot/packages/<kind>-<key>/step.pt2, meta.json
     aot/weights/<key>.safetensors
 
-Everything there is safe to delete at any time; `lipstream warmup` builds it again. The folder
+Everything there is safe to delete at any time; `lipstream warmup` builds it again
+(engine/aot_build.py: the half that needs diffusers and transformers). The folder
 is bounded ($LIPSTREAM_CACHE_GB, default 20): the least recently used entries go first. A package
 that does not load (corrupt, truncated, built by another torch) is removed with a warning and
 the caller falls back to the uncompiled engine; the next warmup rebuilds it.
@@ -33,21 +34,18 @@ import logging
 import os
 import platform
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from lipstream.engine.decode import DEFAULT_ROW
-from lipstream.models.config import AUDIO_DIM, MEL_FRAMES, N_MELS, ModelConfig
+from lipstream.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from lipstream.models import MuseTalk
 
 log = logging.getLogger(__name__)
 
@@ -148,135 +146,7 @@ def folder_source(files: Iterable[Path]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building (lipstream warmup): needs the networks themselves, so diffusers and transformers.
-
-@dataclass
-class Built:
-    kind: str
-    path: Path
-    status: str  # "built", "cached", "failed"
-    seconds: float = 0.0
-    bytes: int = 0
-    message: str = ""
-
-
-def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    out = {f"{prefix}{k}": v for k, v in module.named_parameters(remove_duplicate=False)}
-    out.update({f"{prefix}{k}": v for k, v in module.named_buffers(remove_duplicate=False)})
-    return out
-
-
-def _identity(t: torch.Tensor) -> tuple:
-    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t.dtype)
-
-
-def _steps_for_export(models: MuseTalk, options: StepOptions) -> dict[str, torch.nn.Module]:
-    from lipstream.engine.runner import net_steps
-    from lipstream.engine.step import WhisperStep
-
-    steps = net_steps(models, options.upsample, options.decode_row, options.decode_stats)
-    out: dict[str, torch.nn.Module] = {"full": steps[False], "crop": steps[True]}
-    if models.whisper is not None:
-        out["whisper"] = WhisperStep(models.whisper).eval()
-    return out
-
-
-def _canonical(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """One name per tensor the steps read: the full step's names, then the Whisper encoder's."""
-    named = _named_tensors(modules["full"], "step.")
-    if "whisper" in modules:
-        named.update(_named_tensors(modules["whisper"], "whisper."))
-    seen: dict[tuple, str] = {}
-    out = {}
-    for name, t in named.items():
-        ident = _identity(t)
-        if ident not in seen:
-            seen[ident] = name
-            out[name] = t
-    return out
-
-
-def _example_inputs(kind: str, device: torch.device, dtype: torch.dtype, batch: int = 4) -> tuple[torch.Tensor, ...]:
-    if kind == "whisper":  # random, not silence: a package is checked on these (a constant input proves little)
-        return (torch.randn(1, N_MELS, MEL_FRAMES, device=device, dtype=dtype),)
-    return (torch.randn(batch, 8, 32, 32, device=device, dtype=dtype),
-            torch.randn(batch, 50, AUDIO_DIM, device=device, dtype=dtype))
-
-
-def _export(kind: str, module: torch.nn.Module, device: torch.device, dtype: torch.dtype):
-    from torch.export import Dim
-
-    inputs = _example_inputs(kind, device, dtype)
-    shapes = None
-    if kind != "whisper":
-        batch = Dim("batch", min=1, max=MAX_BATCH)
-        shapes = {"latents": {0: batch}, "windows": {0: batch}}
-    with torch.no_grad():
-        return torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
-
-
-def build_package(kind: str, module: torch.nn.Module, canonical: dict[str, torch.Tensor], target: Path,
-                  key_fields: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                  weights: Path) -> tuple[Path, int]:
-    """Export `module`, compile it with AOTInductor (weights left out), check it in a child process,
-    and move the package folder into place (atomically: a folder that is there is complete).
-
-    Nothing is loaded in this process: on some builds loading a package crashes the process
-    (torch 2.11 on the H200 image), so a child loads it, runs it on the inputs in check.safetensors
-    and compares with what the module gave. A child killed by a signal raises LoaderCrashed.
-    """
-    from safetensors.torch import save_file
-
-    t0 = time.perf_counter()
-    program = _export(kind, module, device, dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(work / PACKAGE_FILE),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
-        by_identity = {_identity(t): name for name, t in canonical.items()}
-        constants: dict[str, str] = {}
-        extra: dict[str, torch.Tensor] = {}
-        for fqn, t in {**program.state_dict, **program.constants}.items():
-            name = by_identity.get(_identity(t)) if isinstance(t, torch.Tensor) else None
-            if name is None:  # a tensor only this package reads (made while tracing): kept beside it
-                name = f"{kind}.{fqn}"
-                extra[name] = t.detach().contiguous().cpu()
-            constants[fqn] = name
-        if extra:
-            save_file(extra, str(work / EXTRA_FILE))
-        inputs = _example_inputs(kind, device, dtype)
-        with torch.inference_mode():
-            expected = module(*inputs)
-        save_file({**{f"input{i}": x.cpu().contiguous() for i, x in enumerate(inputs)},
-                   "expected": expected.cpu().contiguous()},
-                  str(work / CHECK_FILE))
-        meta = {"format": FORMAT, "kind": kind, "key": key_fields, "constants": constants,
-                "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "build_s": round(time.perf_counter() - t0, 1),
-                "sha256": _sha256(work / PACKAGE_FILE)}
-        (work / META_FILE).write_text(json.dumps(meta, indent=1))
-        check = _check_in_child(work, weights, device)
-        meta["check"] = check
-        (work / META_FILE).write_text(json.dumps(meta, indent=1))
-        if check.get("signal"):
-            raise LoaderCrashed(f"loading an AOTInductor package killed the process (signal {check['signal']}) "
-                                f"on torch {torch.__version__}")
-        if not check.get("ok"):
-            raise RuntimeError(f"the compiled {kind} step does not match the module: {check.get('message')}")
-        if target.exists():  # another build got there first, or a broken one is being replaced
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(work, target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return target, _folder_bytes(target)
-
-
-class LoaderCrashed(RuntimeError):
-    """This machine's torch cannot load AOTInductor packages at all (its loader dies)."""
-
+# The cache's state: which packages are usable here.
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -284,20 +154,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _check_in_child(folder: Path, weights: Path, device: torch.device) -> dict[str, Any]:
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "lipstream.engine.aot", "check", str(folder), str(weights), str(device)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if p.returncode < 0:
-        return {"ok": False, "signal": -p.returncode, "message": p.stderr[-500:]}
-    try:
-        return json.loads(p.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"ok": False, "message": f"exit {p.returncode}: {p.stderr[-500:]}"}
 
 
 def check_package(folder: Path, weights: Path, device: torch.device) -> dict[str, Any]:
@@ -314,26 +170,6 @@ def check_package(folder: Path, weights: Path, device: torch.device) -> dict[str
     peak = max(want.abs().max().item(), 1e-12)
     db = 99.0 if rms == 0 else 20 * np.log10(peak / rms)
     return {"ok": bool(db >= CHECK_DB), "db": round(float(db), 1), "message": f"{db:.1f} dB against the module"}
-
-
-def _save_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    from lipstream.io import save_safetensors_atomic
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors_atomic(path, tensors, metadata)
-    return path.stat().st_size
-
-
-def _weights_names(path: Path) -> set[str] | None:
-    if not path.exists():
-        return None
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            return set(f.keys())
-    except Exception:  # noqa: BLE001  (unreadable: rewrite it)
-        return None
 
 
 def _package_ok(folder: Path) -> bool:
@@ -361,94 +197,6 @@ def unsupported(info: dict[str, Any], root: Path | None = None) -> str | None:
         return entries.get(_machine_id(info), {}).get("reason")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def _mark_unsupported(info: dict[str, Any], reason: str, root: Path | None, clear: bool = False) -> None:
-    from lipstream.io import atomic_path
-
-    path = aot_dir(root) / UNSUPPORTED_FILE
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    if clear:
-        if entries.pop(_machine_id(info), None) is None:
-            return
-    else:
-        entries[_machine_id(info)] = {"reason": reason, "device": info, "when": time.strftime("%Y-%m-%d %H:%M")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(entries, indent=1))
-
-
-def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = KINDS,
-              options: StepOptions | None = None, *, root: Path | None = None, force: bool = False,
-              report: Callable[[Built], None] | None = None) -> list[Built]:
-    """Build the weights file and every package of `kinds` that is missing (or all, with `force`).
-
-    A kind that fails to build is reported as failed (renders fall back for it); the others go
-    on, unless loading crashed the checking process: then no package can work with this torch,
-    the machine is marked so (renders stop trying), and the rest are skipped.
-    """
-    device = models.device
-    options = options or default_options(device)
-    if getattr(torch, options.dtype) != models.dtype:
-        raise ValueError(f"the networks are {models.dtype}, the options say {options.dtype}")
-    info = device_info(device)
-    base = aot_dir(root)
-    modules = _steps_for_export(models, options)
-    canonical = _canonical(modules)
-    results: list[Built] = []
-
-    def done(b: Built) -> None:
-        results.append(b)
-        if report:
-            report(b)
-
-    if force:
-        _mark_unsupported(info, "", root, clear=True)
-    crashed = unsupported(info, root)
-    wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
-    t0 = time.perf_counter()
-    wanted = {**canonical, "mel_filters": torch.from_numpy(
-        np.asarray(models.feature_extractor.mel_filters, dtype=np.float32))}
-    names = _weights_names(wpath)
-    if crashed:
-        done(Built("weights", wpath, "failed", message=f"skipped: {crashed}"))
-    elif force or names is None or not set(wanted) <= names:
-        meta = {"format": str(FORMAT), "source": json.dumps(source, sort_keys=True), "config": models.config.name,
-                "random_weights": str(bool(models.random_weights)), "origin": models.source,
-                "fingerprints": json.dumps(models.fingerprints, sort_keys=True)}
-        size = _save_weights(wpath, wanted, meta)
-        done(Built("weights", wpath, "built", time.perf_counter() - t0, size))
-    else:
-        done(Built("weights", wpath, "cached", bytes=wpath.stat().st_size))
-    for kind in sorted(kinds, key=BUILD_ORDER.index):
-        if kind not in modules:
-            continue
-        target = base / "packages" / package_key(kind, models.config, options, info)
-        if crashed:
-            done(Built(kind, target, "failed", message=f"skipped: {crashed}"))
-            continue
-        if not force and _package_ok(target):
-            done(Built(kind, target, "cached", bytes=_folder_bytes(target)))
-            continue
-        t0 = time.perf_counter()
-        key_fields = {"arch": architecture(models.config, kind), "options": options.for_kind(kind), "device": info}
-        try:
-            path, size = build_package(kind, modules[kind], canonical, target, key_fields, device, models.dtype,
-                                       wpath)
-            done(Built(kind, path, "built", time.perf_counter() - t0, size))
-        except LoaderCrashed as e:
-            crashed = f"{e} (checked by `lipstream warmup`; renders use the uncompiled engine)"
-            _mark_unsupported(info, crashed, root)
-            wpath.unlink(missing_ok=True)  # of no use on this machine (1.9 GB for the full-size networks)
-            done(Built(kind, target, "failed", time.perf_counter() - t0, message=str(e)))
-        except Exception as e:  # noqa: BLE001  (a compiler failure must not stop the others)
-            log.warning("building the %s package failed: %s", kind, e)
-            done(Built(kind, target, "failed", time.perf_counter() - t0, message=f"{type(e).__name__}: {e}"[:300]))
-    prune(base)
-    return results
 
 
 # ---------------------------------------------------------------------------------------------
