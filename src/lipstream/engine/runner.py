@@ -29,6 +29,7 @@ from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
 from lipstream.engine.step import NetStep
 from lipstream.engine.surgery import cached_variant
 from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
+from lipstream.models.config import WINDOW_STEPS, WINDOW_TOKENS
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -72,7 +73,7 @@ class _Graph:
         return self.out  # valid until the next replay of this graph
 
 
-class _IndexRing:
+class IndexRing:
     """Small int64 uploads that never block the CPU: pinned slots reused round-robin."""
 
     def __init__(self, device: torch.device, slots: int = 16, size: int = 1024):
@@ -140,7 +141,7 @@ class Engine:
                  compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
                  channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
                  decode_rows: str = "auto", decode_row: int = DEFAULT_ROW, decode_stats: str = "rows",
-                 upsample: str = "transpose"):
+                 upsample: str = "transpose", compile_buckets: tuple[int, ...] | None = None):
         if getattr(models, "steps", None) is None and (models.unet is None or models.vae is None):
             raise ValueError("the engine needs the UNet and the VAE")
         compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
@@ -162,7 +163,7 @@ class Engine:
         self._pool = None
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
-        self._staging = _IndexRing(models.device)
+        self._staging = IndexRing(models.device, slots=64)  # a live step makes a dozen uploads
         if decode_rows not in DECODE_ROWS:
             raise ValueError(f"decode_rows must be one of {DECODE_ROWS}, not {decode_rows!r}")
         if upsample not in UPSAMPLE_MODES:
@@ -170,6 +171,7 @@ class Engine:
         self.decode_rows = decode_rows
         self.decode_row = decode_row if decode_rows != "full" else None
         self._crop_ok: list[bool] = []  # per avatar: its masks fit the cropped decode
+        self.compile_buckets: tuple[int, ...] | None = None
         self.aot = getattr(models, "steps", None) is not None  # ahead-of-time compiled packages (engine/aot.py)
         if self.aot:
             if compile != "off" or channels_last or autotune:
@@ -180,6 +182,12 @@ class Engine:
                 raise ValueError("these compiled packages have no cropped decode: use decode_rows='full'")
             return
         self._steps = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
+        # `compile_buckets`: only these batch sizes run compiled (each size is a compile of minutes
+        # on a cold cache); the others run the same modules uncompiled
+        self.compile_buckets = compile_buckets if compile != "off" else None
+        self._plain = self._steps
+        if compile != "off" and compile_buckets is not None:
+            self._plain = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
         if compile != "off":
             from lipstream.engine.aot import cache_root
 
@@ -237,7 +245,8 @@ class Engine:
         return all(self._crop_ok[s] for s in slots) if slots else self.decode_rows == "mask" or all(self._crop_ok)
 
     def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
-        return self._steps[cropped](latents, windows)
+        plain = self.compile_buckets is not None and latents.shape[0] not in self.compile_buckets
+        return (self._plain if plain else self._steps)[cropped](latents, windows)
 
     def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool) -> torch.Tensor:
         """The step without graphs; compiled code still sees only bucket shapes (no recompiles)."""
@@ -280,18 +289,25 @@ class Engine:
             self._pool = self._pool or self._net[key].graph.pool()
         return self._net[key]
 
-    def _blend_graph(self, bucket: int, width: int, height: int, cropped: bool) -> _Graph:
+    def _blend_graph(self, bucket: int, width: int, height: int, cropped: bool, own_faces: bool = False) -> _Graph:
+        """The blend of a bucket into frames of one size; `own_faces`: it reads a static `faces` input
+        (a subset of a mixed-size step's faces) instead of the network graph's output."""
         canvas = (min(height, self.canvas[0]), min(width, self.canvas[1]))
-        key = (bucket, width, height, canvas, cropped)
+        key = (bucket, width, height, canvas, cropped, own_faces)
         if key not in self._blend:
             faces = self._net_graph(bucket, cropped).out
+            if own_faces:
+                faces = torch.zeros_like(faces)
             geometry = torch.tensor([[0, 0, 0, 0, canvas[1], canvas[0], 0.299, 0.587, 0.114]],
                                     device=self.device).repeat(bucket, 1)  # padding rows: a valid box
             inputs = {"frames": torch.zeros(bucket, height * 3 // 2, width, dtype=torch.uint8, device=self.device),
                       "masks": torch.zeros(bucket, *faces.shape[-2:], dtype=torch.uint8, device=self.device),
                       "geometry": geometry}
+            if own_faces:
+                inputs["faces"] = faces
 
-            def blend(frames: torch.Tensor, masks: torch.Tensor, geometry: torch.Tensor) -> None:
+            def blend(frames: torch.Tensor, masks: torch.Tensor, geometry: torch.Tensor,
+                      faces: torch.Tensor = faces) -> None:
                 blend_static(frames, faces, masks, geometry, height, width, canvas)
 
             with torch.inference_mode():
@@ -373,3 +389,83 @@ class Engine:
         net.replay()
         blend.replay()
         return frames[:n]
+
+    @torch.inference_mode()
+    def render_rows(self, slots: list[int], frames: list[int], table: torch.Tensor, rows: list[int],
+                    windows: torch.Tensor | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """One step over frames of any resident avatars, of any frame sizes (the live scheduler's call).
+
+        Frame i shows loop frame `frames[i]` of avatar `slots[i]`. The audio windows of the first
+        len(rows) // 10 frames are rows of `table` ([R, 5, 384] features on the device, 10 rows a
+        frame): one gather on the device, no window tensor built per frame. `windows` [k, 50, 384]
+        serve the k frames after those. Returns, per frame size, the positions of its frames and
+        their I420 frames on the device: with graphs, views into graph buffers that the next call
+        overwrites (copy them out first).
+        """
+        n = len(slots)
+        live = len(rows) // WINDOW_STEPS
+        if n == 0 or n > self.buckets[-1] or live + (0 if windows is None else len(windows)) != n:
+            raise ValueError(f"a step takes 1 to {self.buckets[-1]} frames, each with one window")
+        bucket = next(b for b in self.buckets if b >= n)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            groups.setdefault(s, []).append(i)
+        cropped = self._cropped(list(groups))
+        if self.use_graphs:
+            net = self._net_graph(bucket, cropped)
+            latents, win = net.inputs["latents"], net.inputs["windows"]
+        else:
+            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.m.dtype)
+            win = torch.empty(n, WINDOW_TOKENS, table.shape[-1], device=self.device, dtype=self.m.dtype)
+        if live:
+            index = self._staging.upload(rows)
+            torch.index_select(table, 0, index, out=win[:live].view(len(rows), *table.shape[1:]))
+        if windows is not None and len(windows):
+            win[live:n].copy_(windows)
+        self._gather(groups, n, [(latents, lambda a, s: a.latents)], frames)
+        faces = net.replay() if self.use_graphs else self._eager_step(latents, win, cropped)
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(slots):
+            sizes.setdefault(self.avatars[s].size, []).append(i)
+        out = []
+        for (w, h), where in sizes.items():
+            k = len(where)
+            canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
+            sub = {s: [j for j, i in enumerate(where) if slots[i] == s] for s in {slots[i] for i in where}}
+            sub_frames = [frames[i] for i in where]
+            if self.use_graphs:
+                whole = len(sizes) == 1
+                blend = self._blend_graph(bucket if whole else next(b for b in self.buckets if b >= k),
+                                          w, h, cropped, own_faces=not whole)
+                if not whole:
+                    torch.index_select(faces, 0, self._staging.upload(where), out=blend.inputs["faces"][:k])
+                dst = blend.inputs
+            else:
+                dst = {"frames": torch.empty(k, h * 3 // 2, w, dtype=torch.uint8, device=self.device),
+                       "masks": torch.empty(k, *self.avatars[slots[where[0]]].masks.shape[-2:], dtype=torch.uint8,
+                                            device=self.device),
+                       "geometry": torch.empty(k, 9, device=self.device)}
+            self._gather(sub, k, [(dst["frames"], lambda a, s: a.frames), (dst["masks"], lambda a, s: a.masks),
+                                  (dst["geometry"], lambda a, s: self._geometry[s])], sub_frames)
+            if self.use_graphs:
+                blend.replay()
+            else:
+                blend_static(dst["frames"], faces[where] if len(sizes) > 1 else faces, dst["masks"], dst["geometry"],
+                             h, w, canvas)
+            out.append((where, dst["frames"][:k]))
+        return out
+
+    def _gather(self, groups: dict[int, list[int]], n: int, targets: list, frames: list[int]) -> None:
+        """Fill rows [0, n) of each target with its avatar tensor's rows for these loop frames."""
+        for slot, where in groups.items():
+            a = self.avatars[slot]
+            wanted = [frames[i] for i in where]
+            a.wait_frames(max(wanted) + 1)
+            index = self._staging.upload(wanted)
+            if len(where) == n:
+                for dst, src in targets:
+                    torch.index_select(src(a, slot), 0, index, out=dst[:n])
+            else:
+                at = self._staging.upload(where)
+                for dst, src in targets:
+                    dst.index_copy_(0, at, src(a, slot).index_select(0, index))
