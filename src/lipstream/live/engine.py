@@ -1,0 +1,347 @@
+"""The live engine: many sessions, one GPU, one core thread that owns it.
+
+Each turn of the core: encode the feature windows that new audio completed (one batched
+Whisper call for every session), ask the scheduler for the next step, launch it (the engine's
+captured graphs: network step and blend into I420), and only then finish the previous step:
+wait for its frames to arrive in pinned host memory (copied on a side stream) and hand each
+session its frames, copied out. So the CPU plans step k+1 while the GPU runs step k. Video
+encoding runs on a thread pool, one task per session at a time (x264 releases the GIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lipstream.audio.features import whisper_features
+from lipstream.avatar import Avatar, load_avatar
+from lipstream.engine import Engine
+from lipstream.live.features import FeatureTable, StreamingWhisper
+from lipstream.live.options import LiveOptions, preset
+from lipstream.live.scheduler import AdmissionError, OfflineJob, Scheduler, StepPlan, admission
+from lipstream.live.session import Session
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
+
+log = logging.getLogger(__name__)
+HOST_SLOTS = 3  # steps whose frames can be on their way to the host at once
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    frames: int = 0  # live frames rendered
+    offline_frames: int = 0
+    whisper_windows: int = 0
+    gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
+    started_at: float = field(default_factory=time.monotonic)
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    groups: list[tuple[list[int], torch.Tensor]]  # per frame size: step positions, host frames
+    done: torch.cuda.Event | None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    launched_at: float
+
+
+class LiveEngine:
+    """Resident avatars, live sessions and offline frames on one Engine. Use as a context manager
+    (or start() / close()); open sessions with open_session()."""
+
+    def __init__(self, models: MuseTalk, options: LiveOptions | str = "realtime", *,
+                 decode_rows: str = "auto", compile: str = "off", encode_threads: int | None = None):
+        self.o = preset(options) if isinstance(options, str) else options
+        self.m = models
+        self.device = models.device
+        buckets = tuple(sorted(set(self.o.buckets)))
+        # Inductor (when asked) for the full bucket only: that is the step a loaded engine runs
+        self.engine = Engine(models, buckets[-1], buckets=buckets, decode_rows=decode_rows, compile=compile,
+                             compile_buckets=(buckets[-1],))
+        self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
+        self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
+                                        self.o.lookahead_steps)
+        self.scheduler = Scheduler(buckets[-1])
+        self.sessions: dict[int, Session] = {}
+        self._free = list(range(self.o.max_sessions))[::-1]
+        self._next_id = 0
+        self._lock = threading.Lock()  # sessions and avatars change under it, between steps
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.capacity_fps = self.o.capacity_fps
+        self.step_s: dict[int, float] = {}  # measured time of a step per bucket
+        self._recent: float | None = None  # launch to frames on the host, recent steps
+        self.stats = EngineStats()
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._host: dict[tuple[int, int], list] = {}  # frame size -> [(device staging, pinned host, event)]
+        self._k: dict[tuple[int, int], int] = {}
+        self._encode = ThreadPoolExecutor(encode_threads or max(1, (os.cpu_count() or 2) - 1),
+                                          thread_name_prefix="live-encode")
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def add_avatar(self, avatar: Avatar | str | Path) -> int:
+        """Keep an avatar resident (a compiled avatar folder or a loaded one); returns its slot."""
+        if not isinstance(avatar, Avatar):
+            avatar = load_avatar(avatar, self.device, vae_fingerprint=self.m.fingerprints.get("vae"))
+        with self._lock:
+            slot = self.engine.add_avatar(avatar)
+        if self._thread is not None:
+            self._warm_sizes()
+        return slot
+
+    def start(self) -> LiveEngine:
+        """Capture every bucket, measure what a step costs, then start the core thread."""
+        if self._thread is not None:
+            return self
+        if not self.engine.avatars:
+            raise ValueError("add an avatar before starting the live engine")
+        self.whisper.idle_window()
+        self.engine.warm_up()
+        self._warm_sizes()
+        self._measure()
+        self._thread = threading.Thread(target=self._run, name="lipstream-live-core", daemon=True)
+        self._thread.start()
+        return self
+
+    def _warm_sizes(self) -> None:
+        """Host buffers (and blend graphs) for every resident frame size."""
+        for a in self.engine.avatars:
+            w, h = a.size
+            if (w, h) in self._host:
+                continue
+            cuda = self.device.type == "cuda"
+            n = self.engine.buckets[-1]
+            self._host[(w, h)] = [(torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, device=self.device) if cuda else None,
+                                   torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, pin_memory=cuda),
+                                   torch.cuda.Event() if cuda else None) for _ in range(HOST_SLOTS)]
+            self._k[(w, h)] = 0
+
+    @torch.inference_mode()
+    def _measure(self) -> None:
+        """Time each bucket (two runs, the second counts): the scheduler's step estimate and admission's capacity."""
+        slot = 0
+        loop = self.engine.avatars[slot].num_frames
+        for b in self.engine.buckets:
+            for _ in range(2):
+                t = time.perf_counter()
+                self.engine.render_rows([slot] * b, [i % loop for i in range(b)], self.table.table,
+                                        self.table.idle * b)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.step_s[b] = time.perf_counter() - t
+        if self.capacity_fps is None:
+            self.capacity_fps = max(b / s for b, s in self.step_s.items())
+        log.info("live engine: steps %s s, capacity %.0f frames/s",
+                 {b: round(s, 4) for b, s in self.step_s.items()}, self.capacity_fps)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._encode.shutdown(wait=True)
+        for s in list(self.sessions.values()):
+            s.closed = True
+            s._notify()
+
+    def __enter__(self) -> LiveEngine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- sessions and jobs ----------------------------------------------------------------------
+
+    def open_session(self, avatar: int = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
+                     start_frame: int = 0) -> Session:
+        """A new session on a resident avatar, idle until speech is pushed; AdmissionError if full."""
+        from lipstream.live.encode import SessionEncoder
+
+        self._raise_error()
+        if not 0 <= avatar < len(self.engine.avatars):
+            raise ValueError(f"avatar: slot {avatar}; {len(self.engine.avatars)} avatars are resident")
+        a = self.engine.avatars[avatar]
+        fps = Fraction(fps if fps is not None else a.fps).limit_denominator(1001)
+        if not 1 <= fps <= 60:
+            raise ValueError(f"fps: {float(fps):g}; 1 to 60 is allowed")
+        with self._lock:
+            why = admission(list(self.sessions.values()), fps, self.capacity_fps, self.o.utilisation, len(self._free))
+            if why is not None:
+                raise AdmissionError(why)
+            slot = self._free.pop()
+            sid = self._next_id
+            self._next_id += 1
+        w, h = a.size
+        encoder = None
+        if self.o.encode if encode is None else encode:
+            encoder = SessionEncoder(w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
+                                     gop_frames=max(1, round(self.o.gop_s * float(fps))),
+                                     matrix=a.meta.get("colour_matrix", "bt601"))
+        a.wait_frames(1)
+        rest = a.frames[start_frame % a.num_frames].cpu().numpy().copy()
+        session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, self.o, self.table, rest,
+                          self._wake.set, encoder, start_frame)
+        with self._lock:
+            self.sessions[sid] = session
+        self._wake.set()
+        return session
+
+    def close_session(self, session: Session) -> None:
+        with self._lock:
+            if self.sessions.pop(session.id, None) is not None:
+                self._free.append(session.slot)
+        session.closed = True
+        session._notify()
+
+    def render_offline(self, slot: int, frames: list[int], windows: torch.Tensor) -> Future:
+        """Offline frames through the same steps at lower priority: loop frames of avatar `slot`
+        with their windows [n, 50, 384]. The future's result: [n, H*3/2, W] uint8 I420."""
+        if len(windows) != len(frames):
+            raise ValueError("one window per frame")
+        job = OfflineJob(slot, list(frames), windows.to(self.device, self.m.dtype))
+        with self._lock:
+            self.scheduler.offline.append(job)
+        self._wake.set()
+        return job.future
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the live engine's core stopped") from self._error
+
+    # --- the core thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        inflight: _InFlight | None = None
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    with self._lock:
+                        sessions = list(self.sessions.values())
+                        self._features(sessions)
+                        now = time.monotonic()
+                        plan = self.scheduler.plan(sessions, now, self._step_estimate())
+                        launched = self._launch(plan) if len(plan) else None
+                    if inflight is not None:
+                        self._finish(inflight)
+                    inflight = launched
+                    if inflight is not None and inflight.done is None:  # no GPU: the step already ran
+                        self._finish(inflight)
+                        inflight = None
+                    if inflight is None:
+                        self._wake.wait(self._idle_wait(sessions))
+                        self._wake.clear()
+                if inflight is not None:
+                    self._finish(inflight)
+        except BaseException as e:  # noqa: BLE001 (handed to every caller)
+            log.exception("the live engine's core stopped")
+            self._error = e
+            for s in list(self.sessions.values()):
+                s.closed = True
+                s._notify()
+
+    def _step_estimate(self) -> float:
+        """What the next step will take: recent steps' time (small steps at low load, full ones under load)."""
+        return self._recent if self._recent is not None else self.step_s.get(self.engine.buckets[0], 0.05)
+
+    def _idle_wait(self, sessions: list[Session]) -> float:
+        """Until the next idle frame's media time (or a push wakes the core earlier)."""
+        now = time.monotonic()
+        margin = 2 * self._step_estimate()
+        nxt = [s.idle_due(max(s.next_frame, s.play_frame), margin) - now for s in sessions]
+        return max(0.0005, min([0.01, *nxt]))
+
+    def _features(self, sessions: list[Session]) -> None:
+        jobs = []
+        for s in sessions:
+            if self.o.features == "stream":
+                jobs += s.window_jobs()
+            else:
+                for audio, rows in s.whole_utterances():
+                    feats = whisper_features(torch.from_numpy(audio), self.m.whisper, self.m.feature_extractor)
+                    index = torch.tensor(rows[:len(feats)], device=self.device)
+                    self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
+        if jobs:
+            self.whisper.run(jobs)
+            self.stats.whisper_windows += len(jobs)
+
+    def _launch(self, plan: StepPlan) -> _InFlight:
+        e = self.engine
+        slots = [c.session.avatar for c in plan.live] + [job.slot for job, _ in plan.offline]
+        frames = [c.loop_frame for c in plan.live] + [job.frames[i] for job, i in plan.offline]
+        rows = [r for c in plan.live for r in c.rows]
+        windows = torch.stack([job.windows[i] for job, i in plan.offline]) if plan.offline else None
+        cuda = self.device.type == "cuda"
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        if timing:
+            timing[0].record()
+        groups = e.render_rows(slots, frames, self.table.table, rows, windows)
+        if timing:
+            timing[1].record()
+        out, done = [], None
+        for where, dev in groups:
+            size = (dev.shape[-1], dev.shape[-2] * 2 // 3)
+            k = self._k[size]
+            self._k[size] = (k + 1) % HOST_SLOTS
+            staging, host, event = self._host[size][k]
+            n = len(where)
+            if cuda:
+                torch.cuda.current_stream(self.device).wait_event(event)  # its last copy to the host is done
+                staging[:n].copy_(dev)  # device to device: frees the graph's buffer for the next step at once
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._copy_stream):
+                    host[:n].copy_(staging[:n], non_blocking=True)
+                    event.record(self._copy_stream)
+                done = event
+            else:
+                host[:n].copy_(dev)
+            out.append((where, host[:n]))
+        self.stats.steps += 1
+        self.stats.batch_sizes[len(slots)] = self.stats.batch_sizes.get(len(slots), 0) + 1
+        return _InFlight(plan, out, done, timing, time.perf_counter())
+
+    def _finish(self, f: _InFlight) -> None:
+        if f.done is not None:
+            f.done.synchronize()  # every group's copy went on the one copy stream, in order
+        if f.timing is not None:
+            self.stats.gpu_busy_s += f.timing[0].elapsed_time(f.timing[1]) / 1000
+        n_live = len(f.plan.live)
+        bucket = next(b for b in self.engine.buckets if b >= len(f.plan))
+        took = time.perf_counter() - f.launched_at
+        self.step_s[bucket] = 0.8 * self.step_s.get(bucket, took) + 0.2 * took
+        self._recent = took if self._recent is None else 0.8 * self._recent + 0.2 * took
+        now = time.monotonic()
+        encode = self._encode.submit
+        for where, host in f.groups:
+            frames = host.numpy()
+            for j, i in enumerate(where):
+                frame = frames[j].copy()
+                if i < n_live:
+                    c = f.plan.live[i]
+                    c.session.deliver(c, frame, now, encode)
+                else:
+                    job, index = f.plan.offline[i - n_live]
+                    job.results.append((index, frame))
+                    if len(job.results) == len(job.frames):
+                        job.results.sort(key=lambda r: r[0])
+                        job.future.set_result(np.stack([r[1] for r in job.results]))
+        self.stats.frames += n_live
+        self.stats.offline_frames += len(f.plan.offline)
+

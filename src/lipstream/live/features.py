@@ -1,0 +1,139 @@
+"""Whisper features while the audio is still arriving: a rolling window per utterance, batched.
+
+Offline, Whisper-tiny's encoder sees 30 s segments and attends both ways, so a feature step
+depends on audio far ahead of it. Live, a step is final once `lookahead_steps` (20 ms each) of
+audio past it are in: each window holds `context_steps` of left context, `hop_steps` new steps
+and the look-ahead, always the same length, so the windows of every session go through the
+encoder as one batch. The encoder runs on the window's steps only (its positional embeddings
+taken at the steps' places in an offline 30 s segment), not on 1500 padded positions: a 1.1 s
+window costs a twenty-fifth of a segment. The log-mel is the offline one frame for frame (the
+window carries 200 samples of margin each side instead of the STFT's reflect padding); its
+normalisation uses the peak of the utterance so far, where offline uses the whole segment's.
+docs/BENCHMARKS.md ("Streaming features") measures what each choice costs against offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lipstream.audio.features import _window_and_filters, whisper_features
+from lipstream.audio.windows import audio_windows
+from lipstream.engine.runner import IndexRing
+from lipstream.models.config import (
+    AUDIO_DIM, FEATURES_PER_SEGMENT, HIDDEN_STATES, HOP_LENGTH, N_FFT, SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS)
+
+if TYPE_CHECKING:
+    from lipstream.models import MuseTalk
+
+MARGIN = N_FFT // 2  # samples each side of a window: its first and last mel frames see real audio
+
+
+@dataclass
+class WindowJob:
+    """One window to encode: `audio` covers steps [first, first + W) plus MARGIN samples each side."""
+
+    audio: np.ndarray
+    first: int  # the window's first step in its utterance (negative: before the speech, zeros)
+    peak_slot: int  # the utterance's running log-mel peak lives at this index
+    reset_peak: bool  # the utterance's first window
+    rows: list[int]  # table rows of the window's hop steps
+
+
+class FeatureTable:
+    """Every session's recent features on the device: a ring of `ring` rows per session slot,
+    one zero row (steps outside an utterance read it) and the 10 rows of the idle window."""
+
+    def __init__(self, slots: int, ring: int, device: torch.device, dtype: torch.dtype):
+        self.ring = ring
+        self.table = torch.zeros(slots * ring + 1 + WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM, device=device, dtype=dtype)
+        self.zero = slots * ring
+        self.idle = list(range(self.zero + 1, self.zero + 1 + WINDOW_STEPS))
+        self.peaks = torch.full((slots,), -10.0, device=device)
+
+    def row(self, slot: int, step: int) -> int:
+        return slot * self.ring + step % self.ring
+
+
+class StreamingWhisper:
+    """Encodes batches of fixed-length windows into a FeatureTable (the GPU side of streaming features)."""
+
+    def __init__(self, models: MuseTalk, table: FeatureTable, context: int, hop: int, lookahead: int):
+        self.encoder, self.fe, self.table = models.whisper, models.feature_extractor, table
+        self.context, self.hop, self.lookahead = context, hop, lookahead
+        self.steps = context + hop + lookahead  # W
+        self.samples = self.steps * SAMPLES_PER_FEATURE + 2 * MARGIN
+        p = next(self.encoder.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cuda = self.device.type == "cuda"
+        self._host = [torch.empty(64, self.samples, pin_memory=cuda) for _ in range(4)]  # pinned: uploads never block
+        self._k = 0
+        self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
+        self._ints = IndexRing(self.device)
+        self._offsets = torch.arange(self.steps, device=self.device)
+        self._filters_key = self.fe.mel_filters.astype(np.float64).tobytes()
+
+    @torch.inference_mode()
+    def idle_window(self) -> None:
+        """The mouth at rest: the window in the middle of a second of silence, as offline crossfades use."""
+        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=self.device), self.encoder, self.fe)
+        window = audio_windows(quiet, 25)[12].reshape(WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM)
+        self.table.table[self.table.idle] = window.to(self.table.table.dtype)
+
+    @torch.inference_mode()
+    def run(self, jobs: list[WindowJob]) -> None:
+        """Encode these windows and write their hop steps into the table (queued on the current stream)."""
+        for start in range(0, len(jobs), 64):
+            self._run(jobs[start:start + 64])
+
+    def _run(self, jobs: list[WindowJob]) -> None:
+        b = len(jobs)
+        k = self._k
+        self._k = (k + 1) % len(self._host)
+        host = self._host[k]
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # the upload that last read this buffer is done (long ago)
+        for i, job in enumerate(jobs):
+            host[i].numpy()[:] = job.audio
+        audio = host[:b].to(self.device, non_blocking=True)
+        if self._events[k] is not None:
+            self._events[k].record()
+        up = self._ints.upload
+        window, filters = _window_and_filters(self.device, self._filters_key)
+        stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+        mel = torch.clamp(filters @ stft[..., :-1].abs().square(), min=1e-10).log10()  # [b, 80, 2W]
+        slots = up([j.peak_slot for j in jobs])
+        resets = [j.peak_slot for j in jobs if j.reset_peak]
+        peaks = self.table.peaks
+        if resets:
+            peaks[up(resets)] = -10.0
+        peaks.scatter_reduce_(0, slots, mel.amax(dim=(1, 2)), "amax")
+        mel = (torch.maximum(mel, peaks[slots][:, None, None] - 8.0) + 4.0) / 4.0
+        first = up([j.first for j in jobs])
+        positions = (first[:, None] + self._offsets) % FEATURES_PER_SEGMENT
+        states = encode_windows(self.encoder, mel.to(self.dtype), positions)  # [b, W, 5, 384]
+        new = states[:, self.context:self.context + self.hop].reshape(-1, HIDDEN_STATES, AUDIO_DIM)
+        rows = up([r for j in jobs for r in j.rows])
+        self.table.table.index_copy_(0, rows, new.to(self.table.table.dtype))
+
+
+def encode_windows(encoder, mel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, 80, 2W] log-mel -> [B, W, 5, 384]: the Whisper encoder's forward on W steps, every hidden state.
+
+    transformers' forward insists on 3000 mel frames; this is the same layers on fewer (checked
+    equal on 3000 in tests/test_live.py).
+    """
+    x = torch.nn.functional.gelu(encoder.conv1(mel))
+    x = torch.nn.functional.gelu(encoder.conv2(x)).permute(0, 2, 1)
+    h = x + encoder.embed_positions.weight[positions]
+    states = [h]
+    for layer in encoder.layers:
+        h = layer(h, None)
+        h = h[0] if isinstance(h, tuple) else h
+        states.append(h)
+    states[-1] = encoder.layer_norm(h)
+    return torch.stack(states, dim=2)

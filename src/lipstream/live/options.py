@@ -1,0 +1,71 @@
+"""What a live engine does and how fast: one options object, with named presets.
+
+Everything that trades latency, accuracy and GPU time lives here; the engine, the scheduler and
+the sessions read it and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+FEATURE_MODES = ("stream", "utterance")
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """`playout_delay_s`: how far behind the wall clock a session plays (speech pushed at t plays at
+    t + delay); a frame not ready by then is late. `features`: "stream" computes Whisper features over
+    a rolling window as audio arrives (`context_s` of left context, `lookahead_steps` of 20 ms past
+    what the MuseTalk window needs, `hop_steps` finalised per window); "utterance" waits for the end
+    of each utterance and computes them over the whole of it, exactly as an offline render does.
+    `buckets`: the batch sizes captured per step. Admission refuses a session when the sessions'
+    frame rates would pass `utilisation` of `capacity_fps` (None: measured at warm-up).
+    `encode`: H.264 (`preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
+    """
+
+    playout_delay_s: float = 0.25
+    features: str = "stream"
+    context_s: float = 1.0
+    lookahead_steps: int = 0
+    hop_steps: int = 2
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    max_sessions: int = 64
+    ring_steps: int = 1536  # feature steps kept per session (30.7 s): a longer utterance streams through it
+    utilisation: float = 0.95
+    capacity_fps: float | None = None
+    encode: bool = True
+    preset: str = "ultrafast"
+    crf: int = 23
+    gop_s: float = 1.0
+    audio_codec: str = "opus"
+
+    def __post_init__(self) -> None:
+        if self.features not in FEATURE_MODES:
+            raise ValueError(f"features must be one of {FEATURE_MODES}, not {self.features!r}")
+        if self.playout_delay_s <= 0 or self.context_s < 0 or self.lookahead_steps < 0 or self.hop_steps < 1:
+            raise ValueError("playout_delay_s > 0, context_s >= 0, lookahead_steps >= 0 and hop_steps >= 1 are required")
+        if not self.buckets or min(self.buckets) < 1:
+            raise ValueError("buckets must be batch sizes >= 1")
+
+    @property
+    def context_steps(self) -> int:
+        return round(self.context_s * 50)
+
+    def replace(self, **changes) -> LiveOptions:
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, LiveOptions] = {
+    # p99 <= 250 ms from sample to encoded frame: the window's own 120 ms look-ahead and no more
+    "realtime": LiveOptions(),
+    # more context and 80 ms of Whisper look-ahead: closer to the offline features, 80 ms later
+    "accurate": LiveOptions(playout_delay_s=0.35, context_s=2.0, lookahead_steps=4),
+    # whole utterances (a TTS that hands over complete sentences): the offline features exactly
+    "utterance": LiveOptions(playout_delay_s=1.0, features="utterance"),
+}
+
+
+def preset(name: str) -> LiveOptions:
+    if name not in PRESETS:
+        raise ValueError(f"unknown live preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]

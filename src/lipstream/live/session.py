@@ -1,0 +1,547 @@
+"""One live session: speech in as it arrives, lip-synced frames out at the avatar's frame rate.
+
+A session keeps a timeline. Frame f plays at `t0 + delay + f / fps` (its deadline). Speech pushed
+at wall time t starts at the first frame whose media time `f / fps` is not before `t - t0`, so it
+plays `delay` after it was pushed; between utterances the idle loop plays (the mouth at rest).
+The engine's core thread asks the session which frames it can render now (`candidates`), takes
+some (`take`) and hands them back rendered (`deliver`); the consumer's event loop reads them in
+order at their playout times (`async for item in session`), with speech events between them. A
+frame not ready at its deadline is replaced by the previous picture and counted (`late`); a
+consumer that stops reading loses frames, never stalls the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lipstream.audio.resample import StreamResampler
+from lipstream.audio.windows import LEFT_PAD_STEPS, num_frames
+from lipstream.live.features import MARGIN, WindowJob
+from lipstream.live.options import LiveOptions
+from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.models.config import FEATURE_RATE, SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
+
+if TYPE_CHECKING:
+    from lipstream.live.encode import EncodedPacket, SessionEncoder
+    from lipstream.live.features import FeatureTable
+
+log = logging.getLogger(__name__)
+FALL_BEHIND_S = 1.0  # a consumer this far behind the playout clock skips ahead (frames dropped, counted)
+
+
+@dataclass
+class LiveFrame:
+    """A frame at its playout time. `i420` [H*3/2, W] uint8 and `audio` (48 kHz mono float32) are the
+    session's own copies (read-only), never views into engine buffers."""
+
+    pts: int  # frame index in the session: time pts / fps
+    fps: Fraction
+    i420: np.ndarray
+    audio: np.ndarray
+    utterance: int | None  # the utterance it speaks, None when idle
+    late: bool = False  # not ready at its deadline: the previous picture again
+    packets: list[EncodedPacket] = field(default_factory=list)  # its H.264 packet, then its audio packets
+    pushed_at: float | None = None  # time.monotonic() when the audio at this frame's start was pushed
+    ready_at: float | None = None  # time.monotonic() when it was rendered (and encoded)
+    played_at: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return float(self.pts / self.fps)
+
+    @property
+    def latency_s(self) -> float | None:
+        """From the push of the audio it shows to the frame being ready (encoded)."""
+        return None if self.pushed_at is None or self.ready_at is None else self.ready_at - self.pushed_at
+
+
+@dataclass(frozen=True)
+class SpeechEvent:
+    kind: str  # "started", "finished" or "interrupted": at playout, not at push
+    utterance: int
+    pts: int  # the frame it happens at
+    position_s: float  # how much of the utterance had played
+    at: float  # time.monotonic()
+
+
+@dataclass
+class Candidate:
+    """A frame the core may render now: where its audio window and its picture come from."""
+
+    session: Session
+    frame: int
+    deadline: float
+    rows: list[int]  # 10 feature-table rows
+    loop_frame: int
+    utterance: int | None
+    generation: int
+    underrun: bool = False  # rendered before all of its audio arrived (the missing part reads silence)
+
+
+@dataclass
+class SessionStats:
+    rendered: int = 0
+    played: int = 0
+    late: int = 0  # played as the previous picture: not ready at the deadline
+    skipped: int = 0  # deadline passed before the core reached it (not rendered)
+    underruns: int = 0  # rendered before its audio had all arrived
+    dropped_unread: int = 0  # never read: the consumer fell behind
+    audio_late_samples: int = 0  # pushed after its frames had played (lost)
+
+
+class _Utterance:
+    """One stretch of speech: its audio, where it sits on the timeline, how far its features are."""
+
+    def __init__(self, uid: int, start_frame: int, base: int, rate: int):
+        self.id, self.start_frame, self.base = uid, start_frame, base
+        self.to16, self.to48 = StreamResampler(rate, SAMPLE_RATE), StreamResampler(rate, AUDIO_RATE)
+        self.audio16 = np.zeros(SAMPLE_RATE, np.float32)
+        self.audio48 = np.zeros(AUDIO_RATE, np.float32)
+        self.n16 = self.n48 = 0
+        self.rate = rate
+        self.pushes: list[tuple[int, float]] = []  # (16 kHz samples after the push, time.monotonic())
+        self.ended = False
+        self.final = 0  # feature steps in the table
+        self.windows = 0  # windows encoded (the first resets the log-mel peak)
+        self.frames_played = 0
+
+    def append(self, pcm: torch.Tensor, now: float) -> None:
+        self._add16(self.to16.push(pcm).numpy())
+        self._add48(self.to48.push(pcm).numpy())
+        self.pushes.append((self.n16, now))
+
+    def end(self) -> None:
+        if not self.ended:
+            self._add16(self.to16.flush().numpy())
+            self._add48(self.to48.flush().numpy())
+            self.ended = True
+
+    def _add16(self, x: np.ndarray) -> None:
+        self.audio16 = _grow(self.audio16, self.n16 + x.size)
+        self.audio16[self.n16:self.n16 + x.size] = x
+        self.n16 += x.size
+
+    def _add48(self, x: np.ndarray) -> None:
+        self.audio48 = _grow(self.audio48, self.n48 + x.size)
+        self.audio48[self.n48:self.n48 + x.size] = x
+        self.n48 += x.size
+
+    @property
+    def steps(self) -> int | None:
+        """Feature steps of the whole utterance (known once it ended): as offline, floor(n / 320), at least 1."""
+        return max(1, self.n16 // SAMPLES_PER_FEATURE) if self.ended else None
+
+    def frames(self, fps: Fraction) -> int | None:
+        return num_frames(self.n16, fps) if self.ended else None
+
+    def pushed_at(self, sample16: int) -> float | None:
+        for n, t in self.pushes:
+            if n > sample16:
+                return t
+        return self.pushes[-1][1] if self.pushes else None
+
+
+def _grow(buf: np.ndarray, size: int) -> np.ndarray:
+    if size <= buf.size:
+        return buf
+    out = np.zeros(max(size, 2 * buf.size), buf.dtype)
+    out[:buf.size] = buf
+    return out
+
+
+class Session:
+    """Made by LiveEngine.open_session. Thread-safe: push, end and clear from any thread."""
+
+    def __init__(self, sid: int, slot: int, avatar_slot: int, avatar_fps: Fraction, fps: Fraction,
+                 size: tuple[int, int], num_loop_frames: int, options: LiveOptions, table: FeatureTable,
+                 rest_frame: np.ndarray, wake: Callable[[], None], encoder: SessionEncoder | None,
+                 start_frame: int = 0, clock: Callable[[], float] = time.monotonic):
+        self.id, self.slot, self.avatar, self.fps, self.size = sid, slot, avatar_slot, Fraction(fps), size
+        self.avatar_fps, self.loop_frames, self.start_frame = Fraction(avatar_fps), num_loop_frames, start_frame
+        self.o, self.table, self.encoder = options, table, encoder
+        self._wake_engine, self._clock = wake, clock
+        self.t0 = clock()
+        self.stats = SessionStats()
+        self._lock = threading.Lock()
+        self._utterances: deque[_Utterance] = deque()
+        self._next_uid = 0
+        self._ring_base = 0
+        self.next_frame = 0  # the next frame to plan
+        self.play_frame = 0  # the next frame to hand out
+        self.generation = 0  # bumped by clear(): renders planned before it are dropped
+        self._ready: dict[int, LiveFrame] = {}
+        self._encode_queue: deque[tuple[Candidate, LiveFrame]] = deque()
+        self._encoding = False
+        self._last = rest_frame
+        self._last.flags.writeable = False
+        self._out: deque = deque()  # items to yield before the next frame
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrived: asyncio.Event | None = None
+        self.closed = False
+        self._done_utterances: list[_Utterance] = []
+
+    # --- the timeline --------------------------------------------------------------------------
+
+    def deadline(self, frame: int) -> float:
+        return self.t0 + self.o.playout_delay_s + float(frame / self.fps)
+
+    def idle_due(self, frame: int, margin: float) -> float:
+        """When an idle frame may be rendered: up to one frame (or `margin`) before its media time, so
+        the idle frames of sessions opened at different moments share steps. Speech pushed later
+        starts after it (at most a frame later)."""
+        return self.t0 + float(frame / self.fps) - min(margin, float(1 / self.fps))
+
+    def media_frame(self, now: float) -> int:
+        """The first frame whose media time is not before `now` (where speech pushed now begins)."""
+        return math.ceil((now - self.t0) * self.fps - 1e-9)
+
+    # --- the caller's side ---------------------------------------------------------------------
+
+    def push_audio(self, pcm: np.ndarray | torch.Tensor, rate: int) -> None:
+        """Mono samples (float in [-1, 1], or int16) of the current utterance; opens one if none is open.
+
+        Chunks of 10-1000 ms are what it is made for; any length works.
+        """
+        if not 8000 <= int(rate) <= 192_000:
+            raise ValueError(f"rate: {rate} Hz; 8000 to 192000 are allowed")
+        x = torch.as_tensor(np.asarray(pcm))
+        if x.dtype == torch.int16:
+            x = x.float() / 32768.0
+        x = x.float().reshape(-1) if x.ndim <= 1 or 1 in x.shape else None
+        if x is None:
+            raise ValueError(f"pcm: shape {tuple(np.shape(pcm))}; one channel (a 1-D array) is allowed")
+        if x.numel() == 0 or not torch.isfinite(x).all():
+            raise ValueError("pcm: empty, or holds NaN or infinite samples")
+        now = self._clock()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"session {self.id} is closed")
+            u = self._utterances[-1] if self._utterances and not self._utterances[-1].ended else None
+            if u is None or u.rate != int(rate):
+                if u is not None:
+                    u.end()
+                u = self._open_utterance(now, int(rate))
+            u.append(x, now)
+        self._wake_engine()
+
+    def end_utterance(self) -> None:
+        """The utterance is complete: its last frames can be made without waiting for more audio."""
+        with self._lock:
+            if self._utterances and not self._utterances[-1].ended:
+                self._utterances[-1].end()
+        self._wake_engine()
+
+    def clear(self) -> None:
+        """Interrupt: drop all queued speech; the next frame handed out is idle again."""
+        with self._lock:
+            playing = self._playing_utterance(self.play_frame)
+            if playing is not None:
+                self._out.append(SpeechEvent("interrupted", playing.id, self.play_frame,
+                                             float(Fraction(playing.frames_played) / self.fps), self._clock()))
+            self._utterances.clear()
+            self.generation += 1
+            self._ready = {f: fr for f, fr in self._ready.items() if f < self.play_frame and fr.utterance is None}
+            self._encode_queue = deque(e for e in self._encode_queue if e[0].utterance is None)
+            self.next_frame = min(self.next_frame, self.play_frame)
+        self._notify()
+        self._wake_engine()
+
+    def _open_utterance(self, now: float, rate: int) -> _Utterance:
+        start = max(self.next_frame, self.media_frame(now))
+        if self._utterances:
+            last = self._utterances[-1]
+            start = max(start, last.start_frame + last.frames(self.fps))
+            self._ring_base = last.base + last.steps + 2 * WINDOW_STEPS
+        u = _Utterance(self._next_uid, start, self._ring_base, rate)
+        self._next_uid += 1
+        self._utterances.append(u)
+        return u
+
+    def _utterance_at(self, frame: int) -> _Utterance | None:
+        for u in self._utterances:
+            n = u.frames(self.fps)
+            if u.start_frame <= frame and (n is None or frame < u.start_frame + n):
+                return u
+        return None
+
+    def _playing_utterance(self, frame: int) -> _Utterance | None:
+        u = self._utterance_at(frame)
+        return u if u is not None and u.frames_played else None
+
+    # --- the core's side -----------------------------------------------------------------------
+
+    def window_jobs(self) -> list[WindowJob]:
+        """Streaming feature windows that can be encoded now (and their bookkeeping, done at once:
+        the core queues the encode before any step that reads the table)."""
+        o = self.o
+        jobs: list[WindowJob] = []
+        c, h, r = o.context_steps, o.hop_steps, o.lookahead_steps
+        w = c + h + r
+        with self._lock:
+            for u in self._utterances:
+                while True:
+                    f = u.final
+                    if u.ended and f >= u.steps:
+                        break
+                    need = (f + h + r) * SAMPLES_PER_FEATURE + MARGIN
+                    if not u.ended and u.n16 < need:
+                        break
+                    if u.base + f + h - self._lowest_needed() > self.table.ring - 2 * WINDOW_STEPS:
+                        break  # the ring is full of steps not yet rendered
+                    lo = (f - c) * SAMPLES_PER_FEATURE - MARGIN
+                    audio = np.zeros(w * SAMPLES_PER_FEATURE + 2 * MARGIN, np.float32)
+                    a, b = max(0, lo), min(u.n16, lo + audio.size)
+                    if b > a:
+                        audio[a - lo:b - lo] = u.audio16[a:b]
+                    jobs.append(WindowJob(audio, f - c, self.slot, u.windows == 0,
+                                          [self.table.row(self.slot, u.base + f + i) for i in range(h)]))
+                    u.windows += 1
+                    u.final = f + h
+        return jobs
+
+    def whole_utterances(self) -> list[tuple[np.ndarray, list[int]]]:
+        """Ended utterances whose features come whole ("utterance" mode): (16 kHz audio, table rows)."""
+        out = []
+        with self._lock:
+            for u in self._utterances:
+                if u.ended and u.final == 0:
+                    steps = u.steps
+                    if steps > self.table.ring - 2 * WINDOW_STEPS:
+                        raise ValueError(f"an utterance of {steps / FEATURE_RATE:.1f} s does not fit the "
+                                         f"{self.table.ring / FEATURE_RATE:.1f} s feature ring (ring_steps)")
+                    out.append((u.audio16[:u.n16].copy(), [self.table.row(self.slot, u.base + k) for k in range(steps)]))
+                    u.final = steps
+        return out
+
+    def _lowest_needed(self) -> int:
+        u = self._utterance_at(self.next_frame)
+        if u is None:
+            return 1 << 60
+        return u.base + self._first_step(self.next_frame - u.start_frame)
+
+    def _first_step(self, local: int) -> int:
+        return (local * FEATURE_RATE * self.fps.denominator) // self.fps.numerator - LEFT_PAD_STEPS
+
+    def candidates(self, now: float, limit: int, margin: float) -> list[Candidate]:
+        """Frames that can be rendered now, in order: speech frames whose window is known, idle
+        frames once their media time has come (so speech pushed by then can still take them), and
+        speech frames due within `margin` whose audio is late (rendered with silence for it)."""
+        out: list[Candidate] = []
+        with self._lock:
+            f = self.next_frame = max(self.next_frame, self.play_frame)
+            while len(out) < limit:
+                deadline = self.deadline(f)
+                u = self._utterance_at(f)
+                if u is None:
+                    if now < self.idle_due(f, margin):
+                        break
+                    rows, underrun = self.table.idle, False
+                else:
+                    first = self._first_step(f - u.start_frame)
+                    known = u.final if not (u.ended and u.final >= u.steps) else u.steps
+                    limit_steps = u.steps if u.ended else None
+                    ready = known >= first + WINDOW_STEPS or (limit_steps is not None and known >= limit_steps)
+                    underrun = not ready
+                    if underrun and deadline - now > margin:
+                        break
+                    rows = [self.table.row(self.slot, u.base + k) if 0 <= k < known else self.table.zero
+                            for k in range(first, first + WINDOW_STEPS)]
+                out.append(Candidate(self, f, deadline, rows, self._loop_frame(f), None if u is None else u.id,
+                                     self.generation, underrun))
+                f += 1
+        return out
+
+    def _loop_frame(self, frame: int) -> int:
+        from lipstream.avatar import ping_pong
+
+        step = self.start_frame + math.floor(Fraction(frame) / self.fps * self.avatar_fps)
+        return int(ping_pong(step, self.loop_frames))
+
+    def take(self, taken: list[Candidate], skipped: list[Candidate]) -> None:
+        """The core renders `taken` and gives up on `skipped` (their deadlines passed)."""
+        with self._lock:
+            for c in sorted(taken + skipped, key=lambda c: c.frame):
+                if c.generation == self.generation and c.frame == self.next_frame:
+                    self.next_frame += 1
+            self.stats.skipped += len(skipped)
+            self.stats.underruns += sum(c.underrun for c in taken)
+
+    def deliver(self, c: Candidate, i420: np.ndarray, now: float, encode: Callable | None) -> None:
+        """A rendered frame (the session's own copy); encoded on `encode`'s pool if the session encodes."""
+        i420.flags.writeable = False
+        frame = LiveFrame(c.frame, self.fps, i420, np.zeros(0, np.float32), c.utterance)
+        if c.utterance is not None:
+            with self._lock:
+                u = next((u for u in self._utterances if u.id == c.utterance), None)
+                if u is not None:
+                    local = c.frame - u.start_frame
+                    frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * self.fps.denominator) // self.fps.numerator)
+        if self.encoder is None or encode is None:
+            frame.ready_at = now
+            self._store(c, frame)
+            return
+        with self._lock:
+            if c.generation != self.generation:
+                return
+            self._encode_queue.append((c, frame))
+            if self._encoding:
+                return
+            self._encoding = True
+        encode(self._drain_encodes)
+
+    def _drain_encodes(self) -> None:
+        """Encode queued frames in order (one task per session at a time on the shared pool)."""
+        while True:
+            with self._lock:
+                if not self._encode_queue:
+                    self._encoding = False
+                    return
+                c, frame = self._encode_queue.popleft()
+            try:
+                frame.packets = self.encoder.encode(frame.i420, frame.pts)
+            except Exception:  # a frame that cannot be encoded is lost, the session goes on
+                log.exception("session %d: frame %d could not be encoded", self.id, frame.pts)
+                frame.packets = []
+            frame.ready_at = self._clock()
+            self._store(c, frame)
+
+    def _store(self, c: Candidate, frame: LiveFrame) -> None:
+        with self._lock:
+            if c.generation != self.generation or frame.pts < self.play_frame:
+                return
+            self.stats.rendered += 1
+            self._ready[frame.pts] = frame
+            # a consumer that stopped reading: keep only what it could still play on time
+            oldest = math.floor((self._clock() - self.t0 - self.o.playout_delay_s - FALL_BEHIND_S) * self.fps)
+            if self.play_frame < oldest:
+                for f in [f for f in self._ready if f < oldest]:
+                    del self._ready[f]
+        self._notify()
+
+    def _notify(self) -> None:
+        loop, event = self._loop, self._arrived
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the consumer's loop has closed
+                pass
+
+    # --- the consumer's side -------------------------------------------------------------------
+
+    def __aiter__(self) -> Session:
+        return self
+
+    async def __anext__(self) -> LiveFrame | SpeechEvent:
+        if self._loop is None:
+            self._loop, self._arrived = asyncio.get_running_loop(), asyncio.Event()
+        while True:
+            with self._lock:
+                if self._out:
+                    return self._out.popleft()
+                if self.closed:
+                    raise StopAsyncIteration
+                f = self.play_frame
+                have = f in self._ready
+            now = self._clock()
+            deadline = self.deadline(f)
+            if now > deadline + FALL_BEHIND_S:
+                self._skip_to(math.floor((now - self.t0 - self.o.playout_delay_s) * self.fps))
+                continue
+            if not have and now < deadline:
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
+                except TimeoutError:
+                    pass
+                continue
+            if now < deadline:
+                await asyncio.sleep(deadline - now)
+            self._play(f)
+
+    def _skip_to(self, frame: int) -> None:
+        with self._lock:
+            if frame <= self.play_frame:
+                return
+            self.stats.dropped_unread += frame - self.play_frame
+            for f in [f for f in self._ready if f < frame]:
+                del self._ready[f]
+            for f in range(self.play_frame, frame):
+                u = self._utterance_at(f)
+                if u is not None:
+                    u.frames_played += 1
+            self.play_frame = frame
+            self._retire(frame)
+
+    def _play(self, f: int) -> None:
+        """Hand out frame f (or the previous picture if it is not ready), with its audio and events."""
+        now = self._clock()
+        end = None
+        with self._lock:
+            if f != self.play_frame:  # a clear() in between
+                return
+            frame = self._ready.pop(f, None)
+            u = self._utterance_at(f)
+            if frame is None or frame.utterance != (None if u is None else u.id):
+                frame = LiveFrame(f, self.fps, self._last, np.zeros(0, np.float32), None if u is None else u.id,
+                                  late=True)
+                self.stats.late += 1
+            local = f - u.start_frame if u is not None else f
+            audio = self._audio48(u, local)
+            if u is not None and local == 0:
+                self._out.append(SpeechEvent("started", u.id, f, 0.0, now))
+            frame.audio, frame.played_at = audio, now
+            self._last = frame.i420
+            self.play_frame = f + 1
+            self.stats.played += 1
+            if u is not None:
+                u.frames_played += 1
+                if u.ended and local == u.frames(self.fps) - 1:
+                    end = SpeechEvent("finished", u.id, f, float(Fraction(u.n48, AUDIO_RATE)), now)
+                    self._retire(f + 1)
+            encoder = self.encoder
+        if encoder is not None:
+            frame.packets = frame.packets + encoder.encode_audio(audio)
+        self._out.append(frame)
+        if end is not None:
+            self._out.append(end)
+
+    def _audio48(self, u: _Utterance | None, local: int) -> np.ndarray:
+        """The 48 kHz samples of frame `local` of utterance u (of the session, idle: silence)."""
+        fps = self.fps
+        a = (local * AUDIO_RATE * fps.denominator) // fps.numerator
+        b = ((local + 1) * AUDIO_RATE * fps.denominator) // fps.numerator
+        out = np.zeros(b - a, np.float32)
+        if u is None:
+            return out
+        hi = min(b, u.n48)
+        if hi > a:
+            out[:hi - a] = u.audio48[a:hi]
+        if not u.ended and u.n48 < b:
+            self.stats.audio_late_samples += b - max(a, u.n48)
+        return out
+
+    def _retire(self, frame: int) -> None:
+        """Forget utterances that have played out entirely before `frame`."""
+        while self._utterances:
+            u = self._utterances[0]
+            n = u.frames(self.fps)
+            if n is None or u.start_frame + n > frame:
+                break
+            self._utterances.popleft()
+
+    async def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        self._notify()

@@ -1,0 +1,397 @@
+"""The live engine on the CPU (tiny networks): sessions, the scheduler, streaming features.
+
+The tiny networks take about 0.1 s a frame on 2 cores, so sessions here run at 2-3 fps with a
+generous playout delay; the logic under test (timelines, EDF, admission, interrupts, feature
+windows) is the same at 25 fps on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lipstream.audio.features import whisper_features
+from lipstream.audio.resample import StreamResampler, resample
+from lipstream.avatar import compile_avatar
+from lipstream.avatar.boxes import TEMPLATE_LANDMARKS
+from lipstream.engine.blend import untouched
+from lipstream.fixtures import speech_like, write_audio
+from lipstream.fixtures.avatar import action_loop
+from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
+from lipstream.live.features import MARGIN, FeatureTable, StreamingWhisper, WindowJob, encode_windows
+from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.render import render_program
+from lipstream.script import Program, Scene, Shot
+
+FPS = Fraction(2)
+
+
+def _avatar(root: Path, name: str, models, width: int, height: int, seed: int) -> Path:
+    loop = root / f"{name}.mp4"
+    truth = action_loop(loop, width=width, height=height, seconds=0.8, fps=10, seed=seed)
+    homogeneous = np.concatenate([TEMPLATE_LANDMARKS, np.ones((68, 1), np.float32)], axis=1)
+    landmarks = np.einsum("nij,kj->nki", truth.transforms, homogeneous)
+    track = root / f"{name}.track.json"
+    track.write_text(json.dumps({"landmarks": np.round(landmarks, 2).tolist()}))
+    compile_avatar(loop, root / "avatars", models.vae, models.fingerprints["vae"], track_file=track, progress=False)
+    return root / "avatars" / name
+
+
+@pytest.fixture(scope="module")
+def avatars(tmp_path_factory, tiny_models) -> list[Path]:
+    root = tmp_path_factory.mktemp("live")
+    return [_avatar(root, "a", tiny_models, 320, 180, 0), _avatar(root, "b", tiny_models, 480, 270, 1),
+            _avatar(root, "c", tiny_models, 384, 216, 2)]
+
+
+def _engine(models, avatars, **options) -> LiveEngine:
+    base = dict(playout_delay_s=2.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8)
+    live = LiveEngine(models, LiveOptions(**{**base, **options}))
+    for a in avatars:
+        live.add_avatar(a)
+    return live.start()
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_models, avatars):
+    live = _engine(tiny_models, avatars)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_models, avatars):
+    live = _engine(tiny_models, avatars, features="utterance", playout_delay_s=3.0)
+    yield live
+    live.close()
+
+
+async def _read(session, frames: int) -> list:
+    """Items until the frame with pts `frames - 1` has played."""
+    out = []
+    async for item in session:
+        out.append(item)
+        if isinstance(item, LiveFrame) and item.pts >= frames - 1:
+            break
+    return out
+
+
+async def _feed(session, speech: np.ndarray, rate: int = 16_000, chunk_s: float = 0.1, realtime: bool = True) -> None:
+    step = round(rate * chunk_s)
+    for i in range(0, speech.size, step):
+        session.push_audio(speech[i:i + step], rate)
+        if realtime:
+            await asyncio.sleep(chunk_s)
+    session.end_utterance()
+
+
+def _frames(items: list) -> list[LiveFrame]:
+    return [i for i in items if isinstance(i, LiveFrame)]
+
+
+def test_stream_resampler_equals_whole_resample():
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal(9000).astype(np.float32))
+    for a, b in ((16_000, 48_000), (44_100, 16_000), (48_000, 16_000), (16_000, 16_000)):
+        r = StreamResampler(a, b)
+        parts, i = [], 0
+        for k in rng.integers(1, 700, 100):
+            parts.append(r.push(x[i:i + k]))
+            i += int(k)
+            if i >= x.numel():
+                break
+        parts.append(r.push(x[i:]) if i < x.numel() else torch.zeros(0))
+        parts.append(r.flush())
+        assert torch.allclose(torch.cat(parts), resample(x, a, b), atol=1e-5)
+
+
+def test_encoder_on_fewer_steps_is_the_same_layers(tiny_models):
+    """encode_windows on all 1500 positions equals transformers' forward."""
+    mel = torch.randn(2, 80, 3000)
+    with torch.inference_mode():
+        ours = encode_windows(tiny_models.whisper, mel, torch.arange(1500).expand(2, 1500))
+        theirs = torch.stack(tiny_models.whisper(mel, output_hidden_states=True).hidden_states, dim=2)
+    torch.testing.assert_close(ours, theirs)
+
+
+def _streamed(models, audio: np.ndarray, context: int, lookahead: int, hop: int = 2) -> torch.Tensor:
+    """Streaming features of `audio` (one utterance) through StreamingWhisper, as a session makes them."""
+    table = FeatureTable(1, 1536, torch.device("cpu"), torch.float32)
+    sw = StreamingWhisper(models, table, context, hop, lookahead)
+    steps = max(1, audio.size // 320)
+    jobs, f = [], 0
+    while f < steps:
+        lo = (f - context) * 320 - MARGIN
+        window = np.zeros(sw.samples, np.float32)
+        a, b = max(0, lo), min(audio.size, lo + window.size)
+        window[a - lo:b - lo] = audio[a:b]
+        jobs.append(WindowJob(window, f - context, 0, f == 0, [table.row(0, f + i) for i in range(hop)]))
+        f += hop
+    for j in jobs:  # one at a time: the running peak sees the windows in order, as live
+        sw.run([j])
+    return table.table[:steps]
+
+
+def test_streaming_features_approach_offline_with_context(tiny_models):
+    audio = speech_like(4.0, 16_000, seed=3)
+    offline = whisper_features(torch.from_numpy(audio), tiny_models.whisper, tiny_models.feature_extractor)
+    errors = {}
+    for context in (0, 25, 100):
+        streamed = _streamed(tiny_models, audio, context, lookahead=4)
+        errors[context] = float((streamed - offline).norm() / offline.norm())
+    assert errors[100] < errors[25] < errors[0]
+    assert errors[100] < 0.5, errors
+
+
+def test_three_sessions_of_three_sizes_at_once(streaming):
+    """Different avatars and frame sizes in the same steps; speech on one, idle on the others."""
+    speech = speech_like(1.5, 16_000, seed=1)
+
+    async def run():
+        sessions = [streaming.open_session(k, fps=FPS) for k in range(3)]
+        try:
+            feed = asyncio.create_task(_feed(sessions[0], speech))
+            results = await asyncio.gather(*[_read(s, 8) for s in sessions])
+            await feed
+            return sessions, results
+        finally:
+            for s in sessions:
+                streaming.close_session(s)
+
+    sessions, results = asyncio.run(run())
+    sizes = [(320, 180), (480, 270), (384, 216)]
+    for s, items, (w, h) in zip(sessions, results, sizes):
+        frames = _frames(items)
+        assert [f.pts for f in frames] == list(range(8))
+        assert all(f.i420.shape == (h * 3 // 2, w) for f in frames)
+        assert not any(f.late for f in frames), s.stats
+        assert not frames[0].i420.flags.writeable  # the session's own read-only copy
+    spoken = [f for f in _frames(results[0]) if f.utterance is not None]
+    assert len(spoken) == 3  # 1.5 s at 2 fps
+    kinds = [i.kind for i in results[0] if isinstance(i, SpeechEvent)]
+    assert kinds == ["started", "finished"]
+    assert all(f.utterance is None for f in _frames(results[1]) + _frames(results[2]))
+    assert streaming.stats.batch_sizes and max(streaming.stats.batch_sizes) >= 2  # sessions shared steps
+
+
+class _Capture:
+    """An MP4Writer stand-in that keeps the I420 frames (the lossless path)."""
+
+    captured: list[np.ndarray] = []
+    audio: np.ndarray | None = None
+
+    def __init__(self, output, width, height, fps, audio, **kw):
+        self.first_packet_at = None
+        _Capture.captured, _Capture.audio = [], audio
+
+    @property
+    def frames(self) -> int:
+        return len(_Capture.captured)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def write(self, planes):
+        _Capture.captured.append(np.array(planes))
+
+    def poll(self):
+        pass
+
+
+def test_session_equals_offline_render_where_features_agree(exact, avatars, tiny_models, tmp_path):
+    """Whole-utterance features are the offline ones: the same frames, the same audio, one timeline."""
+    speech = speech_like(2.0, 16_000, seed=5)
+
+    async def run():
+        s = exact.open_session(1, fps=FPS)
+        try:
+            await asyncio.sleep(0.6)
+            await _feed(s, speech, chunk_s=0.25, realtime=False)
+            return s, await _read(s, 9)
+        finally:
+            exact.close_session(s)
+
+    session, items = asyncio.run(run())
+    frames = _frames(items)
+    spoken = [f for f in frames if f.utterance is not None]
+    assert len(spoken) == 4 and not any(f.late for f in frames), session.stats
+    f0 = spoken[0].pts
+    started = next(i for i in items if isinstance(i, SpeechEvent) and i.kind == "started")
+    assert started.pts == f0
+    wav = write_audio(tmp_path / "u.wav", speech, 16_000)
+    program = Program([Scene(wav, [Shot(0.0, "b")], start_frame=f0 * 5)], avatars_dir=avatars[1].parent)
+    render_program(program, tmp_path / "u.mp4", tiny_models, fps=FPS, writer=_Capture, progress=False,
+                   resident=False, batch_size=4)
+    offline = _Capture.captured
+    assert len(offline) == len(spoken)
+    for got, want in zip(spoken, offline):
+        diff = np.abs(got.i420.astype(int) - want.astype(int))
+        assert diff.max() <= 1, diff.max()
+    # A/V: the audio played with the utterance's frames is the offline render's track, frame for frame
+    played = np.concatenate([f.audio for f in spoken])
+    np.testing.assert_allclose(played[:_Capture.audio.size], _Capture.audio, atol=1e-4)
+    per_frame = AUDIO_RATE // 2
+    assert all(f.audio.size == per_frame for f in frames)
+
+
+def test_idle_frames_leave_everything_outside_the_face_untouched(streaming):
+    async def run():
+        s = streaming.open_session(0, fps=FPS)
+        try:
+            return await _read(s, 3)
+        finally:
+            streaming.close_session(s)
+
+    frames = _frames(asyncio.run(run()))
+    avatar = streaming.engine.avatars[0]
+    w, h = avatar.size
+    for f in frames:
+        assert f.utterance is None and not f.late and not f.audio.any()
+        index = f.pts * 5 % avatar.cycle
+        loop = index if index < avatar.num_frames else avatar.cycle - index
+        source = avatar.frames[loop].numpy()
+        keep = untouched(h, w, [avatar.boxes[loop].tolist()])
+        assert np.array_equal(f.i420[keep], source[keep])
+        assert not np.array_equal(f.i420, source)  # the face was repainted
+
+
+def test_clear_returns_to_idle_within_a_frame(streaming):
+    speech = speech_like(6.0, 16_000, seed=7)
+
+    async def run():
+        s = streaming.open_session(2, fps=FPS)
+        try:
+            s.push_audio(speech, 16_000)
+            s.end_utterance()
+            items = []
+            async for item in s:
+                items.append(item)
+                if isinstance(item, LiveFrame) and item.utterance is not None and item.pts >= 0:
+                    if sum(isinstance(i, LiveFrame) and i.utterance is not None for i in items) == 2:
+                        s.clear()
+                        cleared_at = item.pts
+                if any(isinstance(i, SpeechEvent) and i.kind == "interrupted" for i in items):
+                    if isinstance(item, LiveFrame) and item.pts >= cleared_at + 2:
+                        break
+            return items, cleared_at
+        finally:
+            streaming.close_session(s)
+
+    items, cleared_at = asyncio.run(run())
+    after = [f for f in _frames(items) if f.pts > cleared_at]
+    assert after and all(f.utterance is None for f in after)
+    assert after[0].pts == cleared_at + 1  # the very next frame is idle
+    event = next(i for i in items if isinstance(i, SpeechEvent) and i.kind == "interrupted")
+    assert event.position_s == pytest.approx(1.0)
+
+
+def test_admission_refuses_a_session_that_would_overload(streaming):
+    keep = streaming.capacity_fps
+    streaming.capacity_fps = 5.0
+    opened = []
+    try:
+        opened.append(streaming.open_session(0, fps=FPS))
+        opened.append(streaming.open_session(1, fps=FPS))
+        with pytest.raises(AdmissionError, match="the engine is full: 2 sessions take 4 of the 5 frames/s"):
+            streaming.open_session(2, fps=FPS)
+    finally:
+        streaming.capacity_fps = keep
+        for s in opened:
+            streaming.close_session(s)
+    with pytest.raises(ValueError, match="avatar: slot 9"):
+        streaming.open_session(9)
+    s = streaming.open_session(0, fps=FPS)
+    with pytest.raises(ValueError, match="rate: 100 Hz"):
+        s.push_audio(np.zeros(10, np.float32), 100)
+    streaming.close_session(s)
+
+
+def test_a_session_that_stops_reading_stalls_no_other(streaming):
+    async def run():
+        reader, idle = streaming.open_session(0, fps=FPS), streaming.open_session(1, fps=FPS)
+        try:
+            items = await _read(reader, 8)  # 4 s, while `idle` is never read
+            later = await _read(idle, 1)
+            return items, later, idle.stats
+        finally:
+            streaming.close_session(reader)
+            streaming.close_session(idle)
+
+    items, later, stats = asyncio.run(run())
+    assert not any(f.late for f in _frames(items))
+    first = _frames(later)[0]
+    assert first.pts >= 4 and stats.dropped_unread >= 4  # it skipped to the present, and counted what it lost
+
+
+def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
+    """Offline frames go through the live core's steps and come out as the plain Engine renders them."""
+    from lipstream.engine import Engine, FrameRequest
+
+    windows = torch.randn(5, 50, 384)
+    frames = [0, 1, 2, 3, 1]
+    got = streaming.render_offline(0, frames, windows).result(timeout=60)
+    private = Engine(streaming.m, 8, buckets=(8,))  # the core thread owns the live one
+    private.add_avatar(streaming.engine.avatars[0])
+    want = private.render([FrameRequest(0, f, w) for f, w in zip(frames, windows)]).numpy()
+    assert got.shape == want.shape
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streaming):
+    """Per-session encode: one H.264 packet per rendered frame (pts = frame index), Opus as it plays."""
+    import av
+
+    speech = speech_like(1.0, 16_000, seed=2)
+
+    async def run():
+        s = streaming.open_session(0, fps=FPS, encode=True)
+        try:
+            s.push_audio(speech, 16_000)
+            s.end_utterance()
+            return await _read(s, 6)
+        finally:
+            streaming.close_session(s)
+
+    frames = _frames(asyncio.run(run()))
+    assert not any(f.late for f in frames)
+    video = [p for f in frames for p in f.packets if p.kind == "video"]
+    audio = [p for f in frames for p in f.packets if p.kind == "audio"]
+    assert [p.pts for p in video] == [f.pts for f in frames] and all(p.dts == p.pts for p in video)
+    assert video[0].keyframe
+    decoder = av.CodecContext.create("h264", "r")
+    decoded = [fr for p in video for fr in decoder.decode(av.Packet(p.data))] + list(decoder.decode(None))
+    assert len(decoded) == len(frames) and (decoded[0].width, decoded[0].height) == (320, 180)
+    luma = decoded[-1].to_ndarray(format="yuv420p")[:180]
+    assert np.abs(luma.astype(int) - frames[-1].i420[:180].astype(int)).mean() < 4
+    assert sum(960 for _ in audio) >= len(frames) * AUDIO_RATE // 2 - 960  # the played audio, in 20 ms packets
+    assert [p.pts for p in audio] == [960 * k for k in range(len(audio))]
+
+
+def test_many_sessions_share_full_batches(tiny_models, avatars):
+    """The big-machine path on 2 cores: 6 sessions whose frames fall due together run as batches
+    of the largest bucket, and none is late."""
+    live = _engine(tiny_models, avatars[:1], buckets=(1, 2, 4, 8), playout_delay_s=4.0)
+
+    async def run():
+        sessions = [live.open_session(0, fps=1) for _ in range(6)]
+        try:
+            return await asyncio.gather(*[_read(s, 4) for s in sessions])
+        finally:
+            for s in sessions:
+                live.close_session(s)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        live.close()
+    assert all(not any(f.late for f in _frames(r)) and len(_frames(r)) == 4 for r in results)
+    assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes
