@@ -403,6 +403,53 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
     out.print(f"report: {out_dir / 'bench.json'}, {out_dir / 'bench.md'}")
 
 
+@app.command("live-bench")
+def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Report folder.")] = Path("live-bench-out"),
+                   sessions: Annotated[str, typer.Option(help="Comma-separated session counts to run.")] = "8,16,24",
+                   size: Annotated[str, typer.Option(help="Comma-separated frame sizes WxH.")] = "1280x720",
+                   fps: Annotated[int, typer.Option(help="Frame rate of every session.")] = 25,
+                   seconds: Annotated[float, typer.Option(help="Length of each run.")] = 20.0,
+                   live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: "
+                                                            "realtime, accurate, utterance.")] = "realtime",
+                   compile: Annotated[str, typer.Option(help="off, vae or all (Inductor; the largest bucket only).")]
+                   = "auto",
+                   models: ModelsOpt = None, random_weights: RandomOpt = False,
+                   random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
+    """N live sessions fed speech in real time, with encode: latency p50/p95/p99, frames late, GPU and CPU load."""
+    try:
+        counts = [int(v) for v in sessions.split(",") if v.strip()]
+        from lipstream.bench.live import parse_sizes
+
+        sizes = parse_sizes(size)
+    except ValueError:
+        raise UsageError(f"--sessions {sessions!r} / --size {size!r}: expected e.g. 8,16,24 and 1280x720,1920x1080") from None
+    if not counts or min(counts) < 1 or max(counts) > 256:
+        raise UsageError(f"--sessions {sessions!r}: expected counts from 1 to 256")
+    for w, h in sizes:
+        in_range("--size", min(w, h), 64, 4096, "a frame side in pixels")
+    in_range("--fps", fps, 1, 60, "frames per second")
+    if not 2 <= seconds <= 600:
+        raise UsageError(f"--seconds {seconds}: expected 2 to 600")
+    from lipstream.live.options import PRESETS
+
+    if live_preset not in PRESETS:
+        raise UsageError(f"--preset {live_preset!r}: expected one of {', '.join(PRESETS)}")
+    if compile not in ("auto", "off", "vae", "all"):
+        raise UsageError(f"--compile {compile!r}: expected auto, off, vae or all")
+    RenderOptions(device=device, random_size=random_size).check()
+    check_models(models, random_weights)
+
+    from lipstream.bench.live import largest, run
+
+    m = load_models(models, device, random_weights, random_size)
+    compile = ("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile
+    report = run(m, out_dir, sizes=sizes, counts=counts, fps=fps, seconds=seconds, options=live_preset,
+                 compile=compile, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+    for w, h in sizes:
+        out.print(f"{w}x{h}: largest N at p99 <= 250 ms with no frame late: {largest(report, f'{w}x{h}')}")
+    out.print(f"report: {out_dir / 'live_bench.md'}")
+
+
 @app.command("features")
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",
