@@ -24,7 +24,7 @@ from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
 from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
-from lipstream.live.features import MARGIN, FeatureTable, StreamingWhisper, WindowJob, encode_windows
+from lipstream.live.features import encode_windows, streamed_features
 from lipstream.media.mp4 import AUDIO_RATE
 from lipstream.render import render_program
 from lipstream.script import Program, Scene, Shot
@@ -120,30 +120,12 @@ def test_encoder_on_fewer_steps_is_the_same_layers(tiny_models):
     torch.testing.assert_close(ours, theirs)
 
 
-def _streamed(models, audio: np.ndarray, context: int, lookahead: int, hop: int = 2) -> torch.Tensor:
-    """Streaming features of `audio` (one utterance) through StreamingWhisper, as a session makes them."""
-    table = FeatureTable(1, 1536, torch.device("cpu"), torch.float32)
-    sw = StreamingWhisper(models, table, context, hop, lookahead)
-    steps = max(1, audio.size // 320)
-    jobs, f = [], 0
-    while f < steps:
-        lo = (f - context) * 320 - MARGIN
-        window = np.zeros(sw.samples, np.float32)
-        a, b = max(0, lo), min(audio.size, lo + window.size)
-        window[a - lo:b - lo] = audio[a:b]
-        jobs.append(WindowJob(window, f - context, 0, f == 0, [table.row(0, f + i) for i in range(hop)]))
-        f += hop
-    for j in jobs:  # one at a time: the running peak sees the windows in order, as live
-        sw.run([j])
-    return table.table[:steps]
-
-
 def test_streaming_features_approach_offline_with_context(tiny_models):
     audio = speech_like(4.0, 16_000, seed=3)
     offline = whisper_features(torch.from_numpy(audio), tiny_models.whisper, tiny_models.feature_extractor)
     errors = {}
     for context in (0, 25, 100):
-        streamed = _streamed(tiny_models, audio, context, lookahead=4)
+        streamed = streamed_features(tiny_models, audio, context, hop=2, lookahead=4)
         errors[context] = float((streamed - offline).norm() / offline.norm())
     assert errors[100] < errors[25] < errors[0]
     assert errors[100] < 0.5, errors
@@ -393,5 +375,6 @@ def test_many_sessions_share_full_batches(tiny_models, avatars):
         results = asyncio.run(run())
     finally:
         live.close()
-    assert all(not any(f.late for f in _frames(r)) and len(_frames(r)) == 4 for r in results)
+    assert all(not any(f.late for f in _frames(r)) and len(_frames(r)) == 4 for r in results), \
+        [[(f.pts, f.late) for f in _frames(r)] for r in results]
     assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -51,11 +52,23 @@ async def _feed(session, rng: np.random.Generator, until: float, chunk_s: float,
         session.end_utterance()
 
 
+async def _lag(until: float, out: list) -> None:
+    """How late the event loop wakes (feeders and readers share it): its own load is part of the latency."""
+    while time.monotonic() < until:
+        t = time.monotonic()
+        await asyncio.sleep(0.01)
+        out.append(time.monotonic() - t - 0.01)
+
+
 async def _read(session, until: float, frames: list) -> None:
     async for item in session:
         if isinstance(item, LiveFrame):
+            parts = None
+            if item.latency_s is not None and item.audio_at is not None:
+                parts = (item.audio_at - item.pushed_at, item.planned_at - item.audio_at,
+                         item.rendered_at - item.planned_at, item.ready_at - item.rendered_at)
             frames.append((item.pts, item.late, item.latency_s, item.utterance is not None, item.played_at,
-                           len(item.packets)))
+                           len(item.packets), parts))
             if item.played_at > until:
                 return
 
@@ -81,7 +94,10 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
         logs: list[list] = [[] for _ in sessions]
         tasks = [asyncio.create_task(_feed(s, np.random.default_rng(rng.integers(1 << 30)), until, chunk_s, speech))
                  for s in sessions]
+        lags: list[float] = []
+        monitor = asyncio.create_task(_lag(until, lags))
         await asyncio.gather(*[_read(s, until, log) for s, log in zip(sessions, logs)])
+        monitor.cancel()
         wall = time.monotonic() - t_start
         for t in tasks:
             t.cancel()
@@ -90,14 +106,23 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
             live.close_session(s)
         lat = [x[2] * 1000 for log in logs for x in log if x[2] is not None and x[4] > t_start + SETTLE_S]
         played = [x for log in logs for x in log if x[4] > t_start + SETTLE_S]
+        parts = np.array([x[6] for x in played if x[6] is not None]) * 1000
+        names = ("audio", "to_plan", "step", "encode")
+        breakdown = {n: {f"p{q}": round(float(np.percentile(parts[:, k], q)), 1) for q in (50, 99)}
+                     for k, n in enumerate(names)} if len(parts) else {}
         batches = {b: c - batches0.get(b, 0) for b, c in live.stats.batch_sizes.items() if c - batches0.get(b, 0)}
         row = {
             "sessions": n,
             "latency_ms": {f"p{q}": round(float(np.percentile(lat, q)), 1) for q in (50, 95, 99)} if lat else {},
             "latency_ms_max": round(max(lat), 1) if lat else None,
+            # pushed -> last audio of its window pushed -> planned -> on the host -> encoded
+            "latency_parts_ms": breakdown,
             "speech_frames": len(lat),
             "frames_played": len(played),
             "frames_late": sum(x[1] for x in played),
+            "late_speech": sum(s.late_speech for s in stats),
+            "arrived_after_play": sum(s.arrived_after_play for s in stats),
+            "loop_lag_ms": {f"p{q}": round(1000 * float(np.percentile(lags, q)), 1) for q in (50, 99)} if lags else {},
             "frames_skipped": sum(s.skipped for s in stats),
             "underruns": sum(s.underruns for s in stats),
             "dropped_unread": sum(s.dropped_unread for s in stats),
@@ -124,6 +149,9 @@ def run(models: MuseTalk, out: Path, *, sizes: list[tuple[int, int]], counts: li
     """Every size x every N; writes live_bench.json and .md (and a chart) into `out` after each row."""
     from lipstream.bench.scenarios import _avatar
 
+    # The event loop (feeders, readers) competes for the GIL with the core and encoder threads:
+    # a 1 ms switch interval instead of 5 keeps it waking on time.
+    sys.setswitchinterval(0.001)
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     work.mkdir(exist_ok=True)

@@ -11,6 +11,7 @@ encoding runs on a thread pool, one task per session at a time (x264 releases th
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -28,14 +29,39 @@ from lipstream.avatar import Avatar, load_avatar
 from lipstream.engine import Engine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
-from lipstream.live.scheduler import AdmissionError, OfflineJob, Scheduler, StepPlan, admission
+from lipstream.live.scheduler import UNDERRUN_SLACK_S, AdmissionError, OfflineJob, Scheduler, StepPlan, admission
 from lipstream.live.session import Session
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
 log = logging.getLogger(__name__)
-HOST_SLOTS = 3  # steps whose frames can be on their way to the host at once
+COMPILED_FROM = 8
+COALESCE_S = 0.004
+HOST_SLOTS = 4  # steps whose frames can be on their way to the host (or being copied out) at once
+
+
+class _Uses:
+    """How many frames of a host buffer the sessions have yet to copy out (the core waits before reuse)."""
+
+    def __init__(self):
+        self._n = 0
+        self._cv = threading.Condition()
+
+    def hold(self, n: int) -> None:
+        with self._cv:
+            self._n += n
+
+    def release(self) -> None:
+        with self._cv:
+            self._n -= 1
+            if self._n <= 0:
+                self._cv.notify_all()
+
+    def wait_free(self) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._n <= 0, timeout=5.0):
+                raise RuntimeError("host frames were not copied out within 5 s")
 
 
 @dataclass
@@ -52,7 +78,7 @@ class EngineStats:
 @dataclass
 class _InFlight:
     plan: StepPlan
-    groups: list[tuple[list[int], torch.Tensor]]  # per frame size: step positions, host frames
+    groups: list[tuple[list[int], torch.Tensor, _Uses]]  # per frame size: step positions, host frames
     done: torch.cuda.Event | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     launched_at: float
@@ -68,9 +94,10 @@ class LiveEngine:
         self.m = models
         self.device = models.device
         buckets = tuple(sorted(set(self.o.buckets)))
-        # Inductor (when asked) for the full bucket only: that is the step a loaded engine runs
+        # Inductor (when asked) for the buckets of 8 frames and up, where a loaded engine's steps
+        # are (each bucket costs a compile); the small ones run uncompiled
         self.engine = Engine(models, buckets[-1], buckets=buckets, decode_rows=decode_rows, compile=compile,
-                             compile_buckets=(buckets[-1],))
+                             compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
         self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
         self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
                                         self.o.lookahead_steps)
@@ -85,7 +112,7 @@ class LiveEngine:
         self._error: BaseException | None = None
         self.capacity_fps = self.o.capacity_fps
         self.step_s: dict[int, float] = {}  # measured time of a step per bucket
-        self._recent: float | None = None  # launch to frames on the host, recent steps
+        self._recent: float | None = None  # device time of recent steps
         self.stats = EngineStats()
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -112,6 +139,10 @@ class LiveEngine:
             return self
         if not self.engine.avatars:
             raise ValueError("add an avatar before starting the live engine")
+        if self.device.type == "cuda":
+            # torch's CPU threads only run small ops here (resampling pushes); idle, they spin
+            # and take the cores the encoders need (13 of 16 cores busy at 8 sessions otherwise)
+            torch.set_num_threads(1)
         self.whisper.idle_window()
         self.engine.warm_up()
         self._warm_sizes()
@@ -130,7 +161,7 @@ class LiveEngine:
             n = self.engine.buckets[-1]
             self._host[(w, h)] = [(torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, device=self.device) if cuda else None,
                                    torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, pin_memory=cuda),
-                                   torch.cuda.Event() if cuda else None) for _ in range(HOST_SLOTS)]
+                                   torch.cuda.Event() if cuda else None, _Uses()) for _ in range(HOST_SLOTS)]
             self._k[(w, h)] = 0
 
     @torch.inference_mode()
@@ -230,6 +261,7 @@ class LiveEngine:
 
     def _run(self) -> None:
         inflight: _InFlight | None = None
+        last_turn = 0.0
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
@@ -248,6 +280,11 @@ class LiveEngine:
                     if inflight is None:
                         self._wake.wait(self._idle_wait(sessions))
                         self._wake.clear()
+                        # Pushes wake the core; a turn scans every session and runs Whisper, so turns
+                        # are at least COALESCE_S apart (otherwise 24 sessions' 20 ms pushes make
+                        # 1200 turns a second, and their Python starves every other thread).
+                        time.sleep(max(0.0, last_turn + COALESCE_S - time.monotonic()))
+                    last_turn = time.monotonic()
                 if inflight is not None:
                     self._finish(inflight)
         except BaseException as e:  # noqa: BLE001 (handed to every caller)
@@ -258,15 +295,20 @@ class LiveEngine:
                 s._notify()
 
     def _step_estimate(self) -> float:
-        """What the next step will take: recent steps' time (small steps at low load, full ones under load)."""
+        """What the next step will take on the device: recent steps' (small at low load, full under load)."""
         return self._recent if self._recent is not None else self.step_s.get(self.engine.buckets[0], 0.05)
 
     def _idle_wait(self, sessions: list[Session]) -> float:
-        """Until the next idle frame's media time (or a push wakes the core earlier)."""
+        """Until the next idle frame falls due (a push wakes the core earlier), rounded up to a tick
+        of half the idle lead, so the idle frames of sessions opened moments apart share a step."""
         now = time.monotonic()
-        margin = 2 * self._step_estimate()
-        nxt = [s.idle_due(max(s.next_frame, s.play_frame), margin) - now for s in sessions]
-        return max(0.0005, min([0.01, *nxt]))
+        margin = self._step_estimate() + UNDERRUN_SLACK_S  # what the scheduler passes the sessions
+        due = [s.idle_due(max(s.next_frame, s.play_frame), margin) for s in sessions]
+        if not due:
+            return 0.01
+        tick = max(0.002, min(margin, min(float(1 / s.fps) for s in sessions)) / 2)
+        wake = math.ceil(min(due) / tick) * tick
+        return max(0.0005, min(0.01 if not sessions else 0.05, wake - now))
 
     def _features(self, sessions: list[Session]) -> None:
         jobs = []
@@ -283,6 +325,7 @@ class LiveEngine:
             self.stats.whisper_windows += len(jobs)
 
     def _launch(self, plan: StepPlan) -> _InFlight:
+        t = time.perf_counter()
         e = self.engine
         slots = [c.session.avatar for c in plan.live] + [job.slot for job, _ in plan.offline]
         frames = [c.loop_frame for c in plan.live] + [job.frames[i] for job, i in plan.offline]
@@ -300,7 +343,8 @@ class LiveEngine:
             size = (dev.shape[-1], dev.shape[-2] * 2 // 3)
             k = self._k[size]
             self._k[size] = (k + 1) % HOST_SLOTS
-            staging, host, event = self._host[size][k]
+            staging, host, event, use = self._host[size][k]
+            use.wait_free()  # the sessions have copied out what an earlier step left in it
             n = len(where)
             if cuda:
                 torch.cuda.current_stream(self.device).wait_event(event)  # its last copy to the host is done
@@ -312,33 +356,32 @@ class LiveEngine:
                 done = event
             else:
                 host[:n].copy_(dev)
-            out.append((where, host[:n]))
+            out.append((where, host[:n], use))
         self.stats.steps += 1
         self.stats.batch_sizes[len(slots)] = self.stats.batch_sizes.get(len(slots), 0) + 1
-        return _InFlight(plan, out, done, timing, time.perf_counter())
+        return _InFlight(plan, out, done, timing, t)
 
     def _finish(self, f: _InFlight) -> None:
         if f.done is not None:
             f.done.synchronize()  # every group's copy went on the one copy stream, in order
+        took = time.perf_counter() - f.launched_at  # no GPU: the step ran inside the launch
         if f.timing is not None:
-            self.stats.gpu_busy_s += f.timing[0].elapsed_time(f.timing[1]) / 1000
+            took = f.timing[0].elapsed_time(f.timing[1]) / 1000
+            self.stats.gpu_busy_s += took
         n_live = len(f.plan.live)
-        bucket = next(b for b in self.engine.buckets if b >= len(f.plan))
-        took = time.perf_counter() - f.launched_at
-        self.step_s[bucket] = 0.8 * self.step_s.get(bucket, took) + 0.2 * took
         self._recent = took if self._recent is None else 0.8 * self._recent + 0.2 * took
         now = time.monotonic()
-        encode = self._encode.submit
-        for where, host in f.groups:
+        submit = self._encode.submit
+        for where, host, use in f.groups:
             frames = host.numpy()
+            use.hold(sum(i < n_live for i in where))
             for j, i in enumerate(where):
-                frame = frames[j].copy()
                 if i < n_live:
                     c = f.plan.live[i]
-                    c.session.deliver(c, frame, now, encode)
+                    c.session.deliver(c, frames[j], now, submit, use.release)
                 else:
                     job, index = f.plan.offline[i - n_live]
-                    job.results.append((index, frame))
+                    job.results.append((index, frames[j].copy()))
                     if len(job.results) == len(job.frames):
                         job.results.sort(key=lambda r: r[0])
                         job.future.set_result(np.stack([r[1] for r in job.results]))

@@ -137,3 +137,21 @@ def encode_windows(encoder, mel: torch.Tensor, positions: torch.Tensor) -> torch
         states.append(h)
     states[-1] = encoder.layer_norm(h)
     return torch.stack(states, dim=2)
+
+
+def streamed_features(models: MuseTalk, audio: np.ndarray, context: int, hop: int, lookahead: int) -> torch.Tensor:
+    """[T, 5, 384]: the features a live session computes for this utterance (16 kHz), window by
+    window in arrival order; for comparing against the offline features of the same audio."""
+    p = next(models.whisper.parameters())
+    table = FeatureTable(1, max(64, audio.size // SAMPLES_PER_FEATURE + 2 * WINDOW_STEPS), p.device, p.dtype)
+    sw = StreamingWhisper(models, table, context, hop, lookahead)
+    steps = max(1, audio.size // SAMPLES_PER_FEATURE)
+    f = 0
+    while f < steps:
+        lo = (f - context) * SAMPLES_PER_FEATURE - MARGIN
+        window = np.zeros(sw.samples, np.float32)
+        a, b = max(0, lo), min(audio.size, lo + window.size)
+        window[a - lo:b - lo] = audio[a:b]
+        sw.run([WindowJob(window, f - context, 0, f == 0, [table.row(0, f + i) for i in range(hop)])])
+        f += hop
+    return table.table[:steps].clone()

@@ -20,6 +20,9 @@ import torch
 from lipstream.live.session import Candidate, Session
 
 
+UNDERRUN_SLACK_S = 0.02  # the copy back and the encode, after the step
+
+
 class AdmissionError(RuntimeError):
     """A session was refused: admitting it would make the others miss their deadlines."""
 
@@ -54,14 +57,15 @@ class Scheduler:
     def plan(self, sessions: list[Session], now: float, step_s: float) -> StepPlan:
         """The next step: due live frames by deadline, then offline frames in the room left.
 
-        `step_s`: what a full step takes now (the core measures it); a frame that could not be
-        ready by its deadline even if it ran now is skipped.
+        `step_s`: what a step takes on the device now (the core measures it). A speech frame whose
+        audio is not all in is rendered anyway once its deadline is that close (with silence for
+        the missing audio); a frame whose deadline has passed is skipped.
         """
         frames: list[Candidate] = []
         skipped: list[Candidate] = []
         for s in sessions:
-            for c in s.candidates(now, self.max_batch, margin=2 * step_s):
-                (skipped if c.deadline < now + step_s else frames).append(c)
+            for c in s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S):
+                (skipped if c.deadline < now else frames).append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
         live = frames[:self.max_batch]
         offline: list[tuple[OfflineJob, int]] = []

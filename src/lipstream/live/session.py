@@ -55,6 +55,11 @@ class LiveFrame:
     packets: list[EncodedPacket] = field(default_factory=list)  # its H.264 packet, then its audio packets
     pushed_at: float | None = None  # time.monotonic() when the audio at this frame's start was pushed
     ready_at: float | None = None  # time.monotonic() when it was rendered (and encoded)
+    # where its latency went (time.monotonic()): the last audio its window needs was pushed, the
+    # core planned it, its pixels were on the host
+    audio_at: float | None = None
+    planned_at: float | None = None
+    rendered_at: float | None = None
     played_at: float = 0.0
 
     @property
@@ -88,6 +93,7 @@ class Candidate:
     utterance: int | None
     generation: int
     underrun: bool = False  # rendered before all of its audio arrived (the missing part reads silence)
+    planned_at: float = 0.0
 
 
 @dataclass
@@ -95,6 +101,8 @@ class SessionStats:
     rendered: int = 0
     played: int = 0
     late: int = 0  # played as the previous picture: not ready at the deadline
+    late_speech: int = 0  # of those, frames of an utterance
+    arrived_after_play: int = 0  # rendered, but after their deadline had passed
     skipped: int = 0  # deadline passed before the core reached it (not rendered)
     underruns: int = 0  # rendered before its audio had all arrived
     dropped_unread: int = 0  # never read: the consumer fell behind
@@ -182,7 +190,7 @@ class Session:
         self.play_frame = 0  # the next frame to hand out
         self.generation = 0  # bumped by clear(): renders planned before it are dropped
         self._ready: dict[int, LiveFrame] = {}
-        self._encode_queue: deque[tuple[Candidate, LiveFrame]] = deque()
+        self._encode_queue: deque[tuple[Candidate, LiveFrame, Callable[[], None]]] = deque()
         self._encoding = False
         self._last = rest_frame
         self._last.flags.writeable = False
@@ -253,7 +261,13 @@ class Session:
             self._utterances.clear()
             self.generation += 1
             self._ready = {f: fr for f, fr in self._ready.items() if f < self.play_frame and fr.utterance is None}
-            self._encode_queue = deque(e for e in self._encode_queue if e[0].utterance is None)
+            kept: deque = deque()
+            for e in self._encode_queue:
+                if e[0].utterance is None:
+                    kept.append(e)
+                else:
+                    e[2]()  # its host buffer goes back unread
+            self._encode_queue = kept
             self.next_frame = min(self.next_frame, self.play_frame)
         self._notify()
         self._wake_engine()
@@ -359,7 +373,7 @@ class Session:
                     rows = [self.table.row(self.slot, u.base + k) if 0 <= k < known else self.table.zero
                             for k in range(first, first + WINDOW_STEPS)]
                 out.append(Candidate(self, f, deadline, rows, self._loop_frame(f), None if u is None else u.id,
-                                     self.generation, underrun))
+                                     self.generation, underrun, now))
                 f += 1
         return out
 
@@ -378,48 +392,55 @@ class Session:
             self.stats.skipped += len(skipped)
             self.stats.underruns += sum(c.underrun for c in taken)
 
-    def deliver(self, c: Candidate, i420: np.ndarray, now: float, encode: Callable | None) -> None:
-        """A rendered frame (the session's own copy); encoded on `encode`'s pool if the session encodes."""
-        i420.flags.writeable = False
-        frame = LiveFrame(c.frame, self.fps, i420, np.zeros(0, np.float32), c.utterance)
-        if c.utterance is not None:
-            with self._lock:
+    def deliver(self, c: Candidate, view: np.ndarray, now: float, submit: Callable, release: Callable[[], None]) -> None:
+        """A rendered frame, still in the engine's host buffer: on `submit`'s pool it is copied out
+        (then `release` frees the buffer) and encoded, one task per session at a time, in order."""
+        frame = LiveFrame(c.frame, self.fps, view, np.zeros(0, np.float32), c.utterance)
+        with self._lock:
+            if c.generation != self.generation or self.closed:
+                release()
+                return
+            if c.utterance is not None:
                 u = next((u for u in self._utterances if u.id == c.utterance), None)
                 if u is not None:
                     local = c.frame - u.start_frame
                     frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * self.fps.denominator) // self.fps.numerator)
-        if self.encoder is None or encode is None:
-            frame.ready_at = now
-            self._store(c, frame)
-            return
-        with self._lock:
-            if c.generation != self.generation:
-                return
-            self._encode_queue.append((c, frame))
+                    last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
+                    frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
+            frame.planned_at, frame.rendered_at = c.planned_at, now
+            self._encode_queue.append((c, frame, release))
             if self._encoding:
                 return
             self._encoding = True
-        encode(self._drain_encodes)
+        submit(self._drain)
 
-    def _drain_encodes(self) -> None:
-        """Encode queued frames in order (one task per session at a time on the shared pool)."""
+    def _drain(self) -> None:
+        """Copy out and encode the queued frames in order."""
         while True:
             with self._lock:
                 if not self._encode_queue:
                     self._encoding = False
                     return
-                c, frame = self._encode_queue.popleft()
+                c, frame, release = self._encode_queue.popleft()
             try:
-                frame.packets = self.encoder.encode(frame.i420, frame.pts)
-            except Exception:  # a frame that cannot be encoded is lost, the session goes on
-                log.exception("session %d: frame %d could not be encoded", self.id, frame.pts)
-                frame.packets = []
+                frame.i420 = frame.i420.copy()  # the session's own copy: the engine's buffer goes back
+            finally:
+                release()
+            frame.i420.flags.writeable = False
+            if self.encoder is not None:
+                try:
+                    frame.packets = self.encoder.encode(frame.i420, frame.pts)
+                except Exception:  # a frame that cannot be encoded is lost, the session goes on
+                    log.exception("session %d: frame %d could not be encoded", self.id, frame.pts)
             frame.ready_at = self._clock()
             self._store(c, frame)
 
     def _store(self, c: Candidate, frame: LiveFrame) -> None:
         with self._lock:
-            if c.generation != self.generation or frame.pts < self.play_frame:
+            if c.generation != self.generation:
+                return
+            if frame.pts < self.play_frame:
+                self.stats.arrived_after_play += 1
                 return
             self.stats.rendered += 1
             self._ready[frame.pts] = frame
@@ -497,6 +518,7 @@ class Session:
                 frame = LiveFrame(f, self.fps, self._last, np.zeros(0, np.float32), None if u is None else u.id,
                                   late=True)
                 self.stats.late += 1
+                self.stats.late_speech += u is not None
             local = f - u.start_frame if u is not None else f
             audio = self._audio48(u, local)
             if u is not None and local == 0:
