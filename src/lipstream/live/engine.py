@@ -190,8 +190,7 @@ class LiveEngine:
             self._thread = None
         self._encode.shutdown(wait=True)
         for s in list(self.sessions.values()):
-            s.closed = True
-            s._notify()
+            s.close()
 
     def __enter__(self) -> LiveEngine:
         return self.start()
@@ -239,8 +238,7 @@ class LiveEngine:
         with self._lock:
             if self.sessions.pop(session.id, None) is not None:
                 self._free.append(session.slot)
-        session.closed = True
-        session._notify()
+        session.close()
 
     def render_offline(self, slot: int, frames: list[int], windows: torch.Tensor) -> Future:
         """Offline frames through the same steps at lower priority: loop frames of avatar `slot`
@@ -291,8 +289,7 @@ class LiveEngine:
             log.exception("the live engine's core stopped")
             self._error = e
             for s in list(self.sessions.values()):
-                s.closed = True
-                s._notify()
+                s.close()
 
     def _step_estimate(self) -> float:
         """What the next step will take on the device: recent steps' (small at low load, full under load)."""
@@ -308,7 +305,7 @@ class LiveEngine:
             return 0.01
         tick = max(0.002, min(margin, min(float(1 / s.fps) for s in sessions)) / 2)
         wake = math.ceil(min(due) / tick) * tick
-        return max(0.0005, min(0.01 if not sessions else 0.05, wake - now))
+        return max(0.0005, min(0.05, wake - now))
 
     def _features(self, sessions: list[Session]) -> None:
         jobs = []

@@ -198,7 +198,6 @@ class Session:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arrived: asyncio.Event | None = None
         self.closed = False
-        self._done_utterances: list[_Utterance] = []
 
     # --- the timeline --------------------------------------------------------------------------
 
@@ -563,7 +562,8 @@ class Session:
                 break
             self._utterances.popleft()
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """End the stream: the reader's iteration stops (LiveEngine.close_session also frees the slot)."""
         with self._lock:
             self.closed = True
         self._notify()
