@@ -144,6 +144,8 @@ class LiveEngine:
             # and take the cores the encoders need (13 of 16 cores busy at 8 sessions otherwise)
             torch.set_num_threads(1)
         self.whisper.idle_window()
+        if self.o.features == "stream":
+            self.whisper.warm()
         self.engine.warm_up()
         self._warm_sizes()
         self._measure()

@@ -30,6 +30,7 @@ from lipstream.models.config import (
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
+BATCHES = (1, 2, 4, 8, 16, 32, 64)  # windows per encoder call, padded up
 MARGIN = N_FFT // 2  # samples each side of a window: its first and last mel frames see real audio
 
 
@@ -53,7 +54,8 @@ class FeatureTable:
         self.table = torch.zeros(slots * ring + 1 + WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM, device=device, dtype=dtype)
         self.zero = slots * ring
         self.idle = list(range(self.zero + 1, self.zero + 1 + WINDOW_STEPS))
-        self.peaks = torch.full((slots,), -10.0, device=device)
+        self.peaks = torch.full((slots + 1,), -10.0, device=device)  # one per slot, and a spare for padding
+        self.spare = slots
 
     def row(self, slot: int, step: int) -> int:
         return slot * self.ring + step % self.ring
@@ -70,7 +72,7 @@ class StreamingWhisper:
         p = next(self.encoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         cuda = self.device.type == "cuda"
-        self._host = [torch.empty(64, self.samples, pin_memory=cuda) for _ in range(4)]  # pinned: uploads never block
+        self._host = [torch.empty(BATCHES[-1], self.samples, pin_memory=cuda) for _ in range(4)]  # pinned: uploads never block
         self._k = 0
         self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
         self._ints = IndexRing(self.device)
@@ -87,11 +89,20 @@ class StreamingWhisper:
     @torch.inference_mode()
     def run(self, jobs: list[WindowJob]) -> None:
         """Encode these windows and write their hop steps into the table (queued on the current stream)."""
-        for start in range(0, len(jobs), 64):
-            self._run(jobs[start:start + 64])
+        for start in range(0, len(jobs), BATCHES[-1]):
+            self._run(jobs[start:start + BATCHES[-1]])
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Run every batch size once now: a first call per shape costs tens of ms (kernel choices)."""
+        for b in BATCHES if self.device.type == "cuda" else ():
+            self._run([WindowJob(np.zeros(self.samples, np.float32), 0, self.table.spare, False, [])] * b)
 
     def _run(self, jobs: list[WindowJob]) -> None:
-        b = len(jobs)
+        """One encoder call, padded to a fixed batch size (a few shapes, all warmed at start)."""
+        n = len(jobs)
+        b = next(x for x in BATCHES if x >= n) if self.device.type == "cuda" else n  # shapes matter on a GPU
+        jobs = jobs + [WindowJob(jobs[0].audio, 0, self.table.spare, False, [])] * (b - n)  # pads: no rows
         k = self._k
         self._k = (k + 1) % len(self._host)
         host = self._host[k]
@@ -116,9 +127,10 @@ class StreamingWhisper:
         first = up([j.first for j in jobs])
         positions = (first[:, None] + self._offsets) % FEATURES_PER_SEGMENT
         states = encode_windows(self.encoder, mel.to(self.dtype), positions)  # [b, W, 5, 384]
-        new = states[:, self.context:self.context + self.hop].reshape(-1, HIDDEN_STATES, AUDIO_DIM)
-        rows = up([r for j in jobs for r in j.rows])
-        self.table.table.index_copy_(0, rows, new.to(self.table.table.dtype))
+        new = states[:n, self.context:self.context + self.hop].reshape(-1, HIDDEN_STATES, AUDIO_DIM)
+        real = [r for j in jobs[:n] for r in j.rows]
+        if real:
+            self.table.table.index_copy_(0, up(real), new.to(self.table.table.dtype))
 
 
 def encode_windows(encoder, mel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
