@@ -132,6 +132,24 @@ def test_streaming_features_approach_offline_with_context(tiny_models):
     assert errors[100] < 0.5, errors
 
 
+def test_padded_whisper_batches_change_no_window(tiny_models):
+    """On a GPU the window batches are padded to fixed sizes; the real windows' features stay the same."""
+    from lipstream.live.features import FeatureTable, StreamingWhisper, WindowJob
+
+    outs = []
+    for pad in (False, True):
+        rng = np.random.default_rng(1)  # the same windows both times
+        table = FeatureTable(3, 64, torch.device("cpu"), torch.float32)
+        sw = StreamingWhisper(tiny_models, table, 25, 1, 0)
+        sw.pad = pad
+        sw.warm()
+        jobs = [WindowJob(rng.standard_normal(sw.samples).astype(np.float32) * 0.1, 10 * k, k, True,
+                          [table.row(k, 5)]) for k in range(3)]
+        sw.run(jobs)
+        outs.append(table.table.clone())
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 def test_three_sessions_of_three_sizes_at_once(streaming):
     """Different avatars and frame sizes in the same steps; speech on one, idle on the others."""
     speech = speech_like(1.5, 16_000, seed=1)

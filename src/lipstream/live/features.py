@@ -23,7 +23,7 @@ import torch
 
 from lipstream.audio.features import _window_and_filters, whisper_features
 from lipstream.audio.windows import audio_windows
-from lipstream.engine.runner import IndexRing
+from lipstream.engine.graphs import IndexRing
 from lipstream.models.config import (
     AUDIO_DIM, FEATURES_PER_SEGMENT, HIDDEN_STATES, HOP_LENGTH, N_FFT, SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS)
 
@@ -72,6 +72,7 @@ class StreamingWhisper:
         p = next(self.encoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         cuda = self.device.type == "cuda"
+        self.pad = cuda  # fixed batch shapes matter on a GPU (kernel choices per shape); on a CPU they only cost
         self._host = [torch.empty(BATCHES[-1], self.samples, pin_memory=cuda) for _ in range(4)]  # pinned: uploads never block
         self._k = 0
         self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
@@ -95,13 +96,13 @@ class StreamingWhisper:
     @torch.inference_mode()
     def warm(self) -> None:
         """Run every batch size once now: a first call per shape costs tens of ms (kernel choices)."""
-        for b in BATCHES if self.device.type == "cuda" else ():
+        for b in BATCHES if self.pad else ():
             self._run([WindowJob(np.zeros(self.samples, np.float32), 0, self.table.spare, False, [])] * b)
 
     def _run(self, jobs: list[WindowJob]) -> None:
         """One encoder call, padded to a fixed batch size (a few shapes, all warmed at start)."""
         n = len(jobs)
-        b = next(x for x in BATCHES if x >= n) if self.device.type == "cuda" else n  # shapes matter on a GPU
+        b = next(x for x in BATCHES if x >= n) if self.pad else n
         jobs = jobs + [WindowJob(jobs[0].audio, 0, self.table.spare, False, [])] * (b - n)  # pads: no rows
         k = self._k
         self._k = (k + 1) % len(self._host)

@@ -19,154 +19,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from lipstream.audio.resample import StreamResampler
-from lipstream.audio.windows import LEFT_PAD_STEPS, num_frames
+from lipstream.audio.windows import LEFT_PAD_STEPS
 from lipstream.live.features import MARGIN, WindowJob
+from lipstream.live.items import Candidate, LiveFrame, SessionStats, SpeechEvent
 from lipstream.live.options import LiveOptions
+from lipstream.live.utterance import Utterance
 from lipstream.media.mp4 import AUDIO_RATE
 from lipstream.models.config import FEATURE_RATE, SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
 
 if TYPE_CHECKING:
-    from lipstream.live.encode import EncodedPacket, SessionEncoder
+    from lipstream.live.encode import SessionEncoder
     from lipstream.live.features import FeatureTable
 
 log = logging.getLogger(__name__)
 FALL_BEHIND_S = 1.0  # a consumer this far behind the playout clock skips ahead (frames dropped, counted)
-
-
-@dataclass
-class LiveFrame:
-    """A frame at its playout time. `i420` [H*3/2, W] uint8 and `audio` (48 kHz mono float32) are the
-    session's own copies (read-only), never views into engine buffers."""
-
-    pts: int  # frame index in the session: time pts / fps
-    fps: Fraction
-    i420: np.ndarray
-    audio: np.ndarray
-    utterance: int | None  # the utterance it speaks, None when idle
-    late: bool = False  # not ready at its deadline: the previous picture again
-    packets: list[EncodedPacket] = field(default_factory=list)  # its H.264 packet, then its audio packets
-    pushed_at: float | None = None  # time.monotonic() when the audio at this frame's start was pushed
-    ready_at: float | None = None  # time.monotonic() when it was rendered (and encoded)
-    # where its latency went (time.monotonic()): the last audio its window needs was pushed, the
-    # core planned it, its pixels were on the host
-    audio_at: float | None = None
-    planned_at: float | None = None
-    rendered_at: float | None = None
-    played_at: float = 0.0
-
-    @property
-    def time_s(self) -> float:
-        return float(self.pts / self.fps)
-
-    @property
-    def latency_s(self) -> float | None:
-        """From the push of the audio it shows to the frame being ready (encoded)."""
-        return None if self.pushed_at is None or self.ready_at is None else self.ready_at - self.pushed_at
-
-
-@dataclass(frozen=True)
-class SpeechEvent:
-    kind: str  # "started", "finished" or "interrupted": at playout, not at push
-    utterance: int
-    pts: int  # the frame it happens at
-    position_s: float  # how much of the utterance had played
-    at: float  # time.monotonic()
-
-
-@dataclass
-class Candidate:
-    """A frame the core may render now: where its audio window and its picture come from."""
-
-    session: Session
-    frame: int
-    deadline: float
-    rows: list[int]  # 10 feature-table rows
-    loop_frame: int
-    utterance: int | None
-    generation: int
-    underrun: bool = False  # rendered before all of its audio arrived (the missing part reads silence)
-    planned_at: float = 0.0
-
-
-@dataclass
-class SessionStats:
-    rendered: int = 0
-    played: int = 0
-    late: int = 0  # played as the previous picture: not ready at the deadline
-    late_speech: int = 0  # of those, frames of an utterance
-    arrived_after_play: int = 0  # rendered, but after their deadline had passed
-    skipped: int = 0  # deadline passed before the core reached it (not rendered)
-    underruns: int = 0  # rendered before its audio had all arrived
-    dropped_unread: int = 0  # never read: the consumer fell behind
-    audio_late_samples: int = 0  # pushed after its frames had played (lost)
-
-
-class _Utterance:
-    """One stretch of speech: its audio, where it sits on the timeline, how far its features are."""
-
-    def __init__(self, uid: int, start_frame: int, base: int, rate: int):
-        self.id, self.start_frame, self.base = uid, start_frame, base
-        self.to16, self.to48 = StreamResampler(rate, SAMPLE_RATE), StreamResampler(rate, AUDIO_RATE)
-        self.audio16 = np.zeros(SAMPLE_RATE, np.float32)
-        self.audio48 = np.zeros(AUDIO_RATE, np.float32)
-        self.n16 = self.n48 = 0
-        self.rate = rate
-        self.pushes: list[tuple[int, float]] = []  # (16 kHz samples after the push, time.monotonic())
-        self.ended = False
-        self.final = 0  # feature steps in the table
-        self.windows = 0  # windows encoded (the first resets the log-mel peak)
-        self.frames_played = 0
-
-    def append(self, pcm: torch.Tensor, now: float) -> None:
-        self._add16(self.to16.push(pcm).numpy())
-        self._add48(self.to48.push(pcm).numpy())
-        self.pushes.append((self.n16, now))
-
-    def end(self) -> None:
-        if not self.ended:
-            self._add16(self.to16.flush().numpy())
-            self._add48(self.to48.flush().numpy())
-            self.ended = True
-
-    def _add16(self, x: np.ndarray) -> None:
-        self.audio16 = _grow(self.audio16, self.n16 + x.size)
-        self.audio16[self.n16:self.n16 + x.size] = x
-        self.n16 += x.size
-
-    def _add48(self, x: np.ndarray) -> None:
-        self.audio48 = _grow(self.audio48, self.n48 + x.size)
-        self.audio48[self.n48:self.n48 + x.size] = x
-        self.n48 += x.size
-
-    @property
-    def steps(self) -> int | None:
-        """Feature steps of the whole utterance (known once it ended): as offline, floor(n / 320), at least 1."""
-        return max(1, self.n16 // SAMPLES_PER_FEATURE) if self.ended else None
-
-    def frames(self, fps: Fraction) -> int | None:
-        return num_frames(self.n16, fps) if self.ended else None
-
-    def pushed_at(self, sample16: int) -> float | None:
-        for n, t in self.pushes:
-            if n > sample16:
-                return t
-        return self.pushes[-1][1] if self.pushes else None
-
-
-def _grow(buf: np.ndarray, size: int) -> np.ndarray:
-    if size <= buf.size:
-        return buf
-    out = np.zeros(max(size, 2 * buf.size), buf.dtype)
-    out[:buf.size] = buf
-    return out
 
 
 class Session:
@@ -183,7 +55,7 @@ class Session:
         self.t0 = clock()
         self.stats = SessionStats()
         self._lock = threading.Lock()
-        self._utterances: deque[_Utterance] = deque()
+        self._utterances: deque[Utterance] = deque()
         self._next_uid = 0
         self._ring_base = 0
         self.next_frame = 0  # the next frame to plan
@@ -271,25 +143,25 @@ class Session:
         self._notify()
         self._wake_engine()
 
-    def _open_utterance(self, now: float, rate: int) -> _Utterance:
+    def _open_utterance(self, now: float, rate: int) -> Utterance:
         start = max(self.next_frame, self.media_frame(now))
         if self._utterances:
             last = self._utterances[-1]
             start = max(start, last.start_frame + last.frames(self.fps))
             self._ring_base = last.base + last.steps + 2 * WINDOW_STEPS
-        u = _Utterance(self._next_uid, start, self._ring_base, rate)
+        u = Utterance(self._next_uid, start, self._ring_base, rate)
         self._next_uid += 1
         self._utterances.append(u)
         return u
 
-    def _utterance_at(self, frame: int) -> _Utterance | None:
+    def _utterance_at(self, frame: int) -> Utterance | None:
         for u in self._utterances:
             n = u.frames(self.fps)
             if u.start_frame <= frame and (n is None or frame < u.start_frame + n):
                 return u
         return None
 
-    def _playing_utterance(self, frame: int) -> _Utterance | None:
+    def _playing_utterance(self, frame: int) -> Utterance | None:
         u = self._utterance_at(frame)
         return u if u is not None and u.frames_played else None
 
@@ -538,7 +410,7 @@ class Session:
         if end is not None:
             self._out.append(end)
 
-    def _audio48(self, u: _Utterance | None, local: int) -> np.ndarray:
+    def _audio48(self, u: Utterance | None, local: int) -> np.ndarray:
         """The 48 kHz samples of frame `local` of utterance u (of the session, idle: silence)."""
         fps = self.fps
         a = (local * AUDIO_RATE * fps.denominator) // fps.numerator
