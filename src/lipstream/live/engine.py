@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lipstream.audio.features import whisper_features
-from lipstream.avatar import Avatar, load_avatar
+from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
@@ -222,15 +222,20 @@ class LiveEngine:
             sid = self._next_id
             self._next_id += 1
         w, h = a.size
-        encoder = None
-        if self.o.encode if encode is None else encode:
-            encoder = SessionEncoder(w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
-                                     gop_frames=max(1, round(self.o.gop_s * float(fps))),
-                                     matrix=a.meta.get("colour_matrix", "bt601"))
-        a.wait_frames(1)
-        rest = a.frames[start_frame % a.num_frames].cpu().numpy().copy()
-        session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, self.o, self.table, rest,
-                          self._wake.set, encoder, start_frame)
+        try:
+            encoder = None
+            if self.o.encode if encode is None else encode:
+                encoder = SessionEncoder(w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
+                                         gop_frames=max(1, round(self.o.gop_s * float(fps))),
+                                         matrix=a.meta.get("colour_matrix", "bt601"))
+            a.wait_frames(1)
+            rest = a.frames[int(ping_pong(start_frame, a.num_frames))].cpu().numpy().copy()  # before frame 0 is ready
+            session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, self.o, self.table, rest,
+                              self._wake.set, encoder, start_frame)
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)  # the slot goes back
+            raise
         with self._lock:
             self.sessions[sid] = session
         self._wake.set()

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from lipstream.audio.windows import LEFT_PAD_STEPS
+from lipstream.avatar import ping_pong
 from lipstream.live.features import MARGIN, WindowJob
 from lipstream.live.items import Candidate, LiveFrame, SessionStats, SpeechEvent
 from lipstream.live.options import LiveOptions
@@ -249,8 +250,6 @@ class Session:
         return out
 
     def _loop_frame(self, frame: int) -> int:
-        from lipstream.avatar import ping_pong
-
         step = self.start_frame + math.floor(Fraction(frame) / self.fps * self.avatar_fps)
         return int(ping_pong(step, self.loop_frames))
 
