@@ -52,7 +52,7 @@ def avatars(tmp_path_factory, tiny_models) -> list[Path]:
 
 def _engine(models, avatars, **options) -> LiveEngine:
     # capacity given, not measured: on a loaded 2-core CI machine the measurement would refuse sessions
-    base = dict(playout_delay_s=2.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0)
+    base = dict(playout_delay_s=4.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0)
     live = LiveEngine(models, LiveOptions(**{**base, **options}))
     for a in avatars:
         live.add_avatar(a)
