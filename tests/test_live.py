@@ -52,7 +52,9 @@ def avatars(tmp_path_factory, tiny_models) -> list[Path]:
 
 def _engine(models, avatars, **options) -> LiveEngine:
     # capacity given, not measured: on a loaded 2-core CI machine the measurement would refuse sessions
-    base = dict(playout_delay_s=4.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0)
+    # idle loops rendered live (they go through the steps, batched with speech) unless a test keeps them
+    base = dict(playout_delay_s=4.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0,
+                idle_cache_gib=0.0)
     live = LiveEngine(models, LiveOptions(**{**base, **options}))
     for a in avatars:
         live.add_avatar(a)
@@ -68,7 +70,7 @@ def streaming(tiny_models, avatars):
 
 @pytest.fixture(scope="module")
 def exact(tiny_models, avatars):
-    live = _engine(tiny_models, avatars, features="utterance", playout_delay_s=3.0)
+    live = _engine(tiny_models, avatars, features="utterance", playout_delay_s=3.0, idle_cache_gib=1.0)
     yield live
     live.close()
 
@@ -98,18 +100,20 @@ def _frames(items: list) -> list[LiveFrame]:
 
 def test_stream_resampler_equals_whole_resample():
     rng = np.random.default_rng(0)
-    x = torch.from_numpy(rng.standard_normal(9000).astype(np.float32))
+    x = rng.standard_normal(9000).astype(np.float32)
     for a, b in ((16_000, 48_000), (44_100, 16_000), (48_000, 16_000), (16_000, 16_000)):
         r = StreamResampler(a, b)
         parts, i = [], 0
         for k in rng.integers(1, 700, 100):
             parts.append(r.push(x[i:i + k]))
             i += int(k)
-            if i >= x.numel():
+            if i >= x.size:
                 break
-        parts.append(r.push(x[i:]) if i < x.numel() else torch.zeros(0))
+        parts.append(r.push(x[i:]) if i < x.size else np.zeros(0, np.float32))
         parts.append(r.flush())
-        assert torch.allclose(torch.cat(parts), resample(x, a, b), atol=1e-5)
+        got = np.concatenate(parts)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, resample(torch.from_numpy(x), a, b).numpy(), atol=1e-5)
 
 
 def test_encoder_on_fewer_steps_is_the_same_layers(tiny_models):
@@ -263,6 +267,30 @@ def test_idle_frames_leave_everything_outside_the_face_untouched(streaming):
         keep = untouched(h, w, [avatar.boxes[loop].tolist()])
         assert np.array_equal(f.i420[keep], source[keep])
         assert not np.array_equal(f.i420, source)  # the face was repainted
+
+
+def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models, avatars):
+    """Idle loops rendered once at start: silent sessions take no step, and show the same pictures."""
+    async def idle(live):
+        s = live.open_session(0, fps=FPS)
+        try:
+            return _frames(await _read(s, 3))
+        finally:
+            live.close_session(s)
+
+    kept = _engine(tiny_models, avatars[:1], idle_cache_gib=1.0)
+    try:
+        assert 0 in kept.idle_loops and kept.idle_loops[0].shape[0] == kept.engine.avatars[0].num_frames
+        frames_before = kept.stats.frames
+        got = asyncio.run(idle(kept))
+        assert kept.stats.frames == frames_before and kept.stats.idle_cached_frames >= 3  # no step ran
+    finally:
+        kept.close()
+    want = asyncio.run(idle(streaming))
+    assert [f.pts for f in got] == [f.pts for f in want] == [0, 1, 2]
+    for g, w in zip(got, want):
+        assert not g.late and not g.i420.flags.writeable
+        assert np.abs(g.i420.astype(int) - w.i420.astype(int)).max() <= 1
 
 
 def test_clear_returns_to_idle_within_a_frame(streaming):

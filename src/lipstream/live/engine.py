@@ -64,11 +64,16 @@ class _Uses:
                 raise RuntimeError("host frames were not copied out within 5 s")
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
     frames: int = 0  # live frames rendered
     offline_frames: int = 0
+    idle_cached_frames: int = 0  # idle frames handed out from the kept idle loops (no step)
     whisper_windows: int = 0
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
     started_at: float = field(default_factory=time.monotonic)
@@ -118,6 +123,8 @@ class LiveEngine:
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._host: dict[tuple[int, int], list] = {}  # frame size -> [(device staging, pinned host, event)]
         self._k: dict[tuple[int, int], int] = {}
+        self.idle_loops: dict[int, np.ndarray] = {}  # avatar slot -> its idle loop [n, H*3/2, W] I420, on the host
+        self._idle_bytes = 0  # kept and being rendered
         self._encode = ThreadPoolExecutor(encode_threads or max(1, (os.cpu_count() or 2) - 1),
                                           thread_name_prefix="live-encode")
 
@@ -131,6 +138,7 @@ class LiveEngine:
             slot = self.engine.add_avatar(avatar)
         if self._thread is not None:
             self._warm_sizes()
+            self._keep_idle_loop(slot)
         return slot
 
     def start(self) -> LiveEngine:
@@ -151,7 +159,32 @@ class LiveEngine:
         self._measure()
         self._thread = threading.Thread(target=self._run, name="lipstream-live-core", daemon=True)
         self._thread.start()
+        for f in [self._keep_idle_loop(slot) for slot in range(len(self.engine.avatars))]:
+            if f is not None:
+                f.result()  # started means warm: idle sessions cost no step from the first frame
         return self
+
+    def _keep_idle_loop(self, slot: int) -> Future | None:
+        """Render avatar `slot`'s idle loop once (offline lane) and keep it, if it fits idle_cache_gib."""
+        a = self.engine.avatars[slot]
+        w, h = a.size
+        size = a.num_frames * (h * 3 // 2) * w
+        if self._idle_bytes + size > self.o.idle_cache_gib * 2**30:
+            log.info("live engine: avatar %d's idle loop (%.0f MiB) does not fit idle_cache_gib; rendered live",
+                     slot, size / 2**20)
+            return None
+        self._idle_bytes += size
+        window = self.table.table[self.table.idle].reshape(1, -1, self.table.table.shape[-1])
+        future = self.render_offline(slot, list(range(a.num_frames)), window.expand(a.num_frames, -1, -1))
+
+        def keep(f: Future) -> None:
+            if f.exception() is None:
+                loop = f.result()
+                loop.flags.writeable = False
+                self.idle_loops[slot] = loop
+
+        future.add_done_callback(keep)
+        return future
 
     def _warm_sizes(self) -> None:
         """Host buffers (and blend graphs) for every resident frame size."""
@@ -274,8 +307,9 @@ class LiveEngine:
                         sessions = list(self.sessions.values())
                         self._features(sessions)
                         now = time.monotonic()
-                        plan = self.scheduler.plan(sessions, now, self._step_estimate())
+                        plan = self.scheduler.plan(sessions, now, self._step_estimate(), self.idle_loops)
                         launched = self._launch(plan) if len(plan) else None
+                    self._hand_out_cached(plan, now)
                     if inflight is not None:
                         self._finish(inflight)
                     inflight = launched
@@ -297,6 +331,14 @@ class LiveEngine:
             self._error = e
             for s in list(self.sessions.values()):
                 s.close()
+            for job in self.scheduler.offline:
+                if not job.future.done():
+                    job.future.set_exception(RuntimeError("the live engine's core stopped"))
+
+    def _hand_out_cached(self, plan: StepPlan, now: float) -> None:
+        for c in plan.cached:
+            c.session.deliver(c, self.idle_loops[c.session.avatar][c.loop_frame], now, self._encode.submit, _nothing)
+        self.stats.idle_cached_frames += len(plan.cached)
 
     def _step_estimate(self) -> float:
         """What the next step will take on the device: recent steps' (small at low load, full under load)."""

@@ -21,6 +21,9 @@ class LiveOptions:
     `buckets`: the batch sizes captured per step. Admission refuses a session when the sessions'
     frame rates would pass `utilisation` of `capacity_fps` (None: measured at warm-up).
     `encode`: H.264 (`preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
+    `idle_cache_gib`: the idle loop of each avatar (every loop frame with the mouth at rest) is
+    rendered once and kept in host memory, up to this much over all avatars, so silent sessions
+    cost no GPU time; 0 renders every idle frame in the steps.
     """
 
     playout_delay_s: float = 0.25
@@ -38,10 +41,13 @@ class LiveOptions:
     crf: int = 23
     gop_s: float = 1.0
     audio_codec: str = "opus"
+    idle_cache_gib: float = 8.0
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features must be one of {FEATURE_MODES}, not {self.features!r}")
+        if self.idle_cache_gib < 0:
+            raise ValueError("idle_cache_gib must be >= 0")
         if self.playout_delay_s <= 0 or self.context_s < 0 or self.lookahead_steps < 0 or self.hop_steps < 1:
             raise ValueError("playout_delay_s > 0, context_s >= 0, lookahead_steps >= 0 and hop_steps >= 1 are required")
         if not self.buckets or min(self.buckets) < 1:

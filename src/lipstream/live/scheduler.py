@@ -11,6 +11,7 @@ measured capacity.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -44,6 +45,7 @@ class StepPlan:
     live: list[Candidate]
     offline: list[tuple[OfflineJob, int]]  # (job, frame index within it)
     skipped: list[Candidate]
+    cached: list[Candidate] = field(default_factory=list)  # idle frames whose picture is already on the host
 
     def __len__(self) -> int:
         return len(self.live) + len(self.offline)
@@ -54,8 +56,11 @@ class Scheduler:
         self.max_batch = max_batch
         self.offline: deque[OfflineJob] = deque()
 
-    def plan(self, sessions: list[Session], now: float, step_s: float) -> StepPlan:
+    def plan(self, sessions: list[Session], now: float, step_s: float, idle_cached: Container[int] = ()) -> StepPlan:
         """The next step: due live frames by deadline, then offline frames in the room left.
+
+        Idle frames of the avatars in `idle_cached` need no step (their pictures are kept): they
+        are handed out at once and take no room in the batch.
 
         `step_s`: what a step takes on the device now (the core measures it). A speech frame whose
         audio is not all in is rendered anyway once its deadline is that close (with silence for
@@ -63,11 +68,28 @@ class Scheduler:
         """
         frames: list[Candidate] = []
         skipped: list[Candidate] = []
+        per_session = []
         for s in sessions:
-            for c in s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S):
-                (skipped if c.deadline < now else frames).append(c)
+            mine = s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S)
+            per_session.append((s, mine))
+            for c in mine:
+                if c.deadline < now:
+                    skipped.append(c)
+                elif not (c.utterance is None and s.avatar in idle_cached):
+                    frames.append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
         live = frames[:self.max_batch]
+        # a kept idle frame is handed out only after every frame of its session before it
+        chosen = {id(c) for c in live}
+        cached: list[Candidate] = []
+        for s, mine in per_session:
+            for c in mine:
+                if c.deadline < now or id(c) in chosen:
+                    continue
+                if c.utterance is None and s.avatar in idle_cached:
+                    cached.append(c)
+                else:
+                    break
         offline: list[tuple[OfflineJob, int]] = []
         room = self.max_batch - len(live)
         for job in self.offline:
@@ -78,13 +100,13 @@ class Scheduler:
         while self.offline and self.offline[0].done == len(self.offline[0].frames):
             self.offline.popleft()
         by_session: dict[int, tuple[Session, list[Candidate], list[Candidate]]] = {}
-        for c in live:
+        for c in live + cached:
             by_session.setdefault(c.session.id, (c.session, [], []))[1].append(c)
         for c in skipped:
             by_session.setdefault(c.session.id, (c.session, [], []))[2].append(c)
         for s, taken, gone in by_session.values():
             s.take(taken, gone)
-        return StepPlan(live, offline, skipped)
+        return StepPlan(live, offline, skipped, cached)
 
 
 def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None, utilisation: float,
