@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,42 +51,47 @@ class StreamResampler:
     """`resample` over audio that arrives in chunks: the same samples as resampling it whole.
 
     An output block needs `half` input samples past it, so each push returns the blocks whose
-    inputs are all in, and `flush` the rest (zeros past the end, as `resample` pads).
+    inputs are all in, and `flush` the rest (zeros past the end, as `resample` pads). numpy on
+    the CPU, one matrix product a push: it runs on the caller's thread (a live session's event
+    loop), where torch's many small ops would each drop and retake the GIL.
     """
 
     def __init__(self, orig_rate: int, new_rate: int):
         g = math.gcd(orig_rate, new_rate)
         self.orig, self.new = orig_rate // g, new_rate // g
-        self.kernel, self.half = _kernel(self.orig, self.new, torch.device("cpu"), torch.float32)
-        self.x = torch.zeros(0)
+        kernel, self.half = _kernel(self.orig, self.new, torch.device("cpu"), torch.float32)
+        self.kernel_t = np.ascontiguousarray(kernel[:, 0, :].numpy().T)  # [K, new]
+        self.x = np.zeros(0, np.float32)
         self.n = 0  # input samples so far
         self.blocks = 0  # output blocks (of `new` samples) emitted
 
-    def push(self, chunk: torch.Tensor) -> torch.Tensor:
-        chunk = chunk.float().reshape(-1)
-        self.n += chunk.numel()
+    def push(self, chunk: np.ndarray) -> np.ndarray:
+        chunk = np.asarray(chunk, np.float32).reshape(-1)
+        self.n += chunk.size
         if self.orig == self.new:
             return chunk
-        self.x = torch.cat([self.x, chunk])
+        self.x = np.concatenate([self.x, chunk])
         return self._emit((self.n - self.half) // self.orig)
 
-    def flush(self) -> torch.Tensor:
+    def flush(self) -> np.ndarray:
         if self.orig == self.new:
-            return torch.zeros(0)
+            return np.zeros(0, np.float32)
         total = math.ceil(self.new * self.n / self.orig)  # what `resample` returns for all of it
         before = self.blocks * self.new
         return self._emit(-(-total // self.new))[:max(0, total - before)]
 
-    def _emit(self, upto: int) -> torch.Tensor:
+    def _emit(self, upto: int) -> np.ndarray:
         """Output blocks [self.blocks, upto); input past what has arrived reads zeros."""
         if upto <= self.blocks:
-            return torch.zeros(0)
-        offset = self.n - self.x.numel()  # input index of self.x[0]
+            return np.zeros(0, np.float32)
+        offset = self.n - self.x.size  # input index of self.x[0]
         lo, hi = self.blocks * self.orig - self.half, upto * self.orig + self.half
-        segment = self.x[max(0, lo - offset):max(0, hi - offset)]
+        segment = np.zeros(hi - lo, np.float32)
+        part = self.x[max(0, lo - offset):max(0, hi - offset)]
         pad_left = max(0, offset - lo)
-        segment = F.pad(segment, (pad_left, hi - lo - pad_left - segment.numel()))
-        y = F.conv1d(segment.reshape(1, 1, -1), self.kernel, stride=self.orig).transpose(1, 2).reshape(-1)
+        segment[pad_left:pad_left + part.size] = part
+        windows = np.lib.stride_tricks.sliding_window_view(segment, self.kernel_t.shape[0])[::self.orig]
+        y = (windows[:upto - self.blocks] @ self.kernel_t).reshape(-1)  # block-major, phase-minor
         self.blocks = upto
         self.x = self.x[max(0, self.blocks * self.orig - self.half - offset):]  # what later blocks still read
         return y

@@ -96,13 +96,12 @@ class Session:
         """
         if not 8000 <= int(rate) <= 192_000:
             raise ValueError(f"rate: {rate} Hz; 8000 to 192000 are allowed")
-        x = torch.as_tensor(np.asarray(pcm))
-        if x.dtype == torch.int16:
-            x = x.float() / 32768.0
-        x = x.float().reshape(-1) if x.ndim <= 1 or 1 in x.shape else None
-        if x is None:
+        # numpy only: this runs on the caller's event loop, where each torch op would drop the GIL
+        x = pcm.detach().cpu().numpy() if isinstance(pcm, torch.Tensor) else np.asarray(pcm)
+        if x.ndim > 1 and 1 not in x.shape:
             raise ValueError(f"pcm: shape {tuple(np.shape(pcm))}; one channel (a 1-D array) is allowed")
-        if x.numel() == 0 or not torch.isfinite(x).all():
+        x = x.reshape(-1) / np.float32(32768.0) if x.dtype == np.int16 else x.astype(np.float32, copy=False).reshape(-1)
+        if x.size == 0 or not np.isfinite(x).all():
             raise ValueError("pcm: empty, or holds NaN or infinite samples")
         now = self._clock()
         with self._lock:

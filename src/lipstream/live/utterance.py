@@ -5,7 +5,6 @@ from __future__ import annotations
 from fractions import Fraction
 
 import numpy as np
-import torch
 
 from lipstream.audio.resample import StreamResampler
 from lipstream.audio.windows import num_frames
@@ -29,15 +28,15 @@ class Utterance:
         self.windows = 0  # windows encoded (the first resets the log-mel peak)
         self.frames_played = 0
 
-    def append(self, pcm: torch.Tensor, now: float) -> None:
-        self._add16(self.to16.push(pcm).numpy())
-        self._add48(self.to48.push(pcm).numpy())
+    def append(self, pcm: np.ndarray, now: float) -> None:
+        self._add16(self.to16.push(pcm))
+        self._add48(self.to48.push(pcm))
         self.pushes.append((self.n16, now))
 
     def end(self) -> None:
         if not self.ended:
-            self._add16(self.to16.flush().numpy())
-            self._add48(self.to48.flush().numpy())
+            self._add16(self.to16.flush())
+            self._add48(self.to48.flush())
             self.ended = True
 
     def _add16(self, x: np.ndarray) -> None:
