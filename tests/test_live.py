@@ -297,7 +297,7 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
     speech = speech_like(6.0, 16_000, seed=7)
 
     async def run():
-        s = streaming.open_session(2, fps=FPS)
+        s = streaming.open_session(2, fps=FPS, encode=True)
         try:
             s.push_audio(speech, 16_000)
             s.end_utterance()
@@ -321,6 +321,21 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
     assert after[0].pts == cleared_at + 1  # the very next frame is idle
     event = next(i for i in items if isinstance(i, SpeechEvent) and i.kind == "interrupted")
     assert event.position_s == pytest.approx(1.0)
+    # speech encoded ahead was thrown away: the stream goes on with an IDR at the next frame,
+    # video and audio timestamps rising, one video packet per frame played
+    frames = _frames(items)
+    video = [p for f in frames for p in f.packets if p.kind == "video"]
+    audio = [p for f in frames for p in f.packets if p.kind == "audio"]
+    assert [p.pts for p in video] == [f.pts for f in frames]
+    first_after = next(p for p in video if p.pts == cleared_at + 1)
+    assert first_after.keyframe and 5 in _nal_types(first_after.data)
+    assert all(b.pts > a.pts for a, b in zip(audio, audio[1:]))
+    assert audio[-1].pts + 960 >= frames[-1].pts * AUDIO_RATE // 2  # the audio reached the last frame
+
+
+def _nal_types(data: bytes) -> list[int]:
+    parts = data.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01")
+    return [p[0] & 0x1F for p in parts[1:] if p]
 
 
 def test_admission_refuses_a_session_that_would_overload(streaming):

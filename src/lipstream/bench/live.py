@@ -89,6 +89,7 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
             torch.cuda.reset_peak_memory_stats(device)
         t_start, cpu0 = time.monotonic(), _cpu_s()
         busy0, steps0, frames0 = live.stats.gpu_busy_s, live.stats.steps, live.stats.frames
+        cached0 = live.stats.idle_cached_frames
         batches0 = dict(live.stats.batch_sizes)
         until = t_start + seconds
         logs: list[list] = [[] for _ in sessions]
@@ -127,7 +128,8 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
             "underruns": sum(s.underruns for s in stats),
             "dropped_unread": sum(s.dropped_unread for s in stats),
             "fps_per_session": round(len(played) / max(1e-9, wall - SETTLE_S) / n, 2),
-            "engine_fps": round((live.stats.frames - frames0) / wall, 1),
+            "engine_fps": round((live.stats.frames - frames0) / wall, 1),  # frames through the steps
+            "idle_kept_fps": round((live.stats.idle_cached_frames - cached0) / wall, 1),  # idle, from the kept loops
             "steps": live.stats.steps - steps0,
             "mean_batch": round((live.stats.frames - frames0) / max(1, live.stats.steps - steps0), 1),
             "batch_sizes": dict(sorted(batches.items())),

@@ -27,6 +27,7 @@ import torch
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine
+from lipstream.live.encode_pool import EncodePool
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
 from lipstream.live.scheduler import UNDERRUN_SLACK_S, AdmissionError, OfflineJob, Scheduler, StepPlan, admission
@@ -94,7 +95,7 @@ class LiveEngine:
     (or start() / close()); open sessions with open_session()."""
 
     def __init__(self, models: MuseTalk, options: LiveOptions | str = "realtime", *,
-                 decode_rows: str = "auto", compile: str = "off", encode_threads: int | None = None):
+                 decode_rows: str = "auto", compile: str = "off", encode_processes: int | None = None):
         self.o = preset(options) if isinstance(options, str) else options
         self.m = models
         self.device = models.device
@@ -125,8 +126,14 @@ class LiveEngine:
         self._k: dict[tuple[int, int], int] = {}
         self.idle_loops: dict[int, np.ndarray] = {}  # avatar slot -> its idle loop [n, H*3/2, W] I420, on the host
         self._idle_bytes = 0  # kept and being rendered
-        self._encode = ThreadPoolExecutor(encode_threads or max(1, (os.cpu_count() or 2) - 1),
-                                          thread_name_prefix="live-encode")
+        # frames are copied out of the host buffers on threads (memcpy without the GIL) and encoded in
+        # worker processes (EncodePool, started with the first encoded session): in this process x264
+        # and PyAV held the GIL ~0.8 ms a frame and, retaking it constantly, starved the core and the
+        # callers' event loops
+        self._copy = ThreadPoolExecutor(max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="live-copy")
+        self._encode_processes = encode_processes or max(1, (os.cpu_count() or 2) - 2)
+        self.encode_pool: EncodePool | None = None
+        self._pool_lock = threading.Lock()
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -157,6 +164,8 @@ class LiveEngine:
         self.engine.warm_up()
         self._warm_sizes()
         self._measure()
+        if self.o.encode:
+            self._encoders()
         self._thread = threading.Thread(target=self._run, name="lipstream-live-core", daemon=True)
         self._thread.start()
         for f in [self._keep_idle_loop(slot) for slot in range(len(self.engine.avatars))]:
@@ -223,9 +232,11 @@ class LiveEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._encode.shutdown(wait=True)
+        self._copy.shutdown(wait=True)
         for s in list(self.sessions.values()):
             s.close()
+        if self.encode_pool is not None:
+            self.encode_pool.close()
 
     def __enter__(self) -> LiveEngine:
         return self.start()
@@ -238,8 +249,6 @@ class LiveEngine:
     def open_session(self, avatar: int = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
                      start_frame: int = 0) -> Session:
         """A new session on a resident avatar, idle until speech is pushed; AdmissionError if full."""
-        from lipstream.live.encode import SessionEncoder
-
         self._raise_error()
         if not 0 <= avatar < len(self.engine.avatars):
             raise ValueError(f"avatar: slot {avatar}; {len(self.engine.avatars)} avatars are resident")
@@ -256,15 +265,15 @@ class LiveEngine:
             self._next_id += 1
         w, h = a.size
         try:
-            encoder = None
-            if self.o.encode if encode is None else encode:
-                encoder = SessionEncoder(w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
-                                         gop_frames=max(1, round(self.o.gop_s * float(fps))),
-                                         matrix=a.meta.get("colour_matrix", "bt601"))
             a.wait_frames(1)
             rest = a.frames[int(ping_pong(start_frame, a.num_frames))].cpu().numpy().copy()  # before frame 0 is ready
             session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, self.o, self.table, rest,
-                              self._wake.set, encoder, start_frame)
+                              self._wake.set, self._copy.submit, start_frame)
+            if self.o.encode if encode is None else encode:
+                session.attach_encoder(self._encoders().open(
+                    w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
+                    gop_frames=max(1, round(self.o.gop_s * float(fps))), matrix=a.meta.get("colour_matrix", "bt601"),
+                    on_packets=session._encoded, on_error=session._encoder_failed))
         except BaseException:
             with self._lock:
                 self._free.append(slot)  # the slot goes back
@@ -273,6 +282,12 @@ class LiveEngine:
             self.sessions[sid] = session
         self._wake.set()
         return session
+
+    def _encoders(self) -> EncodePool:
+        with self._pool_lock:  # not the core's lock: starting the processes takes a moment
+            if self.encode_pool is None:
+                self.encode_pool = EncodePool(self._encode_processes)
+            return self.encode_pool
 
     def close_session(self, session: Session) -> None:
         with self._lock:
@@ -337,7 +352,7 @@ class LiveEngine:
 
     def _hand_out_cached(self, plan: StepPlan, now: float) -> None:
         for c in plan.cached:
-            c.session.deliver(c, self.idle_loops[c.session.avatar][c.loop_frame], now, self._encode.submit, _nothing)
+            c.session.deliver(c, self.idle_loops[c.session.avatar][c.loop_frame], now, _nothing)
         self.stats.idle_cached_frames += len(plan.cached)
 
     def _step_estimate(self) -> float:
@@ -417,14 +432,13 @@ class LiveEngine:
         n_live = len(f.plan.live)
         self._recent = took if self._recent is None else 0.8 * self._recent + 0.2 * took
         now = time.monotonic()
-        submit = self._encode.submit
         for where, host, use in f.groups:
             frames = host.numpy()
             use.hold(sum(i < n_live for i in where))
             for j, i in enumerate(where):
                 if i < n_live:
                     c = f.plan.live[i]
-                    c.session.deliver(c, frames[j], now, submit, use.release)
+                    c.session.deliver(c, frames[j], now, use.release)
                 else:
                     job, index = f.plan.offline[i - n_live]
                     job.results.append((index, frames[j].copy()))

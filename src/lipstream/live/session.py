@@ -35,10 +35,12 @@ from lipstream.media.mp4 import AUDIO_RATE
 from lipstream.models.config import FEATURE_RATE, SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
 
 if TYPE_CHECKING:
-    from lipstream.live.encode import SessionEncoder
+    from lipstream.live.encode import EncodedPacket, PoolEncoder
     from lipstream.live.features import FeatureTable
 
 log = logging.getLogger(__name__)
+_NO_AUDIO = np.zeros(0, np.float32)
+_NO_AUDIO.flags.writeable = False
 FALL_BEHIND_S = 1.0  # a consumer this far behind the playout clock skips ahead (frames dropped, counted)
 
 
@@ -47,12 +49,13 @@ class Session:
 
     def __init__(self, sid: int, slot: int, avatar_slot: int, avatar_fps: Fraction, fps: Fraction,
                  size: tuple[int, int], num_loop_frames: int, options: LiveOptions, table: FeatureTable,
-                 rest_frame: np.ndarray, wake: Callable[[], None], encoder: SessionEncoder | None,
+                 rest_frame: np.ndarray, wake: Callable[[], None], submit: Callable[[Callable[[], None]], object],
                  start_frame: int = 0, clock: Callable[[], float] = time.monotonic):
         self.id, self.slot, self.avatar, self.fps, self.size = sid, slot, avatar_slot, Fraction(fps), size
         self.avatar_fps, self.loop_frames, self.start_frame = Fraction(avatar_fps), num_loop_frames, start_frame
-        self.o, self.table, self.encoder = options, table, encoder
-        self._wake_engine, self._clock = wake, clock
+        self.o, self.table = options, table
+        self.encoder: PoolEncoder | None = None  # attach_encoder(): H.264 + audio in an encode process
+        self._wake_engine, self._submit, self._clock = wake, submit, clock
         self.t0 = clock()
         self.stats = SessionStats()
         self._lock = threading.Lock()
@@ -63,8 +66,15 @@ class Session:
         self.play_frame = 0  # the next frame to hand out
         self.generation = 0  # bumped by clear(): renders planned before it are dropped
         self._ready: dict[int, LiveFrame] = {}
-        self._encode_queue: deque[tuple[Candidate, LiveFrame, Callable[[], None]]] = deque()
-        self._encoding = False
+        # frames rendered (with their host buffer's release) or skipped (None), copied out and encoded
+        # strictly in frame order from _out_next, so the encoders see every frame once, in order
+        self._rendered: dict[int, tuple[Candidate, LiveFrame | None, Callable[[], None] | None]] = {}
+        self._out_next = 0
+        self._draining = False
+        self._encoding: deque[tuple[Candidate, LiveFrame | None]] = deque()  # submitted, packets not back yet
+        self._restart_at: int | None = None  # clear(): the encoders restart at this frame
+        self._need_key = False  # encoded frames were thrown away: the next one is an IDR
+        self._carry: list[EncodedPacket] = []  # packets of frames that came back after they played
         self._last = rest_frame
         self._last.flags.writeable = False
         self._out: deque = deque()  # items to yield before the next frame
@@ -131,14 +141,15 @@ class Session:
                                              float(Fraction(playing.frames_played) / self.fps), self._clock()))
             self._utterances.clear()
             self.generation += 1
-            self._ready = {f: fr for f, fr in self._ready.items() if f < self.play_frame and fr.utterance is None}
-            kept: deque = deque()
-            for e in self._encode_queue:
-                if e[0].utterance is None:
-                    kept.append(e)
-                else:
-                    e[2]()  # its host buffer goes back unread
-            self._encode_queue = kept
+            self._ready.clear()
+            for _, _, release in self._rendered.values():
+                if release is not None:
+                    release()  # its host buffer goes back unread
+            self._rendered.clear()
+            # what was encoded ahead is thrown away: the encoders start again at the next frame to play
+            self._out_next = self.play_frame
+            self._restart_at = self.play_frame
+            self._carry.clear()
             self.next_frame = min(self.next_frame, self.play_frame)
         self._notify()
         self._wake_engine()
@@ -260,49 +271,110 @@ class Session:
                     self.next_frame += 1
             self.stats.skipped += len(skipped)
             self.stats.underruns += sum(c.underrun for c in taken)
+            for c in skipped:  # their audio still goes to the encoder, in order
+                if c.generation == self.generation and c.frame >= self._out_next:
+                    self._rendered[c.frame] = (c, None, None)
 
-    def deliver(self, c: Candidate, view: np.ndarray, now: float, submit: Callable, release: Callable[[], None]) -> None:
-        """A rendered frame, still in the engine's host buffer: on `submit`'s pool it is copied out
-        (then `release` frees the buffer) and encoded, one task per session at a time, in order."""
-        frame = LiveFrame(c.frame, self.fps, view, np.zeros(0, np.float32), c.utterance)
+    def attach_encoder(self, encoder: PoolEncoder) -> None:
+        self.encoder = encoder
+
+    def deliver(self, c: Candidate, view: np.ndarray, now: float, release: Callable[[], None]) -> None:
+        """A rendered frame, still in the engine's host buffer: on the copy pool it is copied out (then
+        `release` frees the buffer) and handed to the encoder, one task per session at a time, in order."""
+        frame = LiveFrame(c.frame, self.fps, view, _NO_AUDIO, c.utterance)
         with self._lock:
-            if c.generation != self.generation or self.closed:
+            if c.generation != self.generation or self.closed or c.frame < self._out_next:
                 release()
                 return
             if c.utterance is not None:
-                u = next((u for u in self._utterances if u.id == c.utterance), None)
+                u = self._utterance(c.utterance)
                 if u is not None:
                     local = c.frame - u.start_frame
                     frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * self.fps.denominator) // self.fps.numerator)
                     last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
                     frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
             frame.planned_at, frame.rendered_at = c.planned_at, now
-            self._encode_queue.append((c, frame, release))
-            if self._encoding:
+            self._rendered[c.frame] = (c, frame, release)
+            if self._draining or c.frame != self._out_next:
                 return
-            self._encoding = True
-        submit(self._drain)
+            self._draining = True
+        self._submit(self._drain)
 
     def _drain(self) -> None:
-        """Copy out and encode the queued frames in order."""
+        """Copy out and encode the frames in order (a skipped frame: its audio only)."""
         while True:
             with self._lock:
-                if not self._encode_queue:
-                    self._encoding = False
+                restart, self._restart_at = self._restart_at, None
+                entry = self._rendered.pop(self._out_next, None)
+                if entry is None:
+                    self._draining = False
+                    if restart is not None:
+                        self._restart_at = restart
                     return
-                c, frame, release = self._encode_queue.popleft()
-            try:
-                frame.i420 = frame.i420.copy()  # the session's own copy: the engine's buffer goes back
-            finally:
-                release()
-            frame.i420.flags.writeable = False
-            if self.encoder is not None:
+                self._out_next += 1
+                c, frame, release = entry
+                audio = self._frame_audio(c)
+                key, self._need_key = self._need_key, False
+                encoder = self.encoder
+                if encoder is not None:
+                    self._encoding.append((c, frame))
+            if frame is not None:
                 try:
-                    frame.packets = self.encoder.encode(frame.i420, frame.pts)
-                except Exception:  # a frame that cannot be encoded is lost, the session goes on
-                    log.exception("session %d: frame %d could not be encoded", self.id, frame.pts)
-            frame.ready_at = self._clock()
-            self._store(c, frame)
+                    frame.i420 = frame.i420.copy()  # the session's own copy: the engine's buffer goes back
+                finally:
+                    release()
+                frame.i420.flags.writeable = False
+                frame.audio = audio
+            if encoder is None:
+                if frame is not None:
+                    frame.ready_at = self._clock()
+                    self._store(c, frame)
+                continue
+            try:
+                if restart is not None:
+                    encoder.restart(restart, (restart * AUDIO_RATE * self.fps.denominator) // self.fps.numerator)
+                encoder.submit(c.frame, None if frame is None else frame.i420, audio, key)
+            except Exception as e:  # noqa: BLE001 (the session goes on without packets)
+                with self._lock:
+                    try:
+                        self._encoding.remove((c, frame))
+                    except ValueError:  # a failing encoder already handed it on
+                        pass
+                self._encoder_failed(self.id, str(e))
+                if frame is not None:
+                    frame.ready_at = self._clock()
+                    self._store(c, frame)
+
+    def _encoded(self, pts: int, packets: list[EncodedPacket]) -> None:
+        """The encoder's packets for frame `pts` (on the encode pool's reader thread, in frame order)."""
+        with self._lock:
+            if not self._encoding:
+                return
+            c, frame = self._encoding.popleft()
+            if c.generation != self.generation:
+                return
+            if frame is None:  # a skipped frame's audio: it goes out with the next frame played
+                self._carry += packets
+                return
+        frame.packets = packets
+        frame.ready_at = self._clock()
+        self._store(c, frame)
+
+    def _encoder_failed(self, sid: int, why: str) -> None:
+        """A frame could not be encoded, or the encode process is gone: frames go on without packets."""
+        with self._lock:
+            if self.encoder is None:
+                return
+            if self.encoder.failure is None:
+                log.warning("session %d: %s (a frame goes out without packets)", self.id, why)
+                return
+            log.error("session %d: encoding stopped: %s; frames go on without packets", self.id, why)
+            self.encoder = None
+            waiting, self._encoding = list(self._encoding), deque()
+        for c, frame in waiting:
+            if frame is not None:
+                frame.ready_at = self._clock()
+                self._store(c, frame)
 
     def _store(self, c: Candidate, frame: LiveFrame) -> None:
         with self._lock:
@@ -310,15 +382,23 @@ class Session:
                 return
             if frame.pts < self.play_frame:
                 self.stats.arrived_after_play += 1
+                self._carry += frame.packets  # late, but the decoder needs it: it goes out with the next frame
                 return
             self.stats.rendered += 1
             self._ready[frame.pts] = frame
             # a consumer that stopped reading: keep only what it could still play on time
             oldest = math.floor((self._clock() - self.t0 - self.o.playout_delay_s - FALL_BEHIND_S) * self.fps)
             if self.play_frame < oldest:
-                for f in [f for f in self._ready if f < oldest]:
-                    del self._ready[f]
+                self._drop_ready(oldest)
         self._notify()
+
+    def _drop_ready(self, below: int) -> None:
+        for f in [f for f in self._ready if f < below]:
+            if self._ready.pop(f).packets:
+                self._need_key = True  # the decoder loses a reference: start again from an IDR
+        if self._carry:
+            self._carry.clear()
+            self._need_key = True
 
     def _notify(self) -> None:
         loop, event = self._loop, self._arrived
@@ -365,8 +445,7 @@ class Session:
             if frame <= self.play_frame:
                 return
             self.stats.dropped_unread += frame - self.play_frame
-            for f in [f for f in self._ready if f < frame]:
-                del self._ready[f]
+            self._drop_ready(frame)
             for f in range(self.play_frame, frame):
                 u = self._utterance_at(f)
                 if u is not None:
@@ -389,10 +468,14 @@ class Session:
                 self.stats.late += 1
                 self.stats.late_speech += u is not None
             local = f - u.start_frame if u is not None else f
-            audio = self._audio48(u, local)
+            # a rendered frame brings the audio it was encoded with; a late one plays what is here now
+            audio = self._audio48(u, local) if frame.late else frame.audio
             if u is not None and local == 0:
                 self._out.append(SpeechEvent("started", u.id, f, 0.0, now))
             frame.audio, frame.played_at = audio, now
+            if self._carry:
+                frame.packets = self._carry + frame.packets
+                self._carry = []
             self._last = frame.i420
             self.play_frame = f + 1
             self.stats.played += 1
@@ -401,9 +484,6 @@ class Session:
                 if u.ended and local == u.frames(self.fps) - 1:
                     end = SpeechEvent("finished", u.id, f, float(Fraction(u.n48, AUDIO_RATE)), now)
                     self._retire(f + 1)
-            encoder = self.encoder
-        if encoder is not None:
-            frame.packets = frame.packets + encoder.encode_audio(audio)
         self._out.append(frame)
         if end is not None:
             self._out.append(end)
@@ -419,9 +499,21 @@ class Session:
         hi = min(b, u.n48)
         if hi > a:
             out[:hi - a] = u.audio48[a:hi]
-        if not u.ended and u.n48 < b:
-            self.stats.audio_late_samples += b - max(a, u.n48)
         return out
+
+    def _frame_audio(self, c: Candidate) -> np.ndarray:
+        """The audio that plays (and is encoded) with frame c, as known now; what is missing is lost (counted)."""
+        u = self._utterance(c.utterance) if c.utterance is not None else None
+        local = c.frame - u.start_frame if u is not None else c.frame
+        if u is not None and not u.ended:
+            b = ((local + 1) * AUDIO_RATE * self.fps.denominator) // self.fps.numerator
+            if u.n48 < b:
+                a = (local * AUDIO_RATE * self.fps.denominator) // self.fps.numerator
+                self.stats.audio_late_samples += b - max(a, u.n48)
+        return self._audio48(u, local)
+
+    def _utterance(self, uid: int) -> Utterance | None:
+        return next((u for u in self._utterances if u.id == uid), None)
 
     def _retire(self, frame: int) -> None:
         """Forget utterances that have played out entirely before `frame`."""
@@ -436,4 +528,7 @@ class Session:
         """End the stream: the reader's iteration stops (LiveEngine.close_session also frees the slot)."""
         with self._lock:
             self.closed = True
+            encoder, self.encoder = self.encoder, None
         self._notify()
+        if encoder is not None:
+            encoder.close()  # its last packets have no reader any more
