@@ -338,6 +338,36 @@ def _nal_types(data: bytes) -> list[int]:
     return [p[0] & 0x1F for p in parts[1:] if p]
 
 
+def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_models, avatars):
+    """The core stalls (here: its lock held for 2 s) while the reader plays on: the frames it never
+    planned are given up in order, their audio still encoded, and the session goes on."""
+    live = _engine(tiny_models, avatars[:1], playout_delay_s=0.5, idle_cache_gib=1.0)
+
+    async def run():
+        s = live.open_session(0, fps=FPS, encode=True)
+        try:
+            items = await _read(s, 2)
+            with live._lock:  # the core waits on it at its next turn
+                more = await _read(s, 6)
+            return s, items + more + await _read(s, 10)
+        finally:
+            live.close_session(s)
+
+    try:
+        session, items = asyncio.run(run())
+        assert live._error is None
+    finally:
+        live.close()
+    frames = _frames(items)
+    assert [f.pts for f in frames] == list(range(10))
+    assert session.stats.skipped >= 2 and any(f.late for f in frames)
+    video = [p for f in frames for p in f.packets if p.kind == "video"]
+    audio = [p for f in frames for p in f.packets if p.kind == "audio"]
+    assert all(b.pts > a.pts for a, b in zip(video, video[1:]))
+    assert [p.pts for p in audio] == [960 * k for k in range(len(audio))]  # no gap where frames were given up
+    assert len(audio) >= 8 * AUDIO_RATE // 2 // 960
+
+
 def test_admission_refuses_a_session_that_would_overload(streaming):
     keep = streaming.capacity_fps
     streaming.capacity_fps = 5.0

@@ -235,8 +235,19 @@ class Session:
         frames once their media time has come (so speech pushed by then can still take them), and
         speech frames due within `margin` whose audio is late (rendered with silence for it)."""
         out: list[Candidate] = []
+        kick = False
         with self._lock:
-            f = self.next_frame = max(self.next_frame, self.play_frame)
+            if self.next_frame < self.play_frame:
+                # the consumer played these (late) before the core reached them: given up, like
+                # frames whose deadline passed; their audio still goes to the encoder, in order
+                for g in range(max(self.next_frame, self._out_next), self.play_frame):
+                    u = self._utterance_at(g)
+                    self._rendered.setdefault(g, (Candidate(self, g, self.deadline(g), [], self._loop_frame(g),
+                                                            None if u is None else u.id, self.generation), None, None))
+                    self.stats.skipped += 1
+                self.next_frame = self.play_frame
+                kick = self._start_drain()
+            f = self.next_frame
             while len(out) < limit:
                 deadline = self.deadline(f)
                 u = self._utterance_at(f)
@@ -257,6 +268,8 @@ class Session:
                 out.append(Candidate(self, f, deadline, rows, self._loop_frame(f), None if u is None else u.id,
                                      self.generation, underrun, now))
                 f += 1
+        if kick:
+            self._submit(self._drain)
         return out
 
     def _loop_frame(self, frame: int) -> int:
@@ -274,6 +287,16 @@ class Session:
             for c in skipped:  # their audio still goes to the encoder, in order
                 if c.generation == self.generation and c.frame >= self._out_next:
                     self._rendered[c.frame] = (c, None, None)
+            kick = self._start_drain()
+        if kick:
+            self._submit(self._drain)
+
+    def _start_drain(self) -> bool:
+        """Under the lock: whether a drain must be started (the next frame in order is there, none runs)."""
+        if self._draining or self._out_next not in self._rendered:
+            return False
+        self._draining = True
+        return True
 
     def attach_encoder(self, encoder: PoolEncoder) -> None:
         self.encoder = encoder
@@ -294,10 +317,12 @@ class Session:
                     last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
                     frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
             frame.planned_at, frame.rendered_at = c.planned_at, now
+            old = self._rendered.get(c.frame)
+            if old is not None and old[2] is not None:
+                old[2]()
             self._rendered[c.frame] = (c, frame, release)
-            if self._draining or c.frame != self._out_next:
+            if not self._start_drain():
                 return
-            self._draining = True
         self._submit(self._drain)
 
     def _drain(self) -> None:
