@@ -144,8 +144,9 @@ class _Worker:
                 if session is not None:
                     session._reply(header, payload)
                 else:
-                    log.warning("%s: a %r reply for no open session (%s)", self.name, header.get("type"),
-                                header.get("message", header.get("sid")))
+                    # frames a session submitted as it closed
+                    log.debug("%s: a %r reply for no open session (%s)", self.name, header.get("type"),
+                              header.get("message", header.get("sid")))
         except Exception as e:  # noqa: BLE001 - a broken stream ends the worker like a crash
             why = one_line(e)
             self.proc.kill()

@@ -4,8 +4,7 @@ Each turn of the core: encode the feature windows that new audio completed (one 
 Whisper call for every session), ask the scheduler for the next step, launch it (the engine's
 captured graphs: network step and blend into I420), and only then finish the previous step:
 wait for its frames to arrive in pinned host memory (copied on a side stream) and hand each
-session its frames. A turn starts just before the step on the GPU should end, so the GPU is
-never idle under load and the plan holds every frame whose audio came in meanwhile. Sessions
+session its frames. So the CPU plans step k+1 while the GPU runs step k. Sessions
 copy their frames out on threads and encode them in worker processes (EncodePool), off this
 process's GIL; idle frames come from each avatar's idle loop, rendered once at start.
 """
@@ -42,8 +41,6 @@ log = logging.getLogger(__name__)
 COMPILED_FROM = 8
 COALESCE_S = 0.004
 HOST_SLOTS = 4  # steps whose frames can be on their way to the host (or being copied out) at once
-PLAN_AHEAD_S = 0.006  # a turn's Whisper windows, plan and launch, before the step on the GPU ends
-STEP_EARLY = 0.9  # of a bucket's measured time: wake a little early rather than let the GPU wait
 
 
 class _Uses:
@@ -92,7 +89,6 @@ class _InFlight:
     done: torch.cuda.Event | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     launched_at: float
-    ends_at: float = 0.0  # time.monotonic() when the GPU should be done with it
 
 
 class LiveEngine:
@@ -124,7 +120,6 @@ class LiveEngine:
         self.capacity_fps = self.o.capacity_fps
         self.step_s: dict[int, float] = {}  # measured time of a step per bucket
         self._recent: float | None = None  # device time of recent steps
-        self._gpu_free_at = 0.0  # when the steps launched so far should be done (time.monotonic())
         self.stats = EngineStats()
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -324,10 +319,6 @@ class LiveEngine:
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
-                    if inflight is not None:
-                        # plan the next step as late as the GPU allows: just before the one it runs
-                        # ends, so the frames whose audio came in meanwhile make it (a step sooner)
-                        time.sleep(max(0.0, inflight.ends_at - PLAN_AHEAD_S - time.monotonic()))
                     with self._lock:
                         sessions = list(self.sessions.values())
                         self._features(sessions)
@@ -430,10 +421,7 @@ class LiveEngine:
             out.append((where, host[:n], use))
         self.stats.steps += 1
         self.stats.batch_sizes[len(slots)] = self.stats.batch_sizes.get(len(slots), 0) + 1
-        bucket = next(b for b in self.engine.buckets if b >= len(slots))
-        now = time.monotonic()
-        self._gpu_free_at = max(now, self._gpu_free_at) + STEP_EARLY * self.step_s.get(bucket, 0.0)
-        return _InFlight(plan, out, done, timing, t, self._gpu_free_at)
+        return _InFlight(plan, out, done, timing, t)
 
     def _finish(self, f: _InFlight) -> None:
         if f.done is not None:

@@ -340,7 +340,7 @@ class Session:
                 c, frame, release = entry
                 audio = self._frame_audio(c)
                 key, self._need_key = self._need_key, False
-                encoder = self.encoder
+                encoder = None if self.closed else self.encoder
                 if encoder is not None:
                     self._encoding.append((c, frame))
             if frame is not None:
