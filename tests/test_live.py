@@ -25,6 +25,8 @@ from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
 from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import encode_windows, streamed_features
+from lipstream.live.items import Candidate
+from lipstream.live.scheduler import Scheduler
 from lipstream.media.mp4 import AUDIO_RATE
 from lipstream.render import render_program
 from lipstream.script import Program, Scene, Shot
@@ -50,15 +52,15 @@ def avatars(tmp_path_factory, tiny_models) -> list[Path]:
             _avatar(root, "c", tiny_models, 384, 216, 2)]
 
 
-def _engine(models, avatars, **options) -> LiveEngine:
+def _engine(models, avatars, start: bool = True, **options) -> LiveEngine:
     # capacity given, not measured: on a loaded 2-core CI machine the measurement would refuse sessions
     # idle loops rendered live (they go through the steps, batched with speech) unless a test keeps them
     base = dict(playout_delay_s=4.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0,
-                idle_cache_gib=0.0)
+                idle_cache_gib=0.0, fill_slack_s=0.0)
     live = LiveEngine(models, LiveOptions(**{**base, **options}))
     for a in avatars:
         live.add_avatar(a)
-    return live.start()
+    return live.start() if start else live
 
 
 @pytest.fixture(scope="module")
@@ -453,10 +455,14 @@ def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streamin
 def test_many_sessions_share_full_batches(tiny_models, avatars):
     """The big-machine path on 2 cores: 6 sessions whose frames fall due together run as batches
     of the largest bucket, and none is late."""
-    live = _engine(tiny_models, avatars[:1], buckets=(1, 2, 4, 8), playout_delay_s=4.0)
+    live = _engine(tiny_models, avatars[:1], buckets=(1, 2, 4, 8), playout_delay_s=8.0, start=False)
+    # opened before the core starts (measuring the steps takes seconds on 2 cores: hence the 8 s delay),
+    # so their first frames are due together however fast the machine (opened one by one on a GPU
+    # machine they straddled the idle tick: batches of 2 and 4)
+    sessions = [live.open_session(0, fps=1) for _ in range(6)]
+    live.start()
 
     async def run():
-        sessions = [live.open_session(0, fps=1) for _ in range(6)]
         try:
             return await asyncio.gather(*[_read(s, 4) for s in sessions])
         finally:
@@ -470,3 +476,32 @@ def test_many_sessions_share_full_batches(tiny_models, avatars):
     assert all(not any(f.late for f in _frames(r)) and len(_frames(r)) == 4 for r in results), \
         [[(f.pts, f.late) for f in _frames(r)] for r in results]
     assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes
+
+
+class _Frames:
+    """A session as the scheduler sees it: frames it could render now, and what the core took."""
+
+    avatar, id = 0, 0
+
+    def __init__(self, deadlines: list[float]):
+        self.deadlines, self.taken = deadlines, []
+
+    def candidates(self, now, limit, margin):
+        return [Candidate(self, f, d, [], 0, 0, 0) for f, d in enumerate(self.deadlines[:limit])]
+
+    def take(self, taken, skipped):
+        self.taken += [c.frame for c in taken]
+
+
+def test_a_step_with_room_waits_while_its_frames_have_slack():
+    """Fuller steps under load: frames are held back while each keeps more than fill_slack_s."""
+    scheduler = Scheduler(max_batch=4)
+    roomy = _Frames([0.5, 0.54])
+    plan = scheduler.plan([roomy], now=0.0, step_s=0.02, fill_slack_s=0.2)
+    assert plan.deferred and not plan.live and roomy.taken == []  # nothing taken: planned again later
+    plan = scheduler.plan([roomy], now=0.35, step_s=0.02, fill_slack_s=0.2)
+    assert not plan.deferred and [c.frame for c in plan.live] == [0, 1] == roomy.taken  # its slack ran out
+    full = _Frames([0.5, 0.54, 0.58, 0.62, 0.66])
+    plan = scheduler.plan([full], now=0.0, step_s=0.02, fill_slack_s=0.2)
+    assert [c.frame for c in plan.live] == [0, 1, 2, 3]  # a full step goes at once
+    assert not scheduler.plan([_Frames([0.5])], now=0.0, step_s=0.02).deferred  # 0: never held

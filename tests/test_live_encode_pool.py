@@ -383,7 +383,7 @@ def test_a_raising_callback_does_not_stop_the_reader():
 
 
 def test_worker_speaks_the_protocol_without_torch(tmp_path):
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
     worker = subprocess.Popen([sys.executable, "-m", "lipstream.encode_worker"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=env)
 
@@ -428,7 +428,8 @@ def test_pool_module_does_not_import_torch():
             "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
             "import lipstream.encode_worker; print(json.dumps('torch' in sys.modules))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=SRC), check=True).stdout
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)),
+                         check=True).stdout
     assert json.loads(out) is False
 
 

@@ -46,6 +46,7 @@ class StepPlan:
     offline: list[tuple[OfflineJob, int]]  # (job, frame index within it)
     skipped: list[Candidate]
     cached: list[Candidate] = field(default_factory=list)  # idle frames whose picture is already on the host
+    deferred: bool = False  # frames were held back to fill the step
 
     def __len__(self) -> int:
         return len(self.live) + len(self.offline)
@@ -56,8 +57,13 @@ class Scheduler:
         self.max_batch = max_batch
         self.offline: deque[OfflineJob] = deque()
 
-    def plan(self, sessions: list[Session], now: float, step_s: float, idle_cached: Container[int] = ()) -> StepPlan:
+    def plan(self, sessions: list[Session], now: float, step_s: float, idle_cached: Container[int] = (),
+             fill_slack_s: float = 0.0) -> StepPlan:
         """The next step: due live frames by deadline, then offline frames in the room left.
+
+        A step with room left is held back (an empty plan, `deferred`) while every frame it would
+        take has more than `fill_slack_s` before its deadline and no offline work waits: the next
+        plan finds it fuller.
 
         Idle frames of the avatars in `idle_cached` need no step (their pictures are kept): they
         are handed out at once and take no room in the batch.
@@ -79,6 +85,10 @@ class Scheduler:
                     frames.append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
         live = frames[:self.max_batch]
+        deferred = (fill_slack_s > 0 and 0 < len(live) < self.max_batch and not self.offline
+                    and live[0].deadline - now > fill_slack_s)
+        if deferred:
+            live = []
         # a kept idle frame is handed out only after every frame of its session before it
         chosen = {id(c) for c in live}
         cached: list[Candidate] = []
@@ -106,7 +116,7 @@ class Scheduler:
             by_session.setdefault(c.session.id, (c.session, [], []))[2].append(c)
         for s, taken, gone in by_session.values():
             s.take(taken, gone)
-        return StepPlan(live, offline, skipped, cached)
+        return StepPlan(live, offline, skipped, cached, deferred)
 
 
 def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None, utilisation: float,
