@@ -56,7 +56,7 @@ def _engine(models, avatars, start: bool = True, **options) -> LiveEngine:
     # capacity given, not measured: on a loaded 2-core CI machine the measurement would refuse sessions
     # idle loops rendered live (they go through the steps, batched with speech) unless a test keeps them
     base = dict(playout_delay_s=4.0, buckets=(1, 2, 4, 8), encode=False, max_sessions=8, capacity_fps=100.0,
-                idle_cache_gib=0.0, fill_slack_s=0.0)
+                idle_cache_gib=0.0)
     live = LiveEngine(models, LiveOptions(**{**base, **options}))
     for a in avatars:
         live.add_avatar(a)

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 COMPILED_FROM = 8
 COALESCE_S = 0.004
 FILL_POLL_S = 0.003  # a held-back step is planned again this soon (or at the next push)
-ENCODE_SLACK_S = 0.05  # copy back and encode, in the slack a held-back frame keeps
 HOST_SLOTS = 4  # steps whose frames can be on their way to the host (or being copied out) at once
 
 
@@ -121,7 +120,6 @@ class LiveEngine:
         self._error: BaseException | None = None
         self.capacity_fps = self.o.capacity_fps
         self.step_s: dict[int, float] = {}  # measured time of a step per bucket
-        self.fill_slack_s = self.o.fill_slack_s or 0.0  # None: set from the measured steps
         self._recent: float | None = None  # device time of recent steps
         self.stats = EngineStats()
         cuda = self.device.type == "cuda"
@@ -227,8 +225,6 @@ class LiveEngine:
                 self.step_s[b] = time.perf_counter() - t
         if self.capacity_fps is None:
             self.capacity_fps = max(b / s for b, s in self.step_s.items())
-        if self.o.fill_slack_s is None:
-            self.fill_slack_s = 2 * self.step_s[self.engine.buckets[-1]] + ENCODE_SLACK_S
         log.info("live engine: steps %s s, capacity %.0f frames/s",
                  {b: round(s, 4) for b, s in self.step_s.items()}, self.capacity_fps)
 
@@ -329,7 +325,7 @@ class LiveEngine:
                         self._features(sessions)
                         now = time.monotonic()
                         plan = self.scheduler.plan(sessions, now, self._step_estimate(), self.idle_loops,
-                                                   self.fill_slack_s)
+                                                   self.o.fill_slack_s)
                         launched = self._launch(plan) if len(plan) else None
                     self._hand_out_cached(plan, now)
                     if inflight is not None:
