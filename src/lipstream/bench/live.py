@@ -32,9 +32,17 @@ SETTLE_S = 1.0
 WARMUP_S = 4.0  # per frame size, at the largest N, before the rows (not reported)
 
 
-def _cpu_s() -> float:
+def _cpu_s(live: LiveEngine) -> float:
+    """CPU seconds of this process and of its encode workers (processes of their own)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    total = r.ru_utime + r.ru_stime
+    for pid in live.encode_pool.pids if live.encode_pool is not None else []:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):  # not Linux, or the worker is gone
+            pass
+    return total
 
 
 async def _feed(session, rng: np.random.Generator, until: float, chunk_s: float, speech: np.ndarray) -> None:
@@ -89,7 +97,7 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
             await asyncio.sleep(SETTLE_S / n)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t_start, cpu0 = time.monotonic(), _cpu_s()
+        t_start, cpu0 = time.monotonic(), _cpu_s(live)
         busy0, steps0, frames0 = live.stats.gpu_busy_s, live.stats.steps, live.stats.frames
         cached0 = live.stats.idle_cached_frames
         batches0 = dict(live.stats.batch_sizes)
@@ -136,8 +144,8 @@ def run_sessions(live: LiveEngine, n: int, seconds: float, avatars: list[int], c
             "mean_batch": round((live.stats.frames - frames0) / max(1, live.stats.steps - steps0), 1),
             "batch_sizes": dict(sorted(batches.items())),
             "gpu_busy_pct": round(100 * (live.stats.gpu_busy_s - busy0) / wall, 1) if device.type == "cuda" else None,
-            "cpu_pct": round(100 * (_cpu_s() - cpu0) / wall / (os.cpu_count() or 1), 1),
-            "cpu_cores_busy": round((_cpu_s() - cpu0) / wall, 2),
+            "cpu_pct": round(100 * (_cpu_s(live) - cpu0) / wall / (os.cpu_count() or 1), 1),
+            "cpu_cores_busy": round((_cpu_s(live) - cpu0) / wall, 2),
             "gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
             "wall_s": round(wall, 2),
         }
