@@ -8,7 +8,6 @@ windows) is the same at 25 fps on a GPU.
 from __future__ import annotations
 
 import asyncio
-import json
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,11 +17,9 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import StreamResampler, resample
-from lipstream.avatar import compile_avatar
-from lipstream.avatar.boxes import TEMPLATE_LANDMARKS
 from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.fixtures.avatar import action_loop
+from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import encode_windows, streamed_features
 from lipstream.live.items import Candidate
@@ -35,14 +32,7 @@ FPS = Fraction(2)
 
 
 def _avatar(root: Path, name: str, models, width: int, height: int, seed: int) -> Path:
-    loop = root / f"{name}.mp4"
-    truth = action_loop(loop, width=width, height=height, seconds=0.8, fps=10, seed=seed)
-    homogeneous = np.concatenate([TEMPLATE_LANDMARKS, np.ones((68, 1), np.float32)], axis=1)
-    landmarks = np.einsum("nij,kj->nki", truth.transforms, homogeneous)
-    track = root / f"{name}.track.json"
-    track.write_text(json.dumps({"landmarks": np.round(landmarks, 2).tolist()}))
-    compile_avatar(loop, root / "avatars", models.vae, models.fingerprints["vae"], track_file=track, progress=False)
-    return root / "avatars" / name
+    return tracked_avatar(root, name, models.vae, models.fingerprints["vae"], width=width, height=height, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -505,3 +495,18 @@ def test_a_step_with_room_waits_while_its_frames_have_slack():
     plan = scheduler.plan([full], now=0.0, step_s=0.02, fill_slack_s=0.2)
     assert [c.frame for c in plan.live] == [0, 1, 2, 3]  # a full step goes at once
     assert not scheduler.plan([_Frames([0.5])], now=0.0, step_s=0.02).deferred  # 0: never held
+
+
+def test_live_bench_rows_on_two_cores(streaming, tmp_path):
+    """live-bench's row (feeders, readers, the figures) on the CPU, and its report files."""
+    from lipstream.bench.live import largest, run_sessions, write
+
+    row = run_sessions(streaming, 2, 2.0, [0, 1])
+    assert row["sessions"] == 2 and row["frames_played"] >= 2 and row["cpu_cores_busy"] > 0
+    assert set(row) >= {"latency_ms", "frames_late", "frames_skipped", "engine_fps", "idle_kept_fps", "holds"}
+    report = {"device": "cpu", "date": "today", "commit": "", "command": "test", "fps": 10, "seconds": 2.0,
+              "compile": "off", "options": {"audio_codec": "opus"}, "random_weights": True, "startup_s": 0.0,
+              "step_s": {}, "rows": [{"size": "320x180", **row}]}
+    write(report, tmp_path)
+    assert "| 320x180 | 2 |" in (tmp_path / "live_bench.md").read_text()
+    assert largest(report, "320x180") in (None, 2)
