@@ -110,7 +110,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
                    compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
                    engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
                    compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer,
-                   decode_rows: str = "auto", resident: bool = True) -> RenderReport:
+                   decode_rows: str = "auto", resident: bool = True,
+                   on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
     `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
@@ -124,7 +125,8 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     only the face rows the blend uses where the avatar's mask allows it, "full" the whole face
     (exact), "mask" refuses avatars it cannot crop (engine/decode.py). The avatars' frames decode
     in the background while the render starts; with `resident` they stay loaded for the
-    process's next renders (avatar/resident.py).
+    process's next renders (avatar/resident.py). `on_progress(frames written, total)` is called
+    after each batch (a service's job progress); whatever it raises stops the render, nothing written.
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
@@ -182,14 +184,15 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     report.timings["encoders"] = encoders
     report.timings["encoder_processes"] = processes
     _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
-         crf, preset, encoders, processes, segment_frames, progress, report, t0, writer)
+         crf, preset, encoders, processes, segment_frames, progress, report, t0, writer, on_progress)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
 def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
          audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, processes: bool, segment: int,
-         progress: bool, report: RenderReport, t0: float, make_writer: Callable[..., MP4Writer] = MP4Writer) -> None:
+         progress: bool, report: RenderReport, t0: float, make_writer: Callable[..., MP4Writer] = MP4Writer,
+         on_progress: Callable[[int, int], None] | None = None) -> None:
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
@@ -289,6 +292,8 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                 marks.setdefault("first_batch_written_s", time.perf_counter() - t0)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
+                if on_progress is not None:
+                    on_progress(writer.frames, len(items))
             interrupt.check()
             if writer.frames != len(items):
                 raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
