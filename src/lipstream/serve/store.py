@@ -1,0 +1,350 @@
+"""The job store of `lipstream serve`: render, broadcast and compile jobs in one SQLite file.
+
+Why SQLite: it is in the standard library (nothing to install or run beside the service), the
+whole queue is one file next to the outputs, and its transactions are atomic and survive a crash
+of the process: a job is never half-claimed or half-finished, and two threads or two processes
+on the same file never claim the same job (claims take the write lock with BEGIN IMMEDIATE).
+The file is in WAL mode, so readers (the /jobs listing, the server-sent-event polls) do not wait
+for a writer; synchronous=NORMAL: a crash of the process loses nothing, a power cut may lose the
+last commits but never corrupts the file.
+
+What survives a restart: every job with its owner, parameters, status, progress, result path,
+error, timestamps and attempt count. What does not: the work of a job that was running; the
+service calls `requeue_running` at start-up (after a crash) and on a graceful shutdown, so such
+a job is queued again and starts over, its claims counted in `attempts`. The store assumes one
+runner process per file: `requeue_running` treats every running job as orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from lipstream.errors import LipStreamError
+
+SCHEMA_VERSION = 1
+KINDS = ("render", "broadcast", "compile")
+STATUSES = ("queued", "running", "done", "failed", "cancelled")
+ACTIVE_STATUSES = ("queued", "running")
+MAX_ERROR_CHARS = 500
+BUSY_TIMEOUT_S = 10.0  # another process holding the write lock: wait this long before "database is locked"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- submission order: oldest first without ties on created_at
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    params TEXT NOT NULL,                   -- JSON
+    progress REAL NOT NULL DEFAULT 0,
+    result TEXT,
+    error TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 1      -- + 1 on every change of the row (server-sent-event polling)
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
+CREATE INDEX IF NOT EXISTS jobs_owner ON jobs (owner, seq);
+"""
+
+
+class JobStoreError(LipStreamError):
+    """The store file cannot be used: not a database, or written by a newer lipstream."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job as the store holds it. `result` is relative to the store's folder (set only when
+    done); `error` is one line (set only when failed); `attempts` counts claims, so a job requeued
+    after a crash or a shutdown counts again."""
+
+    id: str
+    owner: str
+    kind: str
+    status: str
+    params: dict
+    progress: float
+    result: str | None
+    error: str | None
+    cancel_requested: bool
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+
+
+class JobStore:
+    """Jobs on disk (SQLite, WAL): survive a restart; every status change is one transaction.
+
+    One connection per store, guarded by a lock (check_same_thread=False), rather than one per
+    thread: every call is a short transaction (microseconds), so the lock costs nothing next to the
+    jobs, and `close` can close the one connection from any thread (connections opened by worker
+    threads could not be closed from the thread that shuts the service down). Between processes
+    the file's own lock does the work: writes run in BEGIN IMMEDIATE transactions.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.folder = self.path.parent
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                       check_same_thread=False)
+        except sqlite3.Error as e:
+            raise JobStoreError(f"{self.path}: cannot open the job store ({e})") from None
+        self._db.row_factory = sqlite3.Row
+        try:
+            self._open_schema()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open_schema(self) -> None:
+        """Create the schema in a new file, accept this version, refuse a newer one (in one
+        transaction, so two processes opening a new file at once do not both create it)."""
+        try:
+            self._refuse_newer()  # before WAL: a newer store is left exactly as it is
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                found = self._refuse_newer()
+                if found < SCHEMA_VERSION:
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            raise JobStoreError(f"{self.path}: not a usable job store ({e})") from None
+
+    def _refuse_newer(self) -> int:
+        found = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if found > SCHEMA_VERSION:
+            raise JobStoreError(f"{self.path}: job store schema version {found} is newer than this "
+                                f"lipstream reads ({SCHEMA_VERSION}); upgrade lipstream or use another file")
+        return found
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, job_id: str, owner: str | None = None) -> Job | None:
+        """The job, or None when there is none of that id or (owner given) it is someone else's:
+        the service answers both with 404, so ids of other keys' jobs are not revealed."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None or (owner is not None and row["owner"] != owner):
+            return None
+        return _job(row)
+
+    def list(self, owner: str | None = None, limit: int = 100) -> list[Job]:
+        """The newest `limit` jobs (of `owner` when given), newest first."""
+        if limit <= 0:
+            return []
+        with self._lock:
+            if owner is None:
+                rows = self._db.execute("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM jobs WHERE owner = ? ORDER BY seq DESC LIMIT ?",
+                                        (owner, limit)).fetchall()
+        return [_job(row) for row in rows]
+
+    def active(self, owner: str) -> int:
+        """Queued + running jobs of `owner`: what a per-key cap counts."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)",
+                                    (owner, *ACTIVE_STATUSES)).fetchone()[0]
+
+    def counts(self) -> dict[str, int]:
+        """Jobs per status, every status present (0 when none), for /metrics."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        found = {status: n for status, n in rows}
+        return {status: found.get(status, 0) for status in STATUSES}
+
+    def version(self, job_id: str) -> int:
+        """A number that changes whenever the job's row changes (one primary-key read, so an event
+        stream can poll it every 100 ms and read the job only when it moved); 0 for no such job."""
+        with self._lock:
+            row = self._db.execute("SELECT version FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return 0 if row is None else row[0]
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def submit(self, owner: str, kind: str, params: dict) -> Job:
+        """A new queued job. ValueError for an unknown kind or parameters that are not a JSON object."""
+        if kind not in KINDS:
+            raise ValueError(f"job kind must be one of {KINDS}, not {kind!r}")
+        if not isinstance(params, dict):
+            raise ValueError(f"job params must be a dict, not {type(params).__name__}")
+        try:
+            params_json = json.dumps(params, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"job params must be JSON-able: {e}") from None
+        job_id = uuid.uuid4().hex
+        with self._lock, self._transaction():
+            row = self._db.execute(
+                "INSERT INTO jobs (id, owner, kind, status, params, created_at) VALUES (?, ?, ?, 'queued', ?, ?)"
+                " RETURNING *", (job_id, owner, kind, params_json, time.time())).fetchall()[0]
+        return _job(row)
+
+    def claim_next(self, kinds: tuple[str, ...] | None = None) -> Job | None:
+        """The oldest queued job (of `kinds`, when given) that no one asked to cancel, now running
+        with attempts + 1; None when there is none. Atomic across threads and processes: the select
+        and the update are one statement in a BEGIN IMMEDIATE transaction."""
+        if kinds is not None and not kinds:
+            return None
+        kind_filter, kind_args = ("", ()) if kinds is None else (f" AND kind IN ({_marks(kinds)})", tuple(kinds))
+        with self._lock, self._transaction():
+            rows = self._db.execute(
+                "UPDATE jobs SET status = 'running', started_at = ?, progress = 0, attempts = attempts + 1,"
+                " version = version + 1 WHERE id = (SELECT id FROM jobs WHERE status = 'queued'"
+                f" AND cancel_requested = 0{kind_filter} ORDER BY seq LIMIT 1) RETURNING *",
+                (time.time(), *kind_args)).fetchall()
+        return _job(rows[0]) if rows else None
+
+    def set_progress(self, job_id: str, progress: float) -> None:
+        """Progress of a running job, clamped to 0..1 (an unchanged value leaves the row, and so its
+        version, alone). ValueError when the job is not running: a runner whose job was requeued or
+        cancelled under it finds out here."""
+        if math.isnan(progress):
+            raise ValueError(f"job {job_id}: progress must be a number in 0..1, not NaN")
+        progress = min(1.0, max(0.0, float(progress)))
+        with self._lock, self._transaction():
+            row = self._db.execute("SELECT status, progress FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            _require(job_id, row, ("running",), "set progress")
+            if row["progress"] != progress:
+                self._db.execute("UPDATE jobs SET progress = ?, version = version + 1 WHERE id = ?",
+                                 (progress, job_id))
+
+    def finish(self, job_id: str, result: str) -> Job:
+        """running -> done, with the output's path relative to the store's folder (ValueError for an
+        absolute path or one that climbs out with "..": the service serves files by this path)."""
+        parts = PurePosixPath(result.replace("\\", "/"))
+        if not result or parts.is_absolute() or Path(result).is_absolute() or ".." in parts.parts:
+            raise ValueError(f"job {job_id}: result must be a path inside the store's folder, not {result!r}")
+        return self._move(job_id, ("running",), "finish",
+                          "status = 'done', progress = 1, result = ?, finished_at = ?", (result, time.time()))
+
+    def fail(self, job_id: str, error: str) -> Job:
+        """running -> failed, with the error as one line of at most 500 characters."""
+        return self._move(job_id, ("running",), "fail", "status = 'failed', error = ?, finished_at = ?",
+                          (_one_line(error), time.time()))
+
+    def mark_cancelled(self, job_id: str) -> Job:
+        """running -> cancelled: the runner stopped the job (after `cancel` asked it to)."""
+        return self._move(job_id, ("running",), "mark cancelled", "status = 'cancelled', finished_at = ?",
+                          (time.time(),))
+
+    def cancel(self, job_id: str, owner: str | None = None) -> Job | None:
+        """Ask for a job to stop: a queued one is cancelled at once; a running one gets
+        cancel_requested (its runner stops it and calls `mark_cancelled`); a finished one is left
+        as it is. None when there is no such job or (owner given) it is someone else's."""
+        now = time.time()
+        with self._lock, self._transaction():
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or (owner is not None and row["owner"] != owner):
+                return None
+            if row["status"] == "queued":
+                row = self._db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, version = version + 1"
+                                       " WHERE id = ? RETURNING *", (now, job_id)).fetchall()[0]
+            elif row["status"] == "running" and not row["cancel_requested"]:
+                row = self._db.execute("UPDATE jobs SET cancel_requested = 1, version = version + 1"
+                                       " WHERE id = ? RETURNING *", (job_id,)).fetchall()[0]
+        return _job(row)
+
+    def requeue_running(self) -> list[str]:
+        """Every running job back to queued (progress 0, started_at cleared), oldest first: at
+        start-up after a crash, and on a graceful shutdown for the jobs that did not finish. A
+        running job someone asked to cancel is cancelled instead of run again (and not returned)."""
+        now = time.time()
+        with self._lock, self._transaction():
+            requeued = self._db.execute(
+                "UPDATE jobs SET status = 'queued', started_at = NULL, progress = 0, version = version + 1"
+                " WHERE status = 'running' AND cancel_requested = 0 RETURNING seq, id").fetchall()
+            self._db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, version = version + 1"
+                             " WHERE status = 'running' AND cancel_requested = 1", (now,))
+        return [row["id"] for row in sorted(requeued, key=lambda row: row["seq"])]
+
+    def close(self) -> None:
+        """Close the connection (the WAL is checkpointed into the file); calls after it fail."""
+        with self._lock:
+            self._db.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _move(self, job_id: str, allowed: tuple[str, ...], action: str, assignments: str,
+              args: tuple) -> Job:
+        """One status change: update the row if its status allows it, else ValueError naming the
+        job and the status it is in (the check and the update are one transaction)."""
+        with self._lock, self._transaction():
+            row = self._db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            _require(job_id, row, allowed, action)
+            row = self._db.execute(f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ? RETURNING *",
+                                   (*args, job_id)).fetchall()[0]
+        return _job(row)
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception: the write lock is taken up front, so
+    a read-then-write never races another writer (and never fails half-way with SQLITE_BUSY).
+    Statements with RETURNING are read with fetchall: SQLite will not commit while one is still
+    being stepped."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            try:
+                self._db.execute("COMMIT")
+                return
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        self._db.execute("ROLLBACK")
+
+
+def _require(job_id: str, row: sqlite3.Row | None, allowed: tuple[str, ...], action: str) -> None:
+    if row is None:
+        raise ValueError(f"job {job_id}: no such job, cannot {action}")
+    if row["status"] not in allowed:
+        raise ValueError(f"job {job_id} is {row['status']}, not {' or '.join(allowed)}: cannot {action}")
+
+
+def _one_line(error: str) -> str:
+    """Whitespace (newlines included) collapsed to single spaces, cut to MAX_ERROR_CHARS."""
+    line = " ".join(str(error).split()) or "unknown error"
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
+
+
+def _marks(values: Iterable) -> str:
+    return ", ".join("?" for _ in values)
+
+
+def _job(row: sqlite3.Row) -> Job:
+    return Job(id=row["id"], owner=row["owner"], kind=row["kind"], status=row["status"],
+               params=json.loads(row["params"]), progress=row["progress"], result=row["result"],
+               error=row["error"], cancel_requested=bool(row["cancel_requested"]),
+               created_at=row["created_at"], started_at=row["started_at"], finished_at=row["finished_at"],
+               attempts=row["attempts"])

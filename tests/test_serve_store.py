@@ -1,0 +1,296 @@
+"""The job store of `lipstream serve`: transitions, claims under contention, restarts (SQLite, no GPU)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from lipstream.serve.store import Job, JobStore, JobStoreError
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    jobs = JobStore(tmp_path / "jobs" / "jobs.db")
+    yield jobs
+    jobs.close()
+
+
+def raw_sql(path: Path, sql: str, *args) -> list[tuple]:
+    """Read or write the file behind the store's back (as another process, or another version, would)."""
+    with closing(sqlite3.connect(path)) as raw, raw:
+        return raw.execute(sql, args).fetchall()
+
+
+def running_job(store: JobStore, owner: str = "alice") -> Job:
+    """A fresh job of `owner`, claimed (nothing else is queued in the tests that use it)."""
+    job = store.submit(owner, "render", {"avatar": "anna"})
+    claimed = store.claim_next()
+    assert claimed is not None and claimed.id == job.id
+    return claimed
+
+
+def test_submit_get_list(store: JobStore):
+    first = store.submit("alice", "render", {"avatar": "anna", "audio": "a.wav", "fps": 25})
+    second = store.submit("bob", "compile", {"video": "b.mp4"})
+    third = store.submit("alice", "broadcast", {})
+    assert store.folder == store.path.parent and store.path.parent.name == "jobs"
+    assert first.status == "queued" and first.progress == 0 and first.attempts == 0
+    assert first.result is None and first.error is None and not first.cancel_requested
+    assert first.started_at is None and first.finished_at is None and first.created_at > 0
+    assert len(first.id) == 32 and int(first.id, 16) >= 0
+
+    assert store.get(first.id) == first
+    assert store.get(first.id, owner="alice") == first
+    assert store.get(first.id, owner="bob") is None  # someone else's job: as if there were none
+    assert store.get("0" * 32) is None
+    assert store.get(first.id).params == {"avatar": "anna", "audio": "a.wav", "fps": 25}
+
+    assert [job.id for job in store.list()] == [third.id, second.id, first.id]
+    assert [job.id for job in store.list(owner="alice")] == [third.id, first.id]
+    assert [job.id for job in store.list(owner="carol")] == []
+    assert [job.id for job in store.list(limit=2)] == [third.id, second.id]
+    assert store.list(limit=0) == []
+
+
+def test_submit_refuses_bad_input_and_stores_json(store: JobStore):
+    with pytest.raises(ValueError, match="kind"):
+        store.submit("alice", "paint", {})
+    with pytest.raises(ValueError, match="dict"):
+        store.submit("alice", "render", ["not", "a", "dict"])
+    with pytest.raises(ValueError, match="JSON"):
+        store.submit("alice", "render", {"when": object()})
+    job = store.submit("alice", "render", {"text": "héllo", "nested": {"a": [1, 2.5, None]}})
+    [(params,)] = raw_sql(store.path, "SELECT params FROM jobs WHERE id = ?", job.id)
+    assert isinstance(params, str) and '"nested"' in params  # JSON text, nothing pickled
+    assert store.counts()["queued"] == 1  # the refused ones left nothing behind
+
+
+def test_claim_oldest_first_and_by_kind(store: JobStore):
+    ids = [store.submit("alice", kind, {"n": n}).id for n, kind in enumerate(["render", "compile", "render"])]
+    compile_job = store.claim_next(kinds=("compile",))
+    assert compile_job.id == ids[1] and compile_job.status == "running" and compile_job.attempts == 1
+    assert compile_job.started_at is not None
+    assert store.claim_next(kinds=("compile",)) is None
+    assert store.claim_next(kinds=()) is None
+    assert store.claim_next().id == ids[0]
+    assert store.claim_next(kinds=("render", "broadcast")).id == ids[2]
+    assert store.claim_next() is None
+
+
+def test_concurrent_claims_take_each_job_once(tmp_path: Path):
+    """4 threads over two stores on one file (as two processes would be): every job exactly once."""
+    path = tmp_path / "jobs.db"
+    stores = [JobStore(path), JobStore(path)]
+    submitted = {stores[0].submit(f"owner{n % 3}", "render", {"n": n}).id for n in range(20)}
+    start = threading.Barrier(4)
+    claimed: list[list[str]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def claim_all(worker: int) -> None:
+        try:
+            start.wait()
+            while (job := stores[worker % 2].claim_next()) is not None:
+                claimed[worker].append(job.id)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=claim_all, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors
+    every_claim = [job_id for worker in claimed for job_id in worker]
+    assert len(every_claim) == 20 and set(every_claim) == submitted
+    for job in stores[1].list():
+        assert job.status == "running" and job.attempts == 1
+    assert stores[1].counts()["running"] == 20
+    for jobs in stores:
+        jobs.close()
+
+
+def test_progress_only_while_running(store: JobStore):
+    queued = store.submit("alice", "render", {})
+    with pytest.raises(ValueError, match=f"job {queued.id} is queued"):
+        store.set_progress(queued.id, 0.5)
+    job = store.claim_next()
+    store.set_progress(job.id, 0.25)
+    assert store.get(job.id).progress == 0.25
+    store.set_progress(job.id, 1.5)  # rounding past the end: clamped
+    assert store.get(job.id).progress == 1.0
+    with pytest.raises(ValueError, match="NaN"):
+        store.set_progress(job.id, float("nan"))
+    store.finish(job.id, "out/a.mp4")
+    with pytest.raises(ValueError, match="is done"):
+        store.set_progress(job.id, 0.5)
+    with pytest.raises(ValueError, match="no such job"):
+        store.set_progress("f" * 32, 0.5)
+
+
+def test_finish_and_fail(store: JobStore):
+    job = running_job(store)
+    done = store.finish(job.id, "outputs/render.mp4")
+    assert done.status == "done" and done.result == "outputs/render.mp4" and done.progress == 1.0
+    assert done.finished_at >= done.started_at and done.error is None
+
+    failing = running_job(store)
+    failed = store.fail(failing.id, "Traceback (most recent call last):\n  boom\n" + "x" * 1000)
+    assert failed.status == "failed" and failed.result is None and failed.finished_at is not None
+    assert "\n" not in failed.error and len(failed.error) <= 500
+    assert failed.error.startswith("Traceback (most recent call last): boom x")
+
+    for again in (lambda: store.finish(done.id, "b.mp4"), lambda: store.fail(done.id, "late"),
+                  lambda: store.mark_cancelled(done.id)):
+        with pytest.raises(ValueError, match=f"job {done.id} is done") as raised:
+            again()
+        assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match="is failed"):
+        store.finish(failed.id, "c.mp4")
+
+    queued = store.submit("alice", "render", {})
+    for early in (lambda: store.finish(queued.id, "a.mp4"), lambda: store.fail(queued.id, "no"),
+                  lambda: store.mark_cancelled(queued.id)):
+        with pytest.raises(ValueError, match=f"job {queued.id} is queued, not running"):
+            early()
+    assert store.get(queued.id).status == "queued"  # a refused transition changes nothing
+
+
+def test_finish_refuses_paths_outside_the_folder(store: JobStore):
+    job = running_job(store)
+    for outside in ("/etc/passwd", "../other/out.mp4", "out/../../x.mp4", ""):
+        with pytest.raises(ValueError, match="inside the store's folder"):
+            store.finish(job.id, outside)
+    assert store.get(job.id).status == "running"
+
+
+def test_cancel(store: JobStore):
+    queued = store.submit("alice", "render", {})
+    assert store.cancel(queued.id, owner="bob") is None  # not theirs
+    assert store.cancel("0" * 32) is None
+    cancelled = store.cancel(queued.id, owner="alice")
+    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+
+    job = running_job(store)
+    asked = store.cancel(job.id)
+    assert asked.status == "running" and asked.cancel_requested
+    assert store.cancel(job.id).cancel_requested  # asking twice changes nothing
+    stopped = store.mark_cancelled(job.id)
+    assert stopped.status == "cancelled" and stopped.finished_at is not None
+
+    done = running_job(store)
+    done = store.finish(done.id, "a.mp4")
+    assert store.cancel(done.id) == done  # finished: left as it is
+    assert store.cancel(cancelled.id) == store.get(cancelled.id)
+
+
+def test_claim_skips_cancel_requested_jobs(store: JobStore):
+    """A queued job with cancel_requested (written by another process, or an older version) is
+    never run; a running job asked to cancel is cancelled, not requeued, by requeue_running."""
+    skipped = store.submit("alice", "render", {})
+    later = store.submit("alice", "render", {})
+    raw_sql(store.path, "UPDATE jobs SET cancel_requested = 1 WHERE id = ?", skipped.id)
+    assert store.claim_next().id == later.id
+    assert store.claim_next() is None
+
+    asked = running_job(store)
+    store.cancel(asked.id)
+    assert store.requeue_running() == [later.id]
+    assert store.get(asked.id).status == "cancelled"
+    assert store.claim_next().id == later.id  # the skipped one still is
+
+
+def test_requeue_after_a_crash(tmp_path: Path):
+    path = tmp_path / "jobs.db"
+    before = JobStore(path)
+    crashed = before.submit("alice", "render", {"n": 1})
+    waiting = before.submit("alice", "render", {"n": 2})
+    claimed = before.claim_next()
+    assert claimed.id == crashed.id
+    before.set_progress(crashed.id, 0.6)
+    before.close()  # the process dies without finishing the job
+
+    after = JobStore(path)
+    assert after.get(crashed.id).status == "running"  # what the file says until start-up requeues it
+    assert after.requeue_running() == [crashed.id]
+    requeued = after.get(crashed.id)
+    assert requeued.status == "queued" and requeued.progress == 0 and requeued.started_at is None
+    assert requeued.attempts == 1 and requeued.params == {"n": 1}
+    assert after.requeue_running() == []
+    again = after.claim_next()
+    assert again.id == crashed.id and again.attempts == 2  # still the oldest: runs before `waiting`
+    assert after.get(waiting.id).status == "queued"
+    after.close()
+
+
+def test_version_changes_with_the_row_only(store: JobStore):
+    job = store.submit("alice", "render", {})
+    seen = [store.version(job.id)]
+
+    def changed() -> None:
+        seen.append(store.version(job.id))
+        assert seen[-1] != seen[-2]
+
+    def unchanged() -> None:
+        assert store.version(job.id) == seen[-1]
+
+    store.get(job.id), store.list(), store.counts(), store.active("alice")
+    unchanged()
+    store.claim_next()
+    changed()
+    store.set_progress(job.id, 0.5)
+    changed()
+    store.set_progress(job.id, 0.5)  # the same value: the row does not change
+    unchanged()
+    store.cancel(job.id)
+    changed()
+    store.cancel(job.id)
+    unchanged()
+    store.finish(job.id, "a.mp4")
+    changed()
+    store.cancel(job.id)
+    unchanged()
+    with pytest.raises(ValueError):
+        store.fail(job.id, "late")
+    unchanged()
+    other = store.submit("bob", "render", {})
+    store.cancel(other.id)  # another job's changes
+    unchanged()
+    assert store.version("0" * 32) == 0
+
+
+def test_counts_and_active(store: JobStore):
+    assert store.counts() == {"queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 0}
+    for n in range(5):
+        store.submit("alice" if n < 4 else "bob", "render", {"n": n})
+    first = store.claim_next()
+    second = store.claim_next()
+    store.fail(second.id, "boom")
+    store.cancel(store.claim_next().id)  # running, cancel requested: still active
+    store.cancel(store.list(owner="alice")[0].id)  # the queued one: cancelled
+    assert store.counts() == {"queued": 1, "running": 2, "done": 0, "failed": 1, "cancelled": 1}
+    assert store.active("alice") == 2 and store.active("bob") == 1 and store.active("carol") == 0
+    store.finish(first.id, "a.mp4")
+    assert store.counts()["done"] == 1 and store.active("alice") == 1
+
+
+def test_newer_store_refused(tmp_path: Path):
+    path = tmp_path / "jobs.db"
+    JobStore(path).close()
+    assert raw_sql(path, "PRAGMA user_version") == [(1,)]
+    raw_sql(path, "PRAGMA user_version = 2")
+    with pytest.raises(JobStoreError, match="schema version 2 is newer") as raised:
+        JobStore(path)
+    assert "\n" not in str(raised.value)
+    assert raw_sql(path, "PRAGMA user_version") == [(2,)]  # refused, not touched
+
+
+def test_not_a_database_refused(tmp_path: Path):
+    path = tmp_path / "jobs.db"
+    path.write_bytes(b"not sqlite at all " * 100)
+    with pytest.raises(JobStoreError, match="not a usable job store") as raised:
+        JobStore(path)
+    assert "\n" not in str(raised.value)
