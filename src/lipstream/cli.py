@@ -450,6 +450,43 @@ def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help=
     out.print(f"report: {out_dir / 'live_bench.md'}")
 
 
+@app.command("serve")
+def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled avatars: every one is kept resident.")],
+              host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+              port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+              data: Annotated[Path, typer.Option(help="Where jobs, uploads and results are kept.")] = Path("lipstream-data"),
+              api_key: Annotated[Optional[list[str]], typer.Option(
+                  "--api-key", help="A bearer key clients must send (repeatable; or LIPSTREAM_API_KEYS, comma-"
+                                    "separated). Without any, only a loopback --host is allowed.")] = None,
+              max_upload_mb: Annotated[float, typer.Option(help="Largest upload.")] = 50.0,
+              max_audio_s: Annotated[float, typer.Option(help="Longest audio of a job.")] = 600.0,
+              jobs_per_key: Annotated[int, typer.Option(help="Queued + running jobs a key may have.")] = 8,
+              compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
+              models: ModelsOpt = None, random_weights: RandomOpt = False,
+              random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
+    """Keep the networks, the compiled steps and the avatars resident; serve render jobs over HTTP."""
+    from lipstream.serve.options import ServeOptions
+
+    keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
+                                        if k.strip())
+    options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
+                           jobs_per_key)
+    try:
+        options.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if compile not in ("auto", "off", "vae", "all"):
+        raise UsageError(f"--compile {compile!r}: expected auto, off, vae or all")
+    RenderOptions(device=device, random_size=random_size).check()
+    check_models(models, random_weights)
+
+    from lipstream.serve.server import json_logs, serve
+
+    json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
+    m = load_models(models, device, random_weights, random_size)
+    serve(options, m, compile=("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile)
+
+
 @app.command("features")
 def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
              fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",

@@ -1,0 +1,223 @@
+"""The HTTP API of `lipstream serve` (FastAPI): render jobs, their progress and results, health, metrics.
+
+Every /v1 route takes a bearer key when the server has keys. Uploads are bounded before they are
+read (Content-Length) and their audio by duration once stored; an avatar is named, never a path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from lipstream.serve.options import AVATAR_NAME
+from lipstream.serve.service import Service, owner_of
+from lipstream.serve.store import Job
+
+log = logging.getLogger("lipstream.serve")
+TERMINAL = ("done", "failed", "cancelled")
+RETRY_AFTER_S = 5
+SSE_POLL_S = 0.1
+AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(service.stop)  # SIGTERM: the running job requeued, sessions closed
+
+    app = FastAPI(title="LipStream", version="0.1", lifespan=lifespan,
+                  description="MuseTalk lip-sync as a service: render jobs and live presenter sessions.")
+    keys = [k.encode() for k in service.o.api_keys]
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        t = time.perf_counter()
+        response = _too_big(request, service.o.max_upload_mb) or await call_next(request)
+        route = request.scope.get("route")
+        service.metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
+        log.info(json.dumps({"event": "request", "method": request.method, "path": request.url.path,
+                             "status": response.status_code, "ms": round(1000 * (time.perf_counter() - t), 1)}))
+        return response
+
+    def owner(request: Request) -> str:
+        """The caller's owner id; 401 without a valid key (when the server has keys)."""
+        if not keys:
+            return ""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.encode(), k) for k in keys):
+            raise HTTPException(401, "a valid API key is needed: Authorization: Bearer <key>",
+                                headers={"WWW-Authenticate": "Bearer"})
+        return owner_of(given)
+
+    def job_json(job: Job) -> dict:
+        out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
+               "error": job.error, "created_at": job.created_at, "started_at": job.started_at,
+               "finished_at": job.finished_at, "avatar": job.params.get("avatar")}
+        if job.status == "done":
+            out["result"] = f"/v1/jobs/{job.id}/result"
+        return out
+
+    def own_job(job_id: str, who: str) -> Job:
+        job = service.store.get(job_id, who if keys else None)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return job
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        if not service.ready:
+            return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ready", "avatars": len(service.avatars)})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/avatars")
+    def avatars(who: str = Depends(owner)) -> list[dict]:
+        out = []
+        for name, slot in sorted(service.avatars.items()):
+            a = service.live.engine.avatars[slot]
+            out.append({"name": name, "width": a.size[0], "height": a.size[1], "fps": str(a.fps),
+                        "loop_frames": a.num_frames})
+        return out
+
+    @app.post("/v1/jobs/render", status_code=202)
+    async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
+                            who: str = Depends(owner)) -> dict:
+        """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4."""
+        if not AVATAR_NAME.fullmatch(avatar):
+            raise HTTPException(422, "avatar: a name of letters, digits, '_', '.' and '-' is allowed")
+        if avatar not in service.avatars:
+            raise HTTPException(404, f"avatar {avatar!r} is not resident (GET /v1/avatars lists them)")
+        suffix = Path(audio.filename or "").suffix.lower()
+        if suffix not in AUDIO_SUFFIXES:
+            raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
+        if service.store.active(who) >= service.o.jobs_per_key:
+            raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        folder = service.uploads_dir / secrets.token_hex(8)
+        folder.mkdir(parents=True)
+        path = folder / f"audio{suffix}"
+        try:
+            await _save(audio, path, service.o.max_upload_mb)
+            seconds = await asyncio.to_thread(_duration, path)
+            if seconds > service.o.max_audio_s:
+                raise HTTPException(413, f"audio: {seconds:.0f} s; at most {service.o.max_audio_s:g} s is allowed")
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        job = service.store.submit(who, "render", {"avatar": avatar, "audio": os.path.relpath(path, service.o.data_dir),
+                                                   "audio_s": round(seconds, 3)})
+        service.runner.wake()
+        return job_json(job)
+
+    @app.get("/v1/jobs")
+    def list_jobs(who: str = Depends(owner), limit: int = 100) -> list[dict]:
+        return [job_json(j) for j in service.store.list(who if keys else None, limit=max(1, min(limit, 1000)))]
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str, who: str = Depends(owner)) -> dict:
+        return job_json(own_job(job_id, who))
+
+    @app.delete("/v1/jobs/{job_id}")
+    def cancel_job(job_id: str, who: str = Depends(owner)) -> dict:
+        own_job(job_id, who)
+        return job_json(service.store.cancel(job_id))
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str, who: str = Depends(owner)) -> StreamingResponse:
+        """Server-sent events: the job as JSON each time it changes, until it is done, failed or cancelled."""
+        own_job(job_id, who)
+
+        async def events():
+            seen, beat = None, time.monotonic()
+            while True:
+                version = service.store.version(job_id)
+                if version != seen:
+                    seen = version
+                    job = service.store.get(job_id)
+                    yield f"event: job\ndata: {json.dumps(job_json(job))}\n\n"
+                    if job.status in TERMINAL:
+                        return
+                elif time.monotonic() - beat > 15:
+                    beat = time.monotonic()
+                    yield ": keep-alive\n\n"
+                await asyncio.sleep(SSE_POLL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/jobs/{job_id}/result")
+    def job_result(job_id: str, who: str = Depends(owner)) -> FileResponse:
+        """The MP4 (HTTP Range works: players seek in it)."""
+        job = own_job(job_id, who)
+        if job.status != "done" or not job.result:
+            raise HTTPException(409, f"job {job_id} is {job.status}: no result yet")
+        path = service.o.data_dir / job.result
+        if not path.is_file():
+            raise HTTPException(410, f"job {job_id}: its result is gone")
+        return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
+
+    return app
+
+
+def _too_big(request: Request, max_mb: float) -> Response | None:
+    """Uploads are refused by their Content-Length, before a byte of the body is read."""
+    if request.method != "POST" or not request.url.path.startswith("/v1/jobs"):
+        return None
+    length = request.headers.get("content-length")
+    if length is None:
+        return JSONResponse({"detail": "uploads need a Content-Length"}, 411)
+    if not length.isdigit() or int(length) > max_mb * 2**20 + 64 * 1024:  # the form's own bytes
+        return JSONResponse({"detail": f"upload over {max_mb:g} MB; at most that is allowed"}, 413)
+    return None
+
+
+async def _save(upload: UploadFile, path: Path, max_mb: float) -> None:
+    """Copy the upload to `path` (a temporary name first), 413 past the limit."""
+    limit = int(max_mb * 2**20)
+    part = path.with_name(path.name + ".part")
+    size = 0
+    with open(part, "wb") as f:
+        while chunk := await upload.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"audio: over {max_mb:g} MB; at most that is allowed")
+            f.write(chunk)
+    part.rename(path)
+
+
+def _duration(path: Path) -> float:
+    """Seconds of the first audio stream; 422 if there is none or it cannot be read."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None:
+                raise HTTPException(422, "audio: the file has no audio stream")
+            if stream.duration is not None and stream.time_base is not None:
+                return float(stream.duration * stream.time_base)
+            if container.duration is not None:
+                return container.duration / 1_000_000
+            return sum(f.samples for f in container.decode(stream)) / (stream.rate or 1)
+    except av.FFmpegError as e:
+        raise HTTPException(422, f"audio: not a readable audio file ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,113 @@
+"""The job runner: queued render jobs, one at a time, through the live engine's offline lane.
+
+A job's frames go through the same scheduler as the live sessions, after theirs
+(live/offline.py), and its MP4 is written the way `lipstream render` writes one: render_program,
+a temporary name, renamed when complete. On shutdown the running job stops at its next batch and
+goes back to the queue; a restart runs it again from the start. Nothing half-written is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lipstream.live.offline import JobCancelled, OfflineLane
+from lipstream.preflight import machine_defaults
+from lipstream.script import single_scene
+
+if TYPE_CHECKING:
+    from lipstream.serve.service import Service
+    from lipstream.serve.store import Job
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2  # how often an idle runner looks for queued jobs (a submit wakes it at once)
+PROGRESS_EVERY_S = 0.25  # progress is written to the store at most this often
+
+
+class JobStopped(JobCancelled):
+    """The server is shutting down: the job goes back to the queue."""
+
+
+class JobRunner:
+    def __init__(self, service: Service):
+        self.s = service
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.running: str | None = None  # the job id being rendered
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="lipstream-jobs", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop at the running job's next batch (it is requeued) and end the thread."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            job = self.s.store.claim_next(("render",))
+            if job is None:
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            self.running = job.id
+            try:
+                self._run(job)
+            finally:
+                self.running = None
+
+    def _run(self, job: Job) -> None:
+        store, t0 = self.s.store, time.monotonic()
+        last = [0.0]
+
+        def cancelled() -> bool:
+            if self._stopping.is_set():
+                raise JobStopped("the server is shutting down")
+            current = store.get(job.id)
+            return current is None or current.cancel_requested
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S or done == total:
+                last[0] = now
+                store.set_progress(job.id, done / max(1, total))
+
+        result = self.s.results_dir / f"{job.id}.mp4"
+        try:
+            self.render(job.params, result, cancelled, progress)
+        except JobStopped:
+            log.info("job %s: stopped by the shutdown; queued again", job.id)
+            return  # still "running" in the store: the shutdown requeues it
+        except JobCancelled:
+            store.mark_cancelled(job.id)
+            log.info("job %s: cancelled", job.id)
+            return
+        except Exception as e:  # noqa: BLE001 (a failed job is reported, the server goes on)
+            log.exception("job %s failed", job.id)
+            store.fail(job.id, f"{type(e).__name__}: {e}".splitlines()[0])
+            return
+        store.finish(job.id, os.path.relpath(result, self.s.o.data_dir))
+        self.s.metrics.job_seconds.observe(time.monotonic() - t0)
+        log.info("job %s: done in %.1f s", job.id, time.monotonic() - t0)
+
+    def render(self, params: dict, output: Path, cancelled, progress) -> None:
+        """One render job: params {"avatar": name, "audio": path under the data folder}."""
+        from lipstream.render import render_program
+
+        chosen = machine_defaults(self.s.live.device.type, os.cpu_count() or 1)
+        program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], 0)
+        render_program(program, output, self.s.models, avatars_dir=self.s.o.avatars_dir,
+                       engine=OfflineLane(self.s.live, cancelled), batch_size=self.s.live.engine.buckets[-1],
+                       crf=18, preset=chosen["preset"], encoders=chosen["encoders"], progress=False,
+                       on_progress=progress)

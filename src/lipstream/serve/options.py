@@ -1,0 +1,51 @@
+"""What `lipstream serve` allows and where it keeps things: one options object, checked at start."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`api_keys`: bearer keys a client must send (none: only on a loopback address).
+    `max_upload_mb` and `max_audio_s` bound one upload; `jobs_per_key` bounds a key's queued and
+    running jobs, `sessions_per_key` its live sessions."""
+
+    avatars_dir: Path
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_upload_mb: float = 50.0
+    max_audio_s: float = 600.0
+    jobs_per_key: int = 8
+    sessions_per_key: int = 4
+    live_preset: str = "realtime"
+
+    def check(self) -> None:
+        """One-line errors before anything loads."""
+        if not self.avatars_dir.is_dir():
+            raise ValueError(f"--avatars: {self.avatars_dir} is not a folder of compiled avatars")
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(f"--host {self.host}: without --api-key (or LIPSTREAM_API_KEYS) only a loopback "
+                             "address is allowed")
+        if any(len(k) < 16 for k in self.api_keys):
+            raise ValueError("--api-key: keys of at least 16 characters are allowed")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port}: 0 to 65535 is allowed")
+        if self.max_upload_mb <= 0 or self.max_audio_s <= 0 or self.jobs_per_key < 1 or self.sessions_per_key < 1:
+            raise ValueError("upload and audio limits must be > 0, per-key caps >= 1")

@@ -1,0 +1,63 @@
+"""`lipstream serve`: start the service (every cache warm), then uvicorn until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+
+from lipstream.models import MuseTalk
+from lipstream.serve.options import ServeOptions, is_loopback
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object a line: what log collectors parse."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        try:
+            fields = json.loads(message) if message.startswith("{") else {"message": message}
+        except json.JSONDecodeError:
+            fields = {"message": message}
+        out = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, **fields}
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info).splitlines()[-1]
+        return json.dumps(out)
+
+
+def json_logs(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = name != "uvicorn.access"  # requests are logged by the app
+
+
+def serve(options: ServeOptions, models: MuseTalk, *, compile: str = "off") -> None:
+    import uvicorn
+
+    from lipstream.serve.app import create_app
+    from lipstream.serve.service import Service
+
+    log = logging.getLogger("lipstream.serve")
+    t = time.perf_counter()
+    service = Service(options, models, compile=compile).start()
+    log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1),
+                         "avatars": sorted(service.avatars), "host": options.host, "port": options.port,
+                         "keys": len(options.api_keys)}))
+    if not options.api_keys:
+        log.warning(json.dumps({"event": "no_api_keys", "message": f"no API keys: anyone on {options.host} "
+                                "can use this server (allowed on a loopback address only)"}))
+    assert options.api_keys or is_loopback(options.host)
+    config = uvicorn.Config(create_app(service), host=options.host, port=options.port, log_config=None,
+                            timeout_graceful_shutdown=30)
+    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: a
+    # no-op one here, so a graceful stop ends with status 0 (not killed by the signal)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config).run()
+    log.info(json.dumps({"event": "stopped"}))

@@ -1,0 +1,88 @@
+"""One `lipstream serve` process: networks, live engine and avatars resident; jobs on disk.
+
+Started once (every cache warm before it reports ready), then shared by the HTTP app's
+requests: render jobs run through the live engine's offline lane, after the live sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+
+from lipstream.avatar.cache import META
+from lipstream.avatar.resident import resident_avatar
+from lipstream.live import LiveEngine, preset
+from lipstream.models import MuseTalk
+from lipstream.serve.jobs import JobRunner
+from lipstream.serve.metrics import Metrics
+from lipstream.serve.options import AVATAR_NAME, ServeOptions
+from lipstream.serve.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+def owner_of(key: str | None) -> str:
+    """What the store keeps of a key: a hash, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+
+class Service:
+    def __init__(self, options: ServeOptions, models: MuseTalk, *, compile: str = "off"):
+        self.o, self.models = options, models
+        self.uploads_dir = options.data_dir / "uploads"
+        self.results_dir = options.data_dir / "results"
+        for d in (self.uploads_dir, self.results_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.store = JobStore(options.data_dir / "jobs.sqlite3")
+        live_options = preset(options.live_preset).replace(encode=True)
+        self.live = LiveEngine(models, live_options, compile=compile)
+        self.avatars: dict[str, int] = {}
+        self.runner = JobRunner(self)
+        self.metrics = Metrics(self)
+        self.closed_late = 0  # frames late in sessions already closed (for /metrics)
+        self.ready = False
+
+    def start(self) -> Service:
+        """Load every avatar, capture and measure the steps, requeue what a crash left running."""
+        names = sorted(p.name for p in self.o.avatars_dir.iterdir() if (p / META).is_file()
+                       and AVATAR_NAME.fullmatch(p.name))
+        if not names:
+            raise ValueError(f"--avatars: {self.o.avatars_dir} holds no compiled avatar")
+        for name in names:
+            avatar = resident_avatar(self.o.avatars_dir / name, self.models.device,
+                                     vae_fingerprint=self.models.fingerprints.get("vae"))
+            self.avatars[name] = self.live.add_avatar(avatar)
+        self.live.start()
+        requeued = self.store.requeue_running()
+        if requeued:
+            log.info("requeued %d jobs that were running when the server stopped", len(requeued))
+        self._sweep()
+        self.runner.start()
+        self.ready = True
+        self.metrics.ready.set(1)
+        return self
+
+    def _sweep(self) -> None:
+        """Temporary files a killed server left behind (half uploads, half results)."""
+        for d in (self.uploads_dir, self.results_dir):
+            for p in d.glob("*.part*"):
+                p.unlink(missing_ok=True)
+        for p in self.results_dir.glob(".*"):
+            if p.is_file():
+                p.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Graceful: stop taking work, the running job back to the queue, sessions closed."""
+        self.ready = False
+        self.metrics.ready.set(0)
+        self.runner.stop()
+        requeued = self.store.requeue_running()
+        if requeued:
+            log.info("requeued %d running jobs at shutdown", len(requeued))
+        self.live.close()
+        self.store.close()
+
+    def delete_job_files(self, job_id: str) -> None:
+        shutil.rmtree(self.uploads_dir / job_id, ignore_errors=True)
+        (self.results_dir / f"{job_id}.mp4").unlink(missing_ok=True)
