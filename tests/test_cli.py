@@ -30,10 +30,19 @@ def lipstream(*args, env=None):
 def test_help_lists_only_working_commands():
     r = lipstream("--help")
     assert r.returncode == 0
-    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights"):
+    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights", "live-bench", "serve"):
         assert cmd in r.stdout
-    for future in ("serve",):
-        assert future not in r.stdout
+
+
+def test_serve_refuses_bad_options_in_one_line(tmp_path):
+    """Before any network loads: a missing avatars folder, a public address without a key, a short key."""
+    (tmp_path / "avatars").mkdir()
+    cases = [(["--avatars", tmp_path / "none"], "--avatars"),
+             (["--avatars", tmp_path / "avatars", "--host", "0.0.0.0"], "--host 0.0.0.0"),
+             (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key")]
+    for args, named in cases:
+        r = lipstream("serve", *args, "--random-weights", env={"LIPSTREAM_API_KEYS": ""})
+        assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_verify_reports_each_component(tiny_checkpoint):

@@ -148,6 +148,64 @@ def test_a_render_job_equals_the_cli_render(server, root, tmp_path):
     assert client.get("/v1/jobs", headers=AUTH).json()[0]["id"] == job["id"]
 
 
+def test_a_broadcast_job_equals_the_cli_broadcast(server, root, tmp_path):
+    """A script and the audio files it names; its MP4 is `lipstream broadcast`'s for the same inputs."""
+    client, _ = server
+    write_audio(tmp_path / "b.wav", speech_like(1.2, 16_000, seed=6), 16_000)
+    (tmp_path / "a.wav").write_bytes((root / "hello.wav").read_bytes())
+    script = tmp_path / "show.yaml"
+    script.write_text("scenes:\n  - audio: a.wav\n    avatar: anna\n  - audio: b.wav\n    avatar: anna\n"
+                      "    start_frame: 3\n")
+
+    def submit(text: str, avatar_files=("a.wav", "b.wav")):
+        files = [("script", ("show.yaml", text.encode(), "application/yaml"))]
+        files += [("audio", (n, (tmp_path / n).read_bytes(), "audio/wav")) for n in avatar_files]
+        return client.post("/v1/jobs/broadcast", files=files, headers=AUTH)
+
+    assert submit(script.read_text().replace("b.wav", "../b.wav")).status_code == 422  # only the files sent
+    assert submit(script.read_text().replace("avatar: anna\n    start", "avatar: zed\n    start")).status_code == 404
+    assert submit(script.read_text(), ("a.wav",)).status_code == 422  # b.wav was not sent
+    r = submit(script.read_text())
+    assert r.status_code == 202, r.text
+    done = _events(client, r.json()["id"])[-1]
+    assert done["status"] == "done", done
+    served = tmp_path / "served.mp4"
+    served.write_bytes(client.get(done["result"], headers=AUTH).content)
+    cli = tmp_path / "cli.mp4"
+    assert main(["broadcast", str(script), "-o", str(cli), "--avatars", str(root / "avatars"), "--random-weights",
+                 "--random-size", "tiny", "--device", "cpu"]) == 0
+    a, b = _frames(served), _frames(cli)
+    assert len(a) == len(b) == 28  # 1.6 s + 1.2 s at 10 fps
+    assert max(np.abs(x.astype(int) - y.astype(int)).mean() for x, y in zip(a, b)) < 0.5
+
+
+def test_a_compile_job_makes_a_resident_avatar(server, tmp_path):
+    """An uploaded action loop becomes an avatar the next job can use, without a restart."""
+    from lipstream.fixtures.avatar import action_loop
+
+    client, service = server
+    action_loop(tmp_path / "clip.mp4", width=640, height=360, seconds=0.6, fps=10, seed=4)
+
+    def submit(name: str):
+        with open(tmp_path / "clip.mp4", "rb") as f:
+            return client.post("/v1/jobs/compile", data={"name": name}, files={"video": ("clip.mp4", f, "video/mp4")},
+                               headers=AUTH)
+
+    assert submit("../x").status_code == 422
+    assert submit("anna").status_code == 409
+    r = submit("ben")
+    assert r.status_code == 202, r.text
+    done = _events(client, r.json()["id"])[-1]
+    assert done["status"] == "done", done
+    avatar = client.get(done["result"], headers=AUTH).json()
+    assert avatar["name"] == "ben" and (avatar["width"], avatar["height"]) == (640, 360)
+    assert "ben" in [a["name"] for a in client.get("/v1/avatars", headers=AUTH).json()]
+    with open(Path(service.o.data_dir).parent / "hello.wav", "rb") as f:
+        job = client.post("/v1/jobs/render", data={"avatar": "ben"}, files={"audio": ("hello.wav", f, "audio/wav")},
+                          headers=AUTH).json()
+    assert _events(client, job["id"])[-1]["status"] == "done"
+
+
 def test_cancel_and_the_per_key_cap(server, root):
     client, service = server
     first = _submit(client, root / "talk.wav").json()

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ log = logging.getLogger("lipstream.serve")
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_AFTER_S = 5
 SSE_POLL_S = 0.1
+VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
 
 
@@ -69,6 +71,22 @@ def create_app(service: Service) -> FastAPI:
             out["result"] = f"/v1/jobs/{job.id}/result"
         return out
 
+    def known_avatar(name: str) -> None:
+        if not AVATAR_NAME.fullmatch(name):
+            raise HTTPException(422, "avatar: a name of letters, digits, '_', '.' and '-' is allowed")
+        if name not in service.avatars:
+            raise HTTPException(404, f"avatar {name!r} is not resident (GET /v1/avatars lists them)")
+
+    def check_cap(who: str) -> None:
+        if service.store.active(who) >= service.o.jobs_per_key:
+            raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def new_upload_folder() -> Path:
+        folder = service.uploads_dir / secrets.token_hex(8)
+        folder.mkdir(parents=True)
+        return folder
+
     def own_job(job_id: str, who: str) -> Job:
         job = service.store.get(job_id, who if keys else None)
         if job is None:
@@ -102,18 +120,12 @@ def create_app(service: Service) -> FastAPI:
     async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
                             who: str = Depends(owner)) -> dict:
         """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4."""
-        if not AVATAR_NAME.fullmatch(avatar):
-            raise HTTPException(422, "avatar: a name of letters, digits, '_', '.' and '-' is allowed")
-        if avatar not in service.avatars:
-            raise HTTPException(404, f"avatar {avatar!r} is not resident (GET /v1/avatars lists them)")
+        known_avatar(avatar)
         suffix = Path(audio.filename or "").suffix.lower()
         if suffix not in AUDIO_SUFFIXES:
             raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
-        if service.store.active(who) >= service.o.jobs_per_key:
-            raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
-        folder = service.uploads_dir / secrets.token_hex(8)
-        folder.mkdir(parents=True)
+        check_cap(who)
+        folder = new_upload_folder()
         path = folder / f"audio{suffix}"
         try:
             await _save(audio, path, service.o.max_upload_mb)
@@ -121,12 +133,73 @@ def create_app(service: Service) -> FastAPI:
             if seconds > service.o.max_audio_s:
                 raise HTTPException(413, f"audio: {seconds:.0f} s; at most {service.o.max_audio_s:g} s is allowed")
         except BaseException:
-            import shutil
-
             shutil.rmtree(folder, ignore_errors=True)
             raise
         job = service.store.submit(who, "render", {"avatar": avatar, "audio": os.path.relpath(path, service.o.data_dir),
                                                    "audio_s": round(seconds, 3)})
+        service.runner.wake()
+        return job_json(job)
+
+    @app.post("/v1/jobs/broadcast", status_code=202)
+    async def submit_broadcast(request: Request, script: UploadFile = File(...),
+                               audio: list[UploadFile] = File(...), who: str = Depends(owner)) -> dict:
+        """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names."""
+        from lipstream.errors import LipStreamError
+        from lipstream.script import load_script
+
+        check_cap(who)
+        names = [Path(a.filename or "").name for a in audio]
+        if len(set(names)) != len(names) or any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
+            raise HTTPException(422, f"audio: distinct files ending in one of {sorted(AUDIO_SUFFIXES)} are allowed")
+        folder = new_upload_folder()
+        try:
+            await _save(script, folder / "script.yaml", service.o.max_upload_mb)
+            total = 0.0
+            for upload, name in zip(audio, names):
+                await _save(upload, folder / name, service.o.max_upload_mb)
+                total += await asyncio.to_thread(_duration, folder / name)
+            try:
+                program = load_script(folder / "script.yaml")
+            except LipStreamError as e:
+                raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
+            if program.avatars_dir is not None:
+                raise HTTPException(422, "script: 'avatars:' is the server's (--avatars), not the script's")
+            for k, scene in enumerate(program.scenes):
+                if scene.audio.resolve().parent != folder.resolve() or not scene.audio.is_file():
+                    raise HTTPException(422, f"script: scene {k + 1}'s audio must be one of the files sent: {names}")
+                for shot in scene.shots:
+                    known_avatar(shot.avatar)
+            if total > service.o.max_audio_s:
+                raise HTTPException(413, f"audio: {total:.0f} s in all; at most {service.o.max_audio_s:g} s is allowed")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        job = service.store.submit(who, "broadcast", {"script": os.path.relpath(folder / "script.yaml",
+                                                                                  service.o.data_dir),
+                                                      "audio_s": round(total, 3)})
+        service.runner.wake()
+        return job_json(job)
+
+    @app.post("/v1/jobs/compile", status_code=202)
+    async def submit_compile(request: Request, name: str = Form(...), video: UploadFile = File(...),
+                             who: str = Depends(owner)) -> dict:
+        """A new avatar from an uploaded action loop (a video of the presenter): resident once compiled."""
+        if not AVATAR_NAME.fullmatch(name):
+            raise HTTPException(422, "name: letters, digits, '_', '.' and '-' are allowed")
+        if name in service.avatars or (service.o.avatars_dir / name).exists():
+            raise HTTPException(409, f"avatar {name!r} exists already")
+        suffix = Path(video.filename or "").suffix.lower()
+        if suffix not in VIDEO_SUFFIXES:
+            raise HTTPException(422, f"video: a file ending in one of {sorted(VIDEO_SUFFIXES)} is allowed")
+        check_cap(who)
+        folder = new_upload_folder()
+        try:
+            await _save(video, folder / f"{name}{suffix}", service.o.max_upload_mb)  # the file's stem names it
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        job = service.store.submit(who, "compile", {"name": name, "video": os.path.relpath(folder / f"{name}{suffix}",
+                                                                                           service.o.data_dir)})
         service.runner.wake()
         return job_json(job)
 
@@ -166,11 +239,13 @@ def create_app(service: Service) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/jobs/{job_id}/result")
-    def job_result(job_id: str, who: str = Depends(owner)) -> FileResponse:
-        """The MP4 (HTTP Range works: players seek in it)."""
+    def job_result(job_id: str, who: str = Depends(owner)) -> Response:
+        """The MP4 (HTTP Range works: players seek in it); a compile job's avatar, as /v1/avatars lists it."""
         job = own_job(job_id, who)
         if job.status != "done" or not job.result:
             raise HTTPException(409, f"job {job_id} is {job.status}: no result yet")
+        if job.kind == "compile":
+            return JSONResponse(next(a for a in avatars(who) if a["name"] == job.params["name"]))
         path = service.o.data_dir / job.result
         if not path.is_file():
             raise HTTPException(410, f"job {job_id}: its result is gone")

@@ -1,8 +1,9 @@
-"""The job runner: queued render jobs, one at a time, through the live engine's offline lane.
+"""The job runner: queued jobs, one at a time. Render and broadcast jobs go through the live
+engine's offline lane; a compile job makes a new resident avatar.
 
 A job's frames go through the same scheduler as the live sessions, after theirs
-(live/offline.py), and its MP4 is written the way `lipstream render` writes one: render_program,
-a temporary name, renamed when complete. On shutdown the running job stops at its next batch and
+(live/offline.py), and its MP4 is written the way `lipstream render` (or `broadcast`) writes one:
+render_program, a temporary name, renamed when complete. On shutdown the running job stops at its next batch and
 goes back to the queue; a restart runs it again from the start. Nothing half-written is kept.
 """
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from lipstream.serve.store import Job
 
 log = logging.getLogger(__name__)
+KINDS = ("render", "broadcast", "compile")
 POLL_S = 0.2  # how often an idle runner looks for queued jobs (a submit wakes it at once)
 PROGRESS_EVERY_S = 0.25  # progress is written to the store at most this often
 
@@ -56,7 +58,7 @@ class JobRunner:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            job = self.s.store.claim_next(("render",))
+            job = self.s.store.claim_next(KINDS)
             if job is None:
                 self._wake.wait(POLL_S)
                 self._wake.clear()
@@ -85,7 +87,10 @@ class JobRunner:
 
         result = self.s.results_dir / f"{job.id}.mp4"
         try:
-            self.render(job.params, result, cancelled, progress)
+            if job.kind == "compile":
+                result = self.compile(job.params)
+            else:
+                self.render(job.kind, job.params, result, cancelled, progress)
         except JobStopped:
             log.info("job %s: stopped by the shutdown; queued again", job.id)
             return  # still "running" in the store: the shutdown requeues it
@@ -97,17 +102,34 @@ class JobRunner:
             log.exception("job %s failed", job.id)
             store.fail(job.id, f"{type(e).__name__}: {e}".splitlines()[0])
             return
-        store.finish(job.id, os.path.relpath(result, self.s.o.data_dir))
+        store.finish(job.id, os.path.relpath(result, self.s.o.data_dir) if job.kind != "compile"
+                     else f"avatars/{job.params['name']}")
         self.s.metrics.job_seconds.observe(time.monotonic() - t0)
         log.info("job %s: done in %.1f s", job.id, time.monotonic() - t0)
 
-    def render(self, params: dict, output: Path, cancelled, progress) -> None:
-        """One render job: params {"avatar": name, "audio": path under the data folder}."""
+    def render(self, kind: str, params: dict, output: Path, cancelled, progress) -> None:
+        """A render job ({"avatar": name, "audio": path under the data folder}) or a broadcast job
+        ({"script": path of its YAML, beside its audio files})."""
         from lipstream.render import render_program
+        from lipstream.script import load_script
 
         chosen = machine_defaults(self.s.live.device.type, os.cpu_count() or 1)
-        program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], 0)
+        if kind == "broadcast":
+            program = load_script(self.s.o.data_dir / params["script"])
+        else:
+            program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], 0)
         render_program(program, output, self.s.models, avatars_dir=self.s.o.avatars_dir,
                        engine=OfflineLane(self.s.live, cancelled), batch_size=self.s.live.engine.buckets[-1],
                        crf=18, preset=chosen["preset"], encoders=chosen["encoders"], progress=False,
                        on_progress=progress)
+
+    def compile(self, params: dict) -> Path:
+        """A compile job ({"name": new avatar, "video": path}): compiled into --avatars, then resident."""
+        from lipstream.avatar import compile_avatar
+
+        m = self.s.models
+        video = self.s.o.data_dir / params["video"]
+        compile_avatar(video, self.s.o.avatars_dir, m.vae, m.fingerprints["vae"], progress=False,
+                       vae_random=m.config.name if m.random_weights else None)
+        self.s.add_avatar(params["name"])
+        return self.s.o.avatars_dir / params["name"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 
 from lipstream.avatar.cache import META
 from lipstream.avatar.resident import resident_avatar
@@ -50,9 +49,7 @@ class Service:
         if not names:
             raise ValueError(f"--avatars: {self.o.avatars_dir} holds no compiled avatar")
         for name in names:
-            avatar = resident_avatar(self.o.avatars_dir / name, self.models.device,
-                                     vae_fingerprint=self.models.fingerprints.get("vae"))
-            self.avatars[name] = self.live.add_avatar(avatar)
+            self.add_avatar(name)
         self.live.start()
         requeued = self.store.requeue_running()
         if requeued:
@@ -62,6 +59,13 @@ class Service:
         self.ready = True
         self.metrics.ready.set(1)
         return self
+
+    def add_avatar(self, name: str) -> int:
+        """Keep the compiled avatar --avatars/name resident (its idle loop too, once started)."""
+        avatar = resident_avatar(self.o.avatars_dir / name, self.models.device,
+                                 vae_fingerprint=self.models.fingerprints.get("vae"))
+        slot = self.avatars[name] = self.live.add_avatar(avatar)
+        return slot
 
     def _sweep(self) -> None:
         """Temporary files a killed server left behind (half uploads, half results)."""
@@ -83,6 +87,3 @@ class Service:
         self.live.close()
         self.store.close()
 
-    def delete_job_files(self, job_id: str) -> None:
-        shutil.rmtree(self.uploads_dir / job_id, ignore_errors=True)
-        (self.results_dir / f"{job_id}.mp4").unlink(missing_ok=True)
