@@ -20,6 +20,7 @@ from lipstream.audio.resample import StreamResampler, resample
 from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
+from lipstream.fixtures.stream import nal_types
 from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import encode_windows, streamed_features
 from lipstream.live.items import Candidate
@@ -320,14 +321,10 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
     audio = [p for f in frames for p in f.packets if p.kind == "audio"]
     assert [p.pts for p in video] == [f.pts for f in frames]
     first_after = next(p for p in video if p.pts == cleared_at + 1)
-    assert first_after.keyframe and 5 in _nal_types(first_after.data)
+    assert first_after.keyframe and 5 in nal_types(first_after.data)
     assert all(b.pts > a.pts for a, b in zip(audio, audio[1:]))
     assert audio[-1].pts + 960 >= frames[-1].pts * AUDIO_RATE // 2  # the audio reached the last frame
 
-
-def _nal_types(data: bytes) -> list[int]:
-    parts = data.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01")
-    return [p[0] & 0x1F for p in parts[1:] if p]
 
 
 def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_models, avatars):

@@ -10,27 +10,15 @@ import numpy as np
 import pytest
 
 from lipstream.live.encode import EncodedPacket, SessionEncoder
+from lipstream.fixtures.stream import gradient_i420, nal_types, sine48
 
 RATE = 48_000
-
-
-def pattern(k: int, width: int, height: int) -> np.ndarray:
-    """A smooth gradient moving by 2 px a frame, with mild chroma: I420 [H*3/2, W]."""
-    y = np.arange(height)[:, None] + np.arange(width)[None, :] * 0.5 + 2 * k
-    luma = (64 + 48 * np.sin(y / 9)).astype(np.uint8)
-    chroma = np.full((height // 2, width), 128, np.uint8)
-    chroma[: height // 4] = 110
-    return np.vstack([luma, chroma])
-
-
-def sine(start: int, n: int) -> np.ndarray:
-    return (0.5 * np.sin(2 * np.pi * 440 * (start + np.arange(n)) / RATE)).astype(np.float32)
 
 
 def run_session(enc: SessionEncoder, frames: int, width: int, height: int, per_frame: int = 1920):
     video, audio = [], []
     for k in range(frames):
-        out = enc.encode(pattern(k, width, height), k, sine(k * per_frame, per_frame))
+        out = enc.encode(gradient_i420(k, width, height), k, sine48(k * per_frame, per_frame))
         v = [p for p in out if p.kind == "video"]
         assert len(v) == 1 and v[0].pts == k and v[0].dts == k, "zerolatency: one packet per frame, at once"
         video += v
@@ -38,11 +26,6 @@ def run_session(enc: SessionEncoder, frames: int, width: int, height: int, per_f
     tail = enc.flush()
     assert not [p for p in tail if p.kind == "video"]
     return video, audio + [p for p in tail if p.kind == "audio"]
-
-
-def nal_types(data: bytes) -> list[int]:
-    parts = data.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01")
-    return [p[0] & 0x1F for p in parts[1:] if p]
 
 
 def decode_audio(name: str, packets: list[EncodedPacket], extradata: bytes | None) -> np.ndarray:
@@ -79,7 +62,7 @@ def test_video_decodes_back_close_to_input(opus_session):
     for k, frame in enumerate(frames):
         assert (frame.width, frame.height) == (160, 96)
         luma = frame.to_ndarray(format="yuv420p")[:96].astype(np.int16)
-        assert np.abs(luma - pattern(k, 160, 96)[:96]).mean() < 3
+        assert np.abs(luma - gradient_i420(k, 160, 96)[:96]).mean() < 3
 
 
 def test_opus_audio_covers_input_and_decodes(opus_session):
@@ -92,7 +75,7 @@ def test_opus_audio_covers_input_and_decodes(opus_session):
     decoded = decode_audio("opus", audio, enc.audio_extradata)
     assert abs(len(decoded) - total) <= 2 * size
     rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
-    assert rms(decoded[size:total]) > 0.1 * rms(sine(0, total))
+    assert rms(decoded[size:total]) > 0.1 * rms(sine48(0, total))
 
 
 def test_aac_variant():
@@ -113,13 +96,13 @@ def test_no_audio_and_skipped_indices():
     assert enc.gop == 30
     packets = []
     for k in (0, 1, 2, 5, 6):
-        out = enc.encode(pattern(k, 64, 64), k, sine(0, 1601))
+        out = enc.encode(gradient_i420(k, 64, 64), k, sine48(0, 1601))
         assert [(p.kind, p.pts, p.dts) for p in out] == [("video", k, k)]
         packets += out
     assert enc.flush() == []
     assert packets[0].keyframe and packets[0].time_base == Fraction(1001, 30000)
     with pytest.raises(ValueError):
-        enc.encode(pattern(6, 64, 64), 6)
+        enc.encode(gradient_i420(6, 64, 64), 6)
 
 
 def test_keyframes_by_time_and_on_request():
@@ -128,12 +111,12 @@ def test_keyframes_by_time_and_on_request():
     for k in (0, 1, 2, 5, 6, 7, 8, 9, 11):  # gaps must not stretch the GOP in time
         if k == 11:
             enc.request_keyframe()
-        keys += [p.pts for p in enc.encode(pattern(k, 64, 64), k) if p.keyframe]
+        keys += [p.pts for p in enc.encode(gradient_i420(k, 64, 64), k) if p.keyframe]
     assert keys == [0, 5, 9, 11]
 
 
 def test_720p_frames():
     enc = SessionEncoder(1280, 720, Fraction(25), audio="none")
-    out = [p for k in range(5) for p in enc.encode(pattern(k, 1280, 720), k)] + enc.flush()
+    out = [p for k in range(5) for p in enc.encode(gradient_i420(k, 1280, 720), k)] + enc.flush()
     assert [p.pts for p in out] == list(range(5)) and out[0].keyframe
     assert sum(p.keyframe for p in out) == 1

@@ -21,28 +21,11 @@ import lipstream
 from lipstream.encode_worker import pack, read_message
 from lipstream.live import encode_pool
 from lipstream.live.encode import EncodedPacket, EncodePool, PoolEncoder, SessionEncoder
+from lipstream.fixtures.stream import gradient_i420, nal_types, sine48
 
 RATE = 48_000
 PER_FRAME = 1920  # audio samples a frame at 25 fps
 SRC = str(Path(lipstream.__file__).resolve().parent.parent)
-
-
-def pattern(k: int, width: int, height: int) -> np.ndarray:
-    """A smooth gradient moving by 2 px a frame, with mild chroma: I420 [H*3/2, W]."""
-    y = np.arange(height)[:, None] + np.arange(width)[None, :] * 0.5 + 2 * k
-    luma = (64 + 48 * np.sin(y / 9)).astype(np.uint8)
-    chroma = np.full((height // 2, width), 128, np.uint8)
-    chroma[: height // 4] = 110
-    return np.vstack([luma, chroma])
-
-
-def sine(start: int, n: int) -> np.ndarray:
-    return (0.5 * np.sin(2 * np.pi * 440 * (start + np.arange(n)) / RATE)).astype(np.float32)
-
-
-def nal_types(data: bytes) -> list[int]:
-    parts = data.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01")
-    return [p[0] & 0x1F for p in parts[1:] if p]
 
 
 def leftovers() -> list[str]:
@@ -93,7 +76,7 @@ KEYED = {13}  # a PLI: an IDR on request
 
 def submissions(width: int, height: int):
     for k in range(FRAMES):
-        yield k, None if k in SKIPPED else pattern(k, width, height), sine(k * PER_FRAME, PER_FRAME), k in KEYED
+        yield k, None if k in SKIPPED else gradient_i420(k, width, height), sine48(k * PER_FRAME, PER_FRAME), k in KEYED
 
 
 def in_process(width: int, height: int, audio: str) -> list[EncodedPacket]:
@@ -201,7 +184,7 @@ def test_video_decodes_close_to_input(pooled):
     assert len(frames) == len(video)
     for (pts, _), frame in zip(video, frames):
         got = frame.to_ndarray(format="yuv420p").astype(np.float64)
-        mse = np.mean(np.square(got - pattern(pts, w, h)))
+        mse = np.mean(np.square(got - gradient_i420(pts, w, h)))
         assert 10 * np.log10(255 ** 2 / max(mse, 1e-9)) > 30
 
 
@@ -211,9 +194,9 @@ def test_video_decodes_close_to_input(pooled):
 def test_session_encoder_restart_drops_state_and_restarts_pts():
     enc = SessionEncoder(64, 64, Fraction(25), audio="aac", gop_frames=25)
     for k in range(6):
-        enc.encode(pattern(k, 64, 64), k, sine(0, 1500))  # 9000 samples: some left in the fifo
+        enc.encode(gradient_i420(k, 64, 64), k, sine48(0, 1500))  # 9000 samples: some left in the fifo
     enc.restart(3, 100_000)
-    out = enc.encode(pattern(3, 64, 64), 3, sine(0, 3000))  # lower than before: allowed after a restart
+    out = enc.encode(gradient_i420(3, 64, 64), 3, sine48(0, 3000))  # lower than before: allowed after a restart
     video = [p for p in out if p.kind == "video"]
     assert [(p.pts, p.dts, p.keyframe) for p in video] == [(3, 3, True)] and 5 in nal_types(video[0].data)
     audio = [p for p in out + enc.flush() if p.kind == "audio"]
@@ -221,7 +204,7 @@ def test_session_encoder_restart_drops_state_and_restarts_pts():
     assert len(audio) == 3 + 1  # 3000 samples padded to 3 frames + the priming one (the old 808 would make 5)
     enc.restart(10, 0)
     with pytest.raises(ValueError, match="must rise"):
-        enc.encode(pattern(9, 64, 64), 9)
+        enc.encode(gradient_i420(9, 64, 64), 9)
 
 
 def test_pool_restart_gives_idr_at_given_pts_and_audio_from_audio_pts():
@@ -232,13 +215,13 @@ def test_pool_restart_gives_idr_at_given_pts_and_audio_from_audio_pts():
         reference = SessionEncoder(w, h, Fraction(25), gop_frames=50)
         expected = []
         for k in range(12):
-            s.submit(k, pattern(k, w, h), sine(k * 1000, 1000))
-            expected += reference.encode(pattern(k, w, h), k, sine(k * 1000, 1000))
+            s.submit(k, gradient_i420(k, w, h), sine48(k * 1000, 1000))
+            expected += reference.encode(gradient_i420(k, w, h), k, sine48(k * 1000, 1000))
         s.restart(6, audio_pts)  # frames 6..11 are thrown away and come again
         reference.restart(6, audio_pts)
         for k in range(6, 10):
-            s.submit(k, pattern(k + 50, w, h), sine(0, 1000))
-            expected += reference.encode(pattern(k + 50, w, h), k, sine(0, 1000))
+            s.submit(k, gradient_i420(k + 50, w, h), sine48(0, 1000))
+            expected += reference.encode(gradient_i420(k + 50, w, h), k, sine48(0, 1000))
         final = s.close()
         expected += reference.flush()
     assert not r.errors and [pts for pts, _ in r.calls] == list(range(12)) + list(range(6, 10))
@@ -254,7 +237,7 @@ def test_pool_restart_gives_idr_at_given_pts_and_audio_from_audio_pts():
     frames = [f for p in video for f in dec.decode(av.Packet(p.data))] + list(dec.decode(None))
     assert len(frames) == 4
     luma = frames[0].to_ndarray(format="yuv420p")[:h].astype(np.int16)
-    assert np.abs(luma - pattern(56, w, h)[:h]).mean() < 3
+    assert np.abs(luma - gradient_i420(56, w, h)[:h]).mean() < 3
 
 
 # --- failures, back-pressure, clean-up ----------------------------------------------------------------------
@@ -268,29 +251,29 @@ def test_dead_worker_fails_its_sessions_once_and_the_pool_goes_on():
         sa = pool.open(64, 64, Fraction(25), slots=2, on_packets=a.on_packets, on_error=a.on_error)
         sb = pool.open(64, 64, Fraction(25), slots=2, on_packets=b.on_packets, on_error=b.on_error)
         assert sa.worker_pid != sb.worker_pid
-        sa.submit(0, pattern(0, 64, 64), sine(0, PER_FRAME))
+        sa.submit(0, gradient_i420(0, 64, 64), sine48(0, PER_FRAME))
         a.wait(calls=1)
         os.kill(sa.worker_pid, signal.SIGKILL)
         a.wait(errors=1)
         assert "exited with code -9" in a.errors[0] and f"encode session {sa.sid}" in a.errors[0]
         with pytest.raises(RuntimeError, match=rf"^encode session {sa.sid}: encode worker .* exited") as e:
-            sa.submit(1, pattern(1, 64, 64), sine(0, PER_FRAME))
+            sa.submit(1, gradient_i420(1, 64, 64), sine48(0, PER_FRAME))
         assert "\n" not in str(e.value)
         with pytest.raises(RuntimeError):
-            sa.submit(1, None, sine(0, PER_FRAME))
+            sa.submit(1, None, sine48(0, PER_FRAME))
         with pytest.raises(RuntimeError):
             sa.restart(0, 0)
         assert sa.close() == [] and len(a.errors) == 1  # said once
-        sb.submit(0, pattern(0, 64, 64), sine(0, PER_FRAME))  # the other worker's session is untouched
+        sb.submit(0, gradient_i420(0, 64, 64), sine48(0, PER_FRAME))  # the other worker's session is untouched
         assert sb.close() and not b.errors and len(b.calls) == 1
         c = Recorder()  # a new session gets a fresh worker in place of the dead one
         sc = pool.open(64, 64, Fraction(25), on_packets=c.on_packets, on_error=c.on_error)
-        sc.submit(0, pattern(0, 64, 64), None)
+        sc.submit(0, gradient_i420(0, 64, 64), None)
         c.wait(calls=1)
         assert sc.worker_pid not in pids
         pids = pids + pool.pids
         sd = pool.open(64, 64, Fraction(25), on_packets=c.on_packets)  # left open: pool.close ends it quietly
-        sd.submit(0, pattern(0, 64, 64), None)
+        sd.submit(0, gradient_i420(0, 64, 64), None)
     finally:
         t = time.monotonic()
         pool.close()
@@ -298,7 +281,7 @@ def test_dead_worker_fails_its_sessions_once_and_the_pool_goes_on():
     pool.close()  # idempotent
     assert len(c.errors) == 0 and sd.failure is not None
     with pytest.raises(RuntimeError):
-        sd.submit(1, pattern(1, 64, 64), None)
+        sd.submit(1, gradient_i420(1, 64, 64), None)
     with pytest.raises(RuntimeError, match="closed"):
         pool.open(64, 64, Fraction(25), on_packets=c.on_packets)
     assert_pool_gone(pool, pids)
@@ -311,9 +294,9 @@ def test_slots_give_back_pressure(monkeypatch):
         pid = s.worker_pid
         os.kill(pid, signal.SIGSTOP)  # a worker that does not answer: no slot comes back
         try:
-            s.submit(0, pattern(0, 64, 64), None)
-            s.submit(1, pattern(1, 64, 64), None)
-            third = threading.Thread(target=s.submit, args=(2, pattern(2, 64, 64), None))
+            s.submit(0, gradient_i420(0, 64, 64), None)
+            s.submit(1, gradient_i420(1, 64, 64), None)
+            third = threading.Thread(target=s.submit, args=(2, gradient_i420(2, 64, 64), None))
             third.start()
             third.join(0.3)
             assert third.is_alive(), "the third frame waits for a slot"
@@ -325,13 +308,13 @@ def test_slots_give_back_pressure(monkeypatch):
         monkeypatch.setattr(encode_pool, "SLOT_WAIT_S", 0.2)
         os.kill(pid, signal.SIGSTOP)
         try:
-            s.submit(3, pattern(3, 64, 64), None)
-            s.submit(4, pattern(4, 64, 64), None)
+            s.submit(3, gradient_i420(3, 64, 64), None)
+            s.submit(4, gradient_i420(4, 64, 64), None)
             with pytest.raises(RuntimeError, match=rf"encode session {s.sid}: no free frame slot in 0.2 s"):
-                s.submit(5, pattern(5, 64, 64), None)
+                s.submit(5, gradient_i420(5, 64, 64), None)
         finally:
             os.kill(pid, signal.SIGCONT)
-        s.submit(5, pattern(5, 64, 64), None)
+        s.submit(5, gradient_i420(5, 64, 64), None)
         s.close()
     assert [pts for pts, _ in r.calls] == [0, 1, 2, 3, 4, 5] and not r.errors
     assert [p.pts for _, packets in r.calls for p in packets] == [0, 1, 2, 3, 4, 5]
@@ -351,10 +334,10 @@ def test_bad_input_and_failing_frames():
             s.submit(0, np.zeros((96, 64), np.float32), None)
         with pytest.raises(ValueError, match=r"shape \(96, 64\)"):
             s.submit(0, np.zeros((64, 64), np.uint8), None)
-        s.submit(0, pattern(0, 64, 64), sine(0, PER_FRAME))
-        s.submit(0, pattern(0, 64, 64), sine(0, PER_FRAME))  # pts must rise: the video fails, the audio goes
-        s.submit(1, pattern(1, 64, 64), np.full(100, np.nan, np.float32))  # bad audio: the video goes
-        s.submit(2, pattern(2, 64, 64), sine(0, PER_FRAME))
+        s.submit(0, gradient_i420(0, 64, 64), sine48(0, PER_FRAME))
+        s.submit(0, gradient_i420(0, 64, 64), sine48(0, PER_FRAME))  # pts must rise: the video fails, the audio goes
+        s.submit(1, gradient_i420(1, 64, 64), np.full(100, np.nan, np.float32))  # bad audio: the video goes
+        s.submit(2, gradient_i420(2, 64, 64), sine48(0, PER_FRAME))
         assert s.close()
     assert [pts for pts, _ in r.calls] == [0, 0, 1, 2]
     assert [[p.kind for p in packets] for _, packets in r.calls][1:3] == [["audio", "audio"], ["video"]]
@@ -374,7 +357,7 @@ def test_a_raising_callback_does_not_stop_the_reader():
     with EncodePool(1) as pool:
         s = pool.open(64, 64, Fraction(25), audio="none", on_packets=on_packets)
         for k in range(3):
-            s.submit(k, pattern(k, 64, 64), None)
+            s.submit(k, gradient_i420(k, 64, 64), None)
         s.close()
     assert calls == [0, 1, 2]
 
@@ -394,12 +377,12 @@ def test_worker_speaks_the_protocol_without_torch(tmp_path):
 
     try:
         slots = tmp_path / "slots"
-        slots.write_bytes(pattern(0, 64, 64).tobytes() + pattern(1, 64, 64).tobytes())
+        slots.write_bytes(gradient_i420(0, 64, 64).tobytes() + gradient_i420(1, 64, 64).tobytes())
         h, extradata = ask({"type": "open", "sid": 7, "width": 64, "height": 64, "fps": [25, 1], "audio": "opus",
                             "preset": "ultrafast", "crf": 23, "gop_frames": 10, "matrix": "bt601",
                             "path": str(slots), "slots": 2})
         assert h == {"type": "opened", "sid": 7, "audio_frame_size": 960} and bytes(extradata).startswith(b"OpusHead")
-        h, data = ask({"type": "frame", "sid": 7, "pts": 0, "slot": 1, "key": False}, sine(0, 960).tobytes())
+        h, data = ask({"type": "frame", "sid": 7, "pts": 0, "slot": 1, "key": False}, sine48(0, 960).tobytes())
         assert h["type"] == "packets" and (h["pts"], h["slot"]) == (0, 1)
         assert [p[0] for p in h["packets"]] == ["v", "a"] and sum(p[4] for p in h["packets"]) == len(data)
         assert ask({"type": "restart", "sid": 7, "video_pts": 0, "audio_pts": 0}, reply=False) is None
