@@ -17,10 +17,13 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+import numpy as np
+from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from lipstream.live import AdmissionError
+from lipstream.serve.live import LiveSessions
 from lipstream.serve.options import AVATAR_NAME
 from lipstream.serve.service import Service, owner_of
 from lipstream.serve.store import Job
@@ -37,11 +40,13 @@ def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        await sessions.close_all()
         await asyncio.to_thread(service.stop)  # SIGTERM: the running job requeued, sessions closed
 
     app = FastAPI(title="LipStream", version="0.1", lifespan=lifespan,
                   description="MuseTalk lip-sync as a service: render jobs and live presenter sessions.")
     keys = [k.encode() for k in service.o.api_keys]
+    sessions = service.sessions = LiveSessions(service)
 
     @app.middleware("http")
     async def count(request: Request, call_next):
@@ -53,15 +58,21 @@ def create_app(service: Service) -> FastAPI:
                              "status": response.status_code, "ms": round(1000 * (time.perf_counter() - t), 1)}))
         return response
 
-    def owner(request: Request) -> str:
-        """The caller's owner id; 401 without a valid key (when the server has keys)."""
+    def key_owner(authorization: str, token: str | None = None) -> str | None:
+        """The owner of a valid key (from the header, or a WebSocket's ?token=), None if it is not one."""
         if not keys:
             return ""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.encode(), k) for k in keys):
+        scheme, _, given = authorization.partition(" ")
+        given = given if scheme.lower() == "bearer" else (token or "")
+        return owner_of(given) if any(hmac.compare_digest(given.encode(), k) for k in keys) else None
+
+    def owner(request: Request) -> str:
+        """The caller's owner id; 401 without a valid key (when the server has keys)."""
+        who = key_owner(request.headers.get("authorization", ""))
+        if who is None:
             raise HTTPException(401, "a valid API key is needed: Authorization: Bearer <key>",
                                 headers={"WWW-Authenticate": "Bearer"})
-        return owner_of(given)
+        return who
 
     def job_json(job: Job) -> dict:
         out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
@@ -202,6 +213,89 @@ def create_app(service: Service) -> FastAPI:
                                                                                            service.o.data_dir)})
         service.runner.wake()
         return job_json(job)
+
+    @app.post("/v1/sessions", status_code=201)
+    async def open_session(request: Request, avatar: str, who: str = Depends(owner)) -> Response:
+        """A live presenter over WebRTC: the body is the client's SDP offer (application/sdp), the
+        answer comes back with the session's Location (DELETE it to end); speech goes to
+        /v1/sessions/{id}/speech (a WebSocket) or comes as the offer's own audio track."""
+        known_avatar(avatar)
+        if sessions.count(who) >= service.o.sessions_per_key:
+            raise HTTPException(429, f"this key has {service.o.sessions_per_key} live sessions open already",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        offer = (await request.body()).decode("utf-8", "replace")
+        if "v=0" not in offer:
+            raise HTTPException(422, "the body must be an SDP offer (Content-Type: application/sdp)")
+        try:
+            live, answer = await sessions.start(who, avatar, offer)
+        except AdmissionError as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            raise HTTPException(422, f"offer: {str(e).splitlines()[0]}") from None
+        return Response(answer, 201, media_type="application/sdp",
+                        headers={"Location": f"/v1/sessions/{live.id}", "X-Session-Id": live.id})
+
+    @app.get("/v1/sessions")
+    def list_sessions(who: str = Depends(owner)) -> list[dict]:
+        return [{"id": x.id, "avatar": x.avatar, "frames_played": x.session.stats.played,
+                 "frames_late": x.session.stats.late} for x in sessions.open.values() if x.owner == who or not keys]
+
+    @app.delete("/v1/sessions/{sid}", status_code=204)
+    async def close_session(sid: str, who: str = Depends(owner)) -> Response:
+        live = sessions.open.get(sid)
+        if live is None or (keys and live.owner != who):
+            raise HTTPException(404, f"no live session {sid}")
+        await sessions.close(sid)
+        return Response(status_code=204)
+
+    @app.websocket("/v1/sessions/{sid}/speech")
+    async def speech(ws: WebSocket, sid: str, token: str | None = None) -> None:
+        """Binary messages: PCM16 mono at `rate` (a first {"type": "start", "rate": 16000}; 16 kHz if
+        none); {"type": "end"} ends an utterance, {"type": "interrupt"} cuts it off; speech events
+        (started / finished / interrupted, at playout) come back as JSON."""
+        who = key_owner(ws.headers.get("authorization", ""), token)
+        live = sessions.open.get(sid)
+        if who is None or live is None or (keys and live.owner != who):
+            await ws.close(code=4401 if who is None else 4404)
+            return
+        await ws.accept()
+        rate = 16_000
+
+        async def send_events() -> None:
+            while True:
+                await ws.send_json(await live.events.get())
+
+        sender = asyncio.ensure_future(send_events())
+        try:
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes") is not None:
+                    pcm = np.frombuffer(message["bytes"], "<i2")
+                    if pcm.size:
+                        live.session.push_audio(pcm, rate)
+                    continue
+                try:
+                    command = json.loads(message.get("text") or "{}")
+                except json.JSONDecodeError:
+                    command = {}
+                kind = command.get("type")
+                if kind == "start":
+                    rate = int(command.get("rate", 16_000))
+                    if not 8000 <= rate <= 192_000:
+                        await ws.send_json({"type": "error", "message": f"rate {rate}: 8000 to 192000 Hz"})
+                        rate = 16_000
+                elif kind == "end":
+                    live.session.end_utterance()
+                elif kind == "interrupt":
+                    live.session.clear()
+                else:
+                    await ws.send_json({"type": "error", "message": "expected start, end or interrupt"})
+        except WebSocketDisconnect:
+            pass
+        finally:
+            sender.cancel()
 
     @app.get("/v1/jobs")
     def list_jobs(who: str = Depends(owner), limit: int = 100) -> list[dict]:

@@ -23,7 +23,8 @@ def is_loopback(host: str) -> bool:
 class ServeOptions:
     """`api_keys`: bearer keys a client must send (none: only on a loopback address).
     `max_upload_mb` and `max_audio_s` bound one upload; `jobs_per_key` bounds a key's queued and
-    running jobs, `sessions_per_key` its live sessions."""
+    running jobs, `sessions_per_key` its live sessions. `live_capacity_fps`: the frames/s live
+    sessions may take in all (admission; None: what the engine measures at start, all of it)."""
 
     avatars_dir: Path
     data_dir: Path
@@ -35,6 +36,7 @@ class ServeOptions:
     jobs_per_key: int = 8
     sessions_per_key: int = 4
     live_preset: str = "realtime"
+    live_capacity_fps: float | None = None
 
     def check(self) -> None:
         """One-line errors before anything loads."""

@@ -34,7 +34,8 @@ class Service:
         for d in (self.uploads_dir, self.results_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(options.data_dir / "jobs.sqlite3")
-        live_options = preset(options.live_preset).replace(encode=True)
+        # aiortc encodes for WebRTC: the sessions hand it raw frames
+        live_options = preset(options.live_preset).replace(encode=False, capacity_fps=options.live_capacity_fps)
         self.live = LiveEngine(models, live_options, compile=compile)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)

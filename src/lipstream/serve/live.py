@@ -1,0 +1,176 @@
+"""Live sessions over WebRTC: a LiveEngine Session's frames out as an audio and a video track (aiortc).
+
+The client posts an SDP offer (WHEP's shape: offer in, answer out, a Location to DELETE) and
+gets the presenter's tracks. Speech comes in over a WebSocket (PCM16 chunks, `end`, `interrupt`;
+speech events go back on it) or as the client's own audio track. The session is read once and
+fanned out to the two tracks: a track nobody reads loses its oldest frames, never stalls the
+session. aiortc encodes (VP8/H.264 and Opus) on its own threads; the session's timestamps become
+the RTP clocks, so audio and video leave together at each frame's playout time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import av
+import numpy as np
+from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from lipstream.live import LiveFrame, Session, SpeechEvent
+from lipstream.media.mp4 import AUDIO_RATE
+
+log = logging.getLogger(__name__)
+VIDEO_CLOCK = 90_000
+QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
+OPUS_FRAME = 960  # 20 ms at 48 kHz
+
+
+class _Track(MediaStreamTrack):
+    """Frames handed over by the session's reader; `due(frame)` (time.monotonic()) holds each back until
+    its playout time (the audio: a frame's 20 ms pieces go out 20 ms apart, not in a burst)."""
+
+    def __init__(self, kind: str, due: Callable[[av.frame.Frame], float] | None = None):
+        super().__init__()
+        self.kind = kind
+        self.queue: asyncio.Queue = asyncio.Queue(QUEUE_FRAMES)
+        self.due = due
+
+    def put(self, frame) -> None:
+        if self.queue.full():
+            self.queue.get_nowait()  # the reader is behind: drop, do not stall the session
+        self.queue.put_nowait(frame)
+
+    async def recv(self):
+        frame = await self.queue.get()
+        if frame is None:
+            self.stop()
+            raise MediaStreamError
+        if self.due is not None:
+            wait = self.due(frame) - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        return frame
+
+
+@dataclass
+class LiveSession:
+    """One client's presenter: the engine's session, its peer connection, its speech socket's events."""
+
+    id: str
+    owner: str
+    avatar: str
+    session: Session
+    pc: RTCPeerConnection
+    events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(256))
+    video: _Track = field(default_factory=lambda: _Track("video"))
+    audio: _Track = field(default_factory=lambda: _Track("audio"))
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        s = self.session
+        self.audio.due = lambda frame: s.t0 + s.o.playout_delay_s + frame.pts / AUDIO_RATE
+
+    async def pump(self) -> None:
+        """Read the session at its playout pace: frames to the tracks, speech events to the socket."""
+        fps = self.session.fps
+        pcm, pcm_at = np.zeros(0, np.int16), 0  # audio not sent yet, and the sample it starts at
+        try:
+            async for item in self.session:
+                if isinstance(item, LiveFrame):
+                    video = av.VideoFrame.from_ndarray(item.i420, format="yuv420p")
+                    video.pts = int(item.pts * VIDEO_CLOCK / fps)
+                    video.time_base = Fraction(1, VIDEO_CLOCK)
+                    self.video.put(video)
+                    # aiortc sends one Opus packet a frame it is given: 20 ms frames, from the session's clock
+                    start = (item.pts * AUDIO_RATE * fps.denominator) // fps.numerator
+                    if start != pcm_at + pcm.size:  # frames were dropped unread: the audio clock jumps too
+                        pcm, pcm_at = np.zeros(0, np.int16), start
+                    pcm = np.concatenate([pcm, (np.clip(item.audio, -1, 1) * 32767).astype(np.int16)])
+                    while pcm.size >= OPUS_FRAME:
+                        audio = av.AudioFrame.from_ndarray(pcm[None, :OPUS_FRAME], format="s16", layout="mono")
+                        audio.sample_rate, audio.pts, audio.time_base = AUDIO_RATE, pcm_at, Fraction(1, AUDIO_RATE)
+                        self.audio.put(audio)
+                        pcm, pcm_at = pcm[OPUS_FRAME:], pcm_at + OPUS_FRAME
+                elif isinstance(item, SpeechEvent):
+                    if self.events.full():
+                        self.events.get_nowait()
+                    self.events.put_nowait({"type": "speech", "kind": item.kind, "utterance": item.utterance,
+                                            "pts": item.pts, "position_s": round(item.position_s, 3)})
+        finally:
+            self.video.put(None)
+            self.audio.put(None)
+
+    async def listen(self, track: MediaStreamTrack) -> None:
+        """The client's own microphone track: its samples are the session's speech."""
+        try:
+            while True:
+                frame = await track.recv()
+                samples = frame.to_ndarray().astype(np.float32)
+                channels = len(frame.layout.channels)
+                mono = samples.mean(axis=0) if frame.format.is_planar else samples.reshape(-1, channels).mean(axis=1)
+                if frame.format.name.startswith("s16"):
+                    mono /= 32768.0
+                self.session.push_audio(mono, frame.sample_rate)
+        except MediaStreamError:
+            pass
+
+
+class LiveSessions:
+    """The server's live sessions, by id."""
+
+    def __init__(self, service):
+        self.s = service
+        self.open: dict[str, LiveSession] = {}
+
+    def count(self, owner: str) -> int:
+        return sum(x.owner == owner for x in self.open.values())
+
+    async def start(self, owner: str, avatar: str, offer_sdp: str) -> tuple[LiveSession, str]:
+        """Open an engine session (AdmissionError when full) and answer the client's offer."""
+        session = self.s.live.open_session(self.s.avatars[avatar], encode=False)
+        pc = RTCPeerConnection()
+        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc)
+        self.open[live.id] = live
+        try:
+            @pc.on("track")
+            def on_track(track: MediaStreamTrack) -> None:
+                if track.kind == "audio":
+                    live.tasks.append(asyncio.ensure_future(live.listen(track)))
+
+            @pc.on("connectionstatechange")
+            async def on_state() -> None:
+                if pc.connectionState in ("failed", "closed"):
+                    await self.close(live.id)
+
+            await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
+            pc.addTrack(live.video)  # after the offer: the tracks take its m-lines, in its order
+            pc.addTrack(live.audio)
+            await pc.setLocalDescription(await pc.createAnswer())  # aiortc gathers its candidates here
+            live.tasks.append(asyncio.ensure_future(live.pump()))
+        except BaseException:
+            await self.close(live.id)
+            raise
+        return live, pc.localDescription.sdp
+
+    async def close(self, sid: str) -> bool:
+        live = self.open.pop(sid, None)
+        if live is None:
+            return False
+        self.s.closed_late += live.session.stats.late
+        self.s.live.close_session(live.session)
+        for task in live.tasks:
+            task.cancel()
+        await live.pc.close()
+        log.info('{"event": "session_closed", "id": "%s", "frames_late": %d}', sid, live.session.stats.late)
+        return True
+
+    async def close_all(self) -> None:
+        for sid in list(self.open):
+            await self.close(sid)
