@@ -50,9 +50,10 @@ def server(root, tiny_models):
     from lipstream.serve.options import ServeOptions
     from lipstream.serve.service import Service
 
-    # capacity given, not measured: a loaded 2-core machine measures ~6 frames/s and refuses a 10 fps session
+    # capacity given, not measured (a loaded 2-core machine measures ~6 frames/s and would refuse a 10 fps
+    # session): 35 frames/s at 95% admit three 10 fps sessions, and refuse a fourth
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), max_upload_mb=0.5, max_audio_s=5.0,
-                           jobs_per_key=2, live_capacity_fps=100.0)
+                           jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0)
     service = Service(options, tiny_models).start()
     uv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_config=None))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -417,3 +418,30 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
 
     events = asyncio.run(run())
     assert events and events[0]["kind"] == "started", events
+
+
+def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
+    """Admission: the fourth 10 fps session would overload the engine; it is refused with Retry-After."""
+    from aiortc import RTCPeerConnection
+
+    port = _port(server)
+
+    async def run():
+        opened = [await _open_live(port) for _ in range(3)]
+        pc = RTCPeerConnection()
+        pc.addTransceiver("video", direction="recvonly")
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
+                             headers={**AUTH, "Content-Type": "application/sdp"})
+            listed = (await c.get("/v1/sessions", headers=AUTH)).json()
+            for _, sid, _, _ in opened:
+                assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
+        for other, *_ in opened:
+            await other.close()
+        await pc.close()
+        return r, listed
+
+    r, listed = asyncio.run(run())
+    assert r.status_code == 503 and r.headers["retry-after"] and "full" in r.json()["detail"]
+    assert len(listed) == 3
