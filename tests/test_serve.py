@@ -385,6 +385,7 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
             assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
             assert (await c.get("/v1/sessions", headers=AUTH)).json() == []
+            assert "lipstream_live_frame_latency_seconds_count" in (await c.get("/metrics")).text
         await pc.close()
         return video, audio, events
 

@@ -62,10 +62,10 @@ class OfflineLane:
         jobs = [(where, self.live.render_offline(self._slots[s], [requests[i].frame for i in where],
                                                  torch.stack([requests[i].window for i in where])))
                 for s, where in by_slot.items()]
-        first = jobs[0][1].result()
-        out = np.empty((len(requests), *first.shape[1:]), np.uint8)
-        for where, job in jobs:
-            out[where] = first if job is jobs[0][1] else job.result()
+        done = [(where, job.result()) for where, job in jobs]
+        out = np.empty((len(requests), *done[0][1].shape[1:]), np.uint8)
+        for where, frames in done:
+            out[where] = frames
         return torch.from_numpy(out)
 
 

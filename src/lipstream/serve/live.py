@@ -72,6 +72,7 @@ class LiveSession:
     video: _Track = field(default_factory=lambda: _Track("video"))
     audio: _Track = field(default_factory=lambda: _Track("audio"))
     tasks: list[asyncio.Task] = field(default_factory=list)
+    observe_latency: Callable[[float], None] = lambda seconds: None  # audio pushed -> frame ready
 
     def __post_init__(self) -> None:
         s = self.session
@@ -84,6 +85,8 @@ class LiveSession:
         try:
             async for item in self.session:
                 if isinstance(item, LiveFrame):
+                    if item.latency_s is not None:
+                        self.observe_latency(item.latency_s)
                     video = av.VideoFrame.from_ndarray(item.i420, format="yuv420p")
                     video.pts = int(item.pts * VIDEO_CLOCK / fps)
                     video.time_base = Fraction(1, VIDEO_CLOCK)
@@ -136,7 +139,8 @@ class LiveSessions:
         """Open an engine session (AdmissionError when full) and answer the client's offer."""
         session = self.s.live.open_session(self.s.avatars[avatar], encode=False)
         pc = RTCPeerConnection()
-        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc)
+        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc,
+                           observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
         try:
             @pc.on("track")

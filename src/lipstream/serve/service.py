@@ -41,6 +41,7 @@ class Service:
         self.runner = JobRunner(self)
         self.metrics = Metrics(self)
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
+        self.sessions = None  # the app's LiveSessions (serve/live.py), set by create_app
         self.ready = False
 
     def start(self) -> Service:
