@@ -452,3 +452,42 @@ def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
     r, listed = asyncio.run(run())
     assert r.status_code == 503 and r.headers["retry-after"] and "full" in r.json()["detail"]
     assert len(listed) == 3
+
+
+# --- serve-bench: the load test's clients, each in a process of its own -----------------------------------
+
+
+def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server, root, tmp_path, monkeypatch):
+    """Two client processes against the real server, with a render job beside them: every client connects,
+    speaks, and matches frames to its audio (the A/V offset would be whole frames off if the match were);
+    the render job completes; the report is written."""
+    monkeypatch.setenv("LIPSTREAM_API_KEYS", KEY)
+    url = str(server[0].base_url).rstrip("/")
+    code = main(["serve-bench", "--url", url, "--sessions", "2", "--seconds", "5", "--no-warmup",
+                 "--render-audio", str(root / "hello.wav"), "--server-pid", str(os.getpid()), "-o", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "serve_bench.json").read_text())
+    row = report["rows"][0]
+    assert row["errors"] == [] and row["clients_ok"] == 2, row["errors"]
+    sent, started, _ = row["utterances"]
+    assert sent >= 2 and started == sent, row["utterances"]
+    assert row["speech_frames"] > 0 and row["video_frames_received"] > 20
+    assert abs(row["av_offset_ms"]["max_abs"]) < 100, row["av_offset_ms"]  # one frame at 10 fps
+    assert row["render_job"]["status"] == "done"
+    assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
+    assert "| 2 |" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
+    """Frame k of an utterance that started at frame F was due to the audio chunk covering k / fps."""
+    from fractions import Fraction
+
+    from lipstream.bench.serve_client import latencies
+
+    fps, clock = Fraction(25), 90_000
+    sent = [[10.0 + 0.02 * c for c in range(50)]]  # a 1 s utterance, 20 ms chunks sent from t = 10 s
+    events = [{"kind": "started", "utterance": 0, "pts": 100}, {"kind": "finished", "utterance": 0, "pts": 125}]
+    video = {f * 3600: 10.3 + (f - 100) * 0.04 for f in range(90, 140)}  # each frame 300 ms after its audio
+    lat = latencies(sent, events, video, clock, fps)
+    assert len(lat) == 25 and np.allclose(lat, 0.3)
+    assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio

@@ -461,6 +461,10 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               max_upload_mb: Annotated[float, typer.Option(help="Largest upload.")] = 50.0,
               max_audio_s: Annotated[float, typer.Option(help="Longest audio of a job.")] = 600.0,
               jobs_per_key: Annotated[int, typer.Option(help="Queued + running jobs a key may have.")] = 8,
+              sessions_per_key: Annotated[int, typer.Option(help="Live sessions a key (or, without keys, all "
+                                                                 "clients) may have open.")] = 4,
+              capacity_fps: Annotated[Optional[float], typer.Option(
+                  help="Frames/s live sessions may take in all (default: what the engine measures at start).")] = None,
               compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -470,7 +474,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
                                         if k.strip())
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
-                           jobs_per_key)
+                           jobs_per_key, sessions_per_key, live_capacity_fps=capacity_fps)
     try:
         options.check()
     except ValueError as e:
@@ -485,6 +489,48 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
     m = load_models(models, device, random_weights, random_size)
     serve(options, m, compile=("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile)
+
+
+@app.command("serve-bench")
+def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream serve`.")] = "http://127.0.0.1:8000",
+                    out_dir: Annotated[Path, typer.Option("-o", "--output", help="Report folder.")] = Path("serve-bench-out"),
+                    sessions: Annotated[str, typer.Option(help="Comma-separated session counts to run.")] = "4,8,16",
+                    seconds: Annotated[float, typer.Option(help="Length of each row.")] = 12.0,
+                    avatar: Annotated[Optional[list[str]], typer.Option(
+                        help="Avatars the sessions use, in turn (repeatable; default: every resident one).")] = None,
+                    render_audio: Annotated[Optional[Path], typer.Option(
+                        help="Also submit a render job of this audio at the start of each row.")] = None,
+                    server_pid: Annotated[Optional[int], typer.Option(help="The server's process id, to report "
+                                                                           "its CPU (same machine only).")] = None,
+                    warmup: Annotated[bool, typer.Option(help="A short unreported row at the largest N first.")] = True,
+                    ) -> None:
+    """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
+    try:
+        counts = [int(v) for v in sessions.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--sessions {sessions!r}: expected e.g. 4,8,16") from None
+    if not counts or min(counts) < 1 or max(counts) > 128:
+        raise UsageError(f"--sessions {sessions!r}: expected counts from 1 to 128")
+    if not 4 <= seconds <= 600:
+        raise UsageError(f"--seconds {seconds}: expected 4 to 600")
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
+    if render_audio is not None:
+        check_file(render_audio, "audio file")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(out_dir, "is a file, expected the report folder")
+
+    from lipstream.bench.serve_load import run, write
+
+    key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
+    try:
+        report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
+                     warmup=warmup, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+    except (RuntimeError, OSError) as e:
+        raise LipStreamError(f"--url {url}: {e}") from None
+    write(report, out_dir)
+    out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
+    out.print(f"report: {out_dir / 'serve_bench.md'}")
 
 
 @app.command("features")

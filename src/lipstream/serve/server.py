@@ -36,6 +36,8 @@ def json_logs(level: str = "INFO") -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = name != "uvicorn.access"  # requests are logged by the app
+    for name in ("aioice", "aiortc"):  # a line per ICE candidate pair and state at INFO
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def serve(options: ServeOptions, models: MuseTalk, *, compile: str = "off") -> None:

@@ -1,0 +1,182 @@
+"""`lipstream serve-bench`: a load test of a running `lipstream serve`, by real clients over the network.
+
+Each row opens N live sessions, each an aiortc client in a process of its own
+(lipstream.bench.serve_client), that all start speaking at one moment, for `seconds`; a render
+job may run beside them (it shares the GPU scheduler at lower priority). The figures are the
+clients': audio -> frame latency per speech frame (audio sent -> the frame's last RTP
+packet in; and -> the frame decoded by aiortc), frames that never arrived, the audio-video
+offset; with the server's own count of frames late (played as the previous picture), and its CPU
+when its process id is given. A warm-up row at the largest N comes first and is not reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+TARGET_P99_MS = 250.0
+CONNECT_S = 6.0  # clients start (imports, offer, answer) before the common start
+WARMUP_S = 4.0
+
+
+def _cpu_s(pid: int | None) -> float | None:
+    """CPU seconds of a process (all its threads), from /proc; None if it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
+    with open(audio, "rb") as f:
+        r = http.post("/v1/jobs/render", data={"avatar": avatar}, files={"audio": (audio.name, f, "audio/wav")})
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, render_audio: Path | None = None,
+            server_pid: int | None = None, seed: int = 0) -> dict:
+    """N client processes for `seconds` (and a render job if asked); the figures of one row."""
+    env = {**os.environ, "LIPSTREAM_API_KEY": key, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with tempfile.TemporaryDirectory(prefix="lipstream-serve-bench-") as tmp, \
+            httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        start = time.time() + CONNECT_S
+        procs = []
+        for k in range(n):
+            out = Path(tmp) / f"client{k}.json"
+            cmd = [sys.executable, "-m", "lipstream.bench.serve_client", "--url", url, "--avatar",
+                   avatars[k % len(avatars)], "--start", str(start), "--seconds", str(seconds),
+                   "--seed", str(seed * 1000 + k), "--out", str(out)]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+        time.sleep(max(0.0, start - time.time()))
+        cpu0, t0 = _cpu_s(server_pid), time.monotonic()
+        job = _render_job(http, avatars[0], render_audio) if render_audio is not None else None
+        job_s = None
+        clients, errors = [], []
+        for proc, out in procs:
+            try:
+                _, err = proc.communicate(timeout=CONNECT_S + seconds + 90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            report = json.loads(out.read_text()) if out.exists() else {"error": f"exit {proc.returncode}"}
+            if "error" in report:
+                errors.append(report["error"] + (f" ({err.decode(errors='replace').strip().splitlines()[-1]})"
+                                                 if err.strip() else ""))
+            else:
+                clients.append(report)
+        wall = time.monotonic() - t0
+        cpu1 = _cpu_s(server_pid)
+        if job is not None:
+            while True:  # the job may outlast the row
+                status = http.get(f"/v1/jobs/{job}").json()
+                if status["status"] in ("done", "failed", "cancelled"):
+                    break
+                time.sleep(0.2)
+            job_s = {"status": status["status"], "seconds": round(status["finished_at"] - status["started_at"], 2)
+                     if status.get("started_at") and status.get("finished_at") else None,
+                     "queued_s": round(status["started_at"] - status["created_at"], 2)
+                     if status.get("started_at") else None}
+    lat = [x for c in clients for x in c["latency_ms"]]
+    decoded = [x for c in clients for x in c["decoded_latency_ms"]]
+    offsets = [c["av_offset_ms"] for c in clients if c["av_offset_ms"] is not None]
+    row = {
+        "sessions": n,
+        "clients_ok": len(clients),
+        "errors": errors,
+        "latency_ms": {f"p{q}": round(float(np.percentile(lat, q)), 1) for q in (50, 95, 99)} if lat else {},
+        "latency_ms_max": round(max(lat), 1) if lat else None,
+        "decoded_latency_ms": {f"p{q}": round(float(np.percentile(decoded, q)), 1) for q in (50, 99)} if decoded else {},
+        "speech_frames": len(lat),
+        "frames_late": sum(c["server_frames_late"] or 0 for c in clients),  # the server's: previous picture again
+        "frames_played": sum(c["server_frames_played"] or 0 for c in clients),
+        "video_frames_received": sum(c["video_frames"] for c in clients),
+        "video_frames_missing": sum(c["video_frames_missing"] or 0 for c in clients),
+        "utterances": [sum(c["utterances_sent"] for c in clients), sum(c["utterances_started"] for c in clients),
+                       sum(c["utterances_finished"] for c in clients)],  # sent, started, finished
+        "av_offset_ms": {"median": round(float(np.median(offsets)), 1), "max_abs": round(max(map(abs, offsets)), 1)}
+        if offsets else {},
+        "first_frame_s": {f"p{q}": round(float(np.percentile([c["first_frame_s"] for c in clients
+                                                                 if c["first_frame_s"] is not None], q)), 2)
+                          for q in (50, 100)} if clients else {},
+        "render_job": job_s,
+        "server_cpu_cores": round((cpu1 - cpu0) / wall, 2) if cpu0 is not None and cpu1 is not None else None,
+        "wall_s": round(wall, 1),
+    }
+    row["holds"] = bool(lat) and not errors and row["latency_ms"]["p99"] <= TARGET_P99_MS and row["frames_late"] == 0
+    return row
+
+
+def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
+        render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
+        command: str = "", progress=print) -> dict:
+    """Every row, after a warm-up at the largest N; the report (not written)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+        ready = http.get("/readyz")
+        if ready.status_code != 200:
+            raise RuntimeError(f"{url}/readyz answered {ready.status_code}: the server is not ready")
+        listed = http.get("/v1/avatars")
+        listed.raise_for_status()
+        known = {a["name"]: a for a in listed.json()}
+    chosen = avatars or sorted(known)
+    missing = [a for a in chosen if a not in known]
+    if missing or not chosen:
+        raise RuntimeError(f"avatars {missing or chosen} are not resident on {url} (it has {sorted(known)})")
+    report = {"command": command, "url": url, "avatars": {a: f"{known[a]['width']}x{known[a]['height']}@{known[a]['fps']}"
+                                                          for a in chosen},
+              "seconds": seconds, "render_audio": str(render_audio) if render_audio else None,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "commit": os.environ.get("LIPSTREAM_COMMIT", "?"),
+              "cpus": os.cpu_count(), "rows": []}
+    if warmup:
+        w = run_row(url, key, max(counts), WARMUP_S, chosen, server_pid=server_pid, seed=99)
+        progress(f"warm-up: {w['sessions']} sessions, {w['clients_ok']} ok, p99 {w['latency_ms'].get('p99')} ms")
+    for i, n in enumerate(counts):
+        row = run_row(url, key, n, seconds, chosen, render_audio=render_audio, server_pid=server_pid, seed=i)
+        report["rows"].append(row)
+        progress(f"N={n}: p50/p99 {row['latency_ms'].get('p50')}/{row['latency_ms'].get('p99')} ms, "
+                 f"{row['frames_late']} late, {row['video_frames_missing']} missing, errors {len(row['errors'])}")
+    held = [r["sessions"] for r in report["rows"] if r["holds"]]
+    report["largest_n"] = max(held) if held else None
+    return report
+
+
+def write(report: dict, out: Path) -> None:
+    """serve_bench.json and serve_bench.md under `out`, atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# serve-bench {report['date']} (commit {report['commit']}, {report['cpus']} CPUs)", "",
+             f"`{report['command']}`", "", f"avatars: {report['avatars']}; {report['seconds']} s a row; "
+             f"render job beside: {report['render_audio'] or 'none'}", "",
+             "| N | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
+             "(median, max) | first frame s | render job | server cores | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        q, av_ = r["latency_ms"], r["av_offset_ms"]
+        job = r["render_job"]
+        d = r["decoded_latency_ms"]
+        lines.append(f"| {r['sessions']} | {q.get('p50')} / {q.get('p95')} / {q.get('p99')} | {r['latency_ms_max']} | "
+                     f"{d.get('p50')} / {d.get('p99')} | "
+                     f"{r['speech_frames']} | {r['frames_late']} | {r['video_frames_missing']} | "
+                     f"{av_.get('median')}, {av_.get('max_abs')} | {r['first_frame_s'].get('p50')} | "
+                     f"{(job or {}).get('seconds')} | {r['server_cpu_cores']} | {len(r['errors'])} |")
+    lines += ["", "Latency: audio sent by the client -> the frame's last RTP packet at the client; decoded: -> "
+                  "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts)."]
+    lines += ["", f"Largest N with p99 <= {TARGET_P99_MS:.0f} ms, no frame late, no client error: "
+                  f"{report['largest_n']}"]
+    for name, text in (("serve_bench.json", json.dumps(report, indent=1)), ("serve_bench.md", "\n".join(lines) + "\n")):
+        tmp = out / (name + ".part")
+        tmp.write_text(text)
+        tmp.replace(out / name)
