@@ -297,9 +297,16 @@ def _frames_from(client: httpx.Client, job_id: str, tmp_path: Path) -> list[np.n
 # --- live sessions over WebRTC (aiortc clients) -------------------------------------------------------------
 
 
-async def _open_live(client_port: int, mic: Path | None = None):
-    """An aiortc client: offer (receive video + audio, or send `mic` as its own audio), answer, tracks."""
-    from aiortc import RTCPeerConnection, RTCSessionDescription
+def _sent_codec(answer: str, kind: str = "video") -> str:
+    """The codec the server sends: the first payload type of the answer's m-line."""
+    pt = answer.split(f"m={kind} ", 1)[1].split("\n", 1)[0].split()[2]
+    return next(line.split()[1].split("/")[0] for line in answer.splitlines() if line.startswith(f"a=rtpmap:{pt} "))
+
+
+async def _open_live(client_port: int, mic: Path | None = None, codec: str | None = None):
+    """An aiortc client: offer (receive video + audio, or send `mic` as its own audio; video in any codec
+    aiortc has, VP8 first, or only `codec`), answer, tracks."""
+    from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
     from aiortc.contrib.media import MediaPlayer
 
     pc = RTCPeerConnection()
@@ -311,7 +318,10 @@ async def _open_live(client_port: int, mic: Path | None = None):
         pc.addTrack(player.audio)
     else:
         pc.addTransceiver("audio", direction="recvonly")
-    pc.addTransceiver("video", direction="recvonly")
+    video = pc.addTransceiver("video", direction="recvonly")
+    if codec is not None:
+        video.setCodecPreferences([c for c in RTCRtpReceiver.getCapabilities("video").codecs
+                                   if c.mimeType.lower() in (f"video/{codec}", "video/rtx")])
     await pc.setLocalDescription(await pc.createOffer())
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{client_port}", timeout=30) as c:
         r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
@@ -319,7 +329,7 @@ async def _open_live(client_port: int, mic: Path | None = None):
     assert r.status_code == 201, r.text
     assert r.headers["location"] == f"/v1/sessions/{r.headers['x-session-id']}"
     await pc.setRemoteDescription(RTCSessionDescription(r.text, "answer"))
-    return pc, r.headers["x-session-id"], tracks, player
+    return pc, r.headers["x-session-id"], tracks, player, _sent_codec(r.text)
 
 
 async def _record(track, out: list, until: float) -> None:
@@ -353,7 +363,8 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
     speech = (speech_like(2.0, 16_000, seed=8) * 32767).astype("<i2")
 
     async def run():
-        pc, sid, tracks, _ = await _open_live(port)
+        pc, sid, tracks, _, codec = await _open_live(port)
+        assert codec == "H264"  # the engine's own packets, from its encode workers
         t = time.monotonic()
         while len(tracks) < 2 and time.monotonic() - t < 20:
             await asyncio.sleep(0.05)
@@ -408,7 +419,8 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
     port = _port(server)
 
     async def run():
-        pc, sid, tracks, player = await _open_live(port, mic=root / "hello.wav")
+        pc, sid, tracks, player, codec = await _open_live(port, mic=root / "hello.wav", codec="vp8")
+        assert codec == "VP8"  # a client without H.264: aiortc encodes raw frames
         events = []
         async with websockets.connect(f"ws://127.0.0.1:{port}/v1/sessions/{sid}/speech",
                                       additional_headers=AUTH) as ws:
@@ -418,13 +430,16 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
                     events.append(json.loads(await asyncio.wait_for(ws.recv(), 0.5)))
                 except asyncio.TimeoutError:
                     pass
+        video: list = []
+        await _record(tracks["video"], video, time.monotonic() + 2.0)
         await pc.close()
         if player is not None and player.audio is not None:
             player.audio.stop()
-        return events
+        return events, video
 
-    events = asyncio.run(run())
+    events, video = asyncio.run(run())
     assert events and events[0]["kind"] == "started", events
+    assert len(video) >= 5 and video[0][3].shape == (270, 320), len(video)  # 10 fps VP8, decoded
 
 
 def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
@@ -442,7 +457,7 @@ def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
             r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
                              headers={**AUTH, "Content-Type": "application/sdp"})
             listed = (await c.get("/v1/sessions", headers=AUTH)).json()
-            for _, sid, _, _ in opened:
+            for _, sid, *_ in opened:
                 assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
         for other, *_ in opened:
             await other.close()
@@ -463,15 +478,19 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     the render job completes; the report is written."""
     monkeypatch.setenv("LIPSTREAM_API_KEYS", KEY)
     url = str(server[0].base_url).rstrip("/")
-    code = main(["serve-bench", "--url", url, "--sessions", "2", "--seconds", "5", "--no-warmup",
+    # VP8: aiortc sends every frame, late ones as the previous picture (on 2 cores most speech frames are
+    # late; the engine's H.264 leaves those out), so frames can be matched to the audio
+    code = main(["serve-bench", "--url", url, "--sessions", "2", "--seconds", "5", "--no-warmup", "--codec", "vp8",
+                 "--chunk-ms", "100",
                  "--render-audio", str(root / "hello.wav"), "--server-pid", str(os.getpid()), "-o", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "serve_bench.json").read_text())
     row = report["rows"][0]
     assert row["errors"] == [] and row["clients_ok"] == 2, row["errors"]
+    assert row["video_codecs"] == ["VP8"]
     sent, started, _ = row["utterances"]
     assert sent >= 2 and started == sent, row["utterances"]
-    assert row["speech_frames"] > 0 and row["video_frames_received"] > 20
+    assert row["speech_frames"] > 0 and row["video_frames_received"] > 20, row
     assert abs(row["av_offset_ms"]["max_abs"]) < 100, row["av_offset_ms"]  # one frame at 10 fps
     assert row["render_job"]["status"] == "done"
     assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
@@ -491,3 +510,25 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
     lat = latencies(sent, events, video, clock, fps)
     assert len(lat) == 25 and np.allclose(lat, 0.3)
     assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio
+
+
+def test_prefer_h264_puts_constrained_baseline_first_and_leaves_other_offers_alone():
+    from lipstream.serve.live import prefer_h264
+
+    offer = "\r\n".join([
+        "v=0", "m=audio 9 UDP/TLS/RTP/SAVPF 111", "a=rtpmap:111 opus/48000/2",
+        "m=video 9 UDP/TLS/RTP/SAVPF 96 97 102 103 108", "a=mid:1",
+        "a=rtpmap:96 VP8/90000", "a=rtpmap:97 rtx/90000", "a=fmtp:97 apt=96",
+        "a=rtpmap:102 H264/90000", "a=fmtp:102 level-asymmetry-allowed=1;packetization-mode=1;profile-level-id=42001f",
+        "a=rtpmap:103 H264/90000", "a=fmtp:103 level-asymmetry-allowed=1;packetization-mode=0;profile-level-id=42e01f",
+        "a=rtpmap:108 H264/90000", "a=fmtp:108 level-asymmetry-allowed=1;packetization-mode=1;profile-level-id=42e01f",
+        ""])
+    out = prefer_h264(offer).split("\r\n")
+    assert "m=video 9 UDP/TLS/RTP/SAVPF 108 102 96 97 103" in out  # mode 0 (single NAL) is not used
+    rtpmaps = [line.split()[0] for line in out if line.startswith("a=rtpmap:") and "opus" not in line]
+    assert rtpmaps == ["a=rtpmap:108", "a=rtpmap:102", "a=rtpmap:96", "a=rtpmap:97", "a=rtpmap:103"]
+    lines = offer.split("\r\n")
+    assert sorted(x for x in out if not x.startswith("m=video")) == sorted(x for x in lines if not x.startswith("m=video"))
+    assert out[:3] == offer.split("\r\n")[:3]  # the audio section as it was
+    vp8_only = "\r\n".join(line for line in offer.split("\r\n") if "H264" not in line and "fmtp:10" not in line)
+    assert prefer_h264(vp8_only) is None

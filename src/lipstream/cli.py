@@ -503,6 +503,9 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                     server_pid: Annotated[Optional[int], typer.Option(help="The server's process id, to report "
                                                                            "its CPU (same machine only).")] = None,
                     warmup: Annotated[bool, typer.Option(help="A short unreported row at the largest N first.")] = True,
+                    codec: Annotated[str, typer.Option(help="Video codec the clients offer: any (aiortc's list; the "
+                                                            "server then sends H.264), h264 or vp8.")] = "any",
+                    chunk_ms: Annotated[float, typer.Option(help="Speech goes out in chunks of this length.")] = 20.0,
                     ) -> None:
     """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
     try:
@@ -515,6 +518,9 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
         raise UsageError(f"--seconds {seconds}: expected 4 to 600")
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
+    if codec not in ("any", "h264", "vp8"):
+        raise UsageError(f"--codec {codec!r}: expected any, h264 or vp8")
+    in_range("--chunk-ms", chunk_ms, 10, 1000, "milliseconds")
     if render_audio is not None:
         check_file(render_audio, "audio file")
     if out_dir.exists() and not out_dir.is_dir():
@@ -525,7 +531,7 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
     key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
     try:
         report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
-                     warmup=warmup, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
     except (RuntimeError, OSError) as e:
         raise LipStreamError(f"--url {url}: {e}") from None
     write(report, out_dir)

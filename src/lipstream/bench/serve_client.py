@@ -33,7 +33,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-CHUNK_S = 0.02
 RATE = 16_000
 DRAIN_S = 2.0  # after the last utterance: its last frames still arrive
 
@@ -87,18 +86,18 @@ class WireClock:
 
 
 async def _speak(ws, speech: np.ndarray, rng: np.random.Generator, start: float, until: float,
-                 sent: list[list[float]]) -> None:
+                 sent: list[list[float]], chunk_s: float) -> None:
     """Utterances of 2-5 s after pauses of 0.5-1.5 s; each chunk's send time kept (absolute pacing)."""
     await asyncio.sleep(max(0.0, start - time.monotonic()))
     await ws.send(json.dumps({"type": "start", "rate": RATE}))
-    step = round(RATE * CHUNK_S)
+    step = round(RATE * chunk_s)
     while time.monotonic() < until - 2.0:
         await asyncio.sleep(rng.uniform(0.5, 1.5))
         clip = speech[rng.integers(0, speech.size - 5 * RATE):][:int(rng.uniform(2.0, 5.0) * RATE)]
         times: list[float] = []
         t0 = time.monotonic()
         for k, i in enumerate(range(0, clip.size, step)):
-            await asyncio.sleep(max(0.0, t0 + k * CHUNK_S - time.monotonic()))
+            await asyncio.sleep(max(0.0, t0 + k * chunk_s - time.monotonic()))
             await ws.send(clip[i:i + step].tobytes())
             times.append(time.monotonic())
         await ws.send(json.dumps({"type": "end"}))
@@ -106,25 +105,27 @@ async def _speak(ws, speech: np.ndarray, rng: np.random.Generator, start: float,
 
 
 def latencies(sent: list[list[float]], events: list[dict], video: dict[int, float], clock: int,
-              fps: Fraction) -> list[float]:
+              fps: Fraction, chunk_s: float = 0.02) -> list[float]:
     """Per speech frame (seconds): its arrival minus the send time of the audio at its start."""
     started = [e for e in events if e.get("kind") == "started"]
     ended = {e["utterance"]: e["pts"] for e in events if e.get("kind") in ("finished", "interrupted")}
     out = []
     for times, e in zip(sent, started):  # utterances start in the order they were sent
-        first, last = e["pts"], ended.get(e["utterance"], e["pts"] + int(len(times) * CHUNK_S * fps))
+        first, last = e["pts"], ended.get(e["utterance"], e["pts"] + int(len(times) * chunk_s * fps))
         for frame in range(first, last):
-            chunk = int((frame - first) / fps / CHUNK_S + 1e-9)
+            chunk = int((frame - first) / fps / chunk_s + 1e-9)
             arrived = video.get(int(frame * clock / fps))  # the server's own rounding
             if chunk < len(times) and arrived is not None:
                 out.append(arrived - times[chunk])
     return out
 
 
-async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: float, seed: int) -> dict:
-    """Connect, wait for the common start, speak for `seconds`, and report what arrived."""
+async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: float, seed: int,
+              codec: str = "any", chunk_s: float = 0.02) -> dict:
+    """Connect, wait for the common start, speak for `seconds`, and report what arrived. `codec`: the video
+    codec the offer allows ("h264", "vp8"; "any": aiortc's own list, VP8 then H.264)."""
     import websockets
-    from aiortc import RTCPeerConnection, RTCSessionDescription
+    from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
     from lipstream.fixtures import speech_like
 
@@ -133,7 +134,11 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
     pc = RTCPeerConnection()
     tracks: dict = {}
     pc.on("track", lambda t: tracks.__setitem__(t.kind, t))
-    wire = WireClock(pc.addTransceiver("video", direction="recvonly").receiver)
+    transceiver = pc.addTransceiver("video", direction="recvonly")
+    if codec != "any":
+        transceiver.setCodecPreferences([c for c in RTCRtpReceiver.getCapabilities("video").codecs
+                                         if c.mimeType.lower() in (f"video/{codec}", "video/rtx")])
+    wire = WireClock(transceiver.receiver)
     pc.addTransceiver("audio", direction="recvonly")
     t_connect = time.monotonic()
     await pc.setLocalDescription(await pc.createOffer())
@@ -144,6 +149,9 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
             await pc.close()
             return {"error": f"POST /v1/sessions: {r.status_code} {r.text[:200]}"}
         sid = r.headers["x-session-id"]
+        video_line = r.text.split("m=video", 1)[1].split("\n", 1)[0].split()
+        answered = next((line.split()[1].split("/")[0] for line in r.text.splitlines()
+                         if line.startswith(f"a=rtpmap:{video_line[2]} ")), "?")  # the codec it sends
         fps = next(Fraction(a["fps"]) for a in (await http.get("/v1/avatars")).json() if a["name"] == avatar)
         await pc.setRemoteDescription(RTCSessionDescription(r.text, "answer"))
         while len(tracks) < 2 and time.monotonic() - t_connect < 30:
@@ -162,19 +170,19 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
                     events.append({**json.loads(message), "at": time.monotonic()})
 
             listener = asyncio.ensure_future(listen())
-            await _speak(ws, speech, np.random.default_rng(seed), start, until, sent)
+            await _speak(ws, speech, np.random.default_rng(seed), start, until, sent, chunk_s)
             await asyncio.gather(*recorders)
             listener.cancel()
         first_frame_s = (min(video.arrivals.values()) - t_connect) if video.arrivals else None
         server = next((s for s in (await http.get("/v1/sessions")).json() if s["id"] == sid), {})
         await http.delete(f"/v1/sessions/{sid}")
     await pc.close()
-    lat = latencies(sent, events, video.arrivals, video.clock, fps)
-    lat_wire = latencies(sent, events, wire.arrivals, video.clock, fps)
+    lat = latencies(sent, events, video.arrivals, video.clock, fps, chunk_s)
+    lat_wire = latencies(sent, events, wire.arrivals, video.clock, fps, chunk_s)
     v = sorted(video.arrivals)
     lags = video.lag(), audio.lag()
     return {
-        "session": sid, "avatar": avatar, "fps": str(fps),
+        "session": sid, "avatar": avatar, "fps": str(fps), "video_codec": answered,
         "first_frame_s": first_frame_s and round(first_frame_s, 3),  # offer made -> first video frame
         "latency_ms": [round(x * 1000, 1) for x in lat_wire],  # the frame's last packet in
         "decoded_latency_ms": [round(x * 1000, 1) for x in lat],  # handed over by aiortc, decoded
@@ -198,11 +206,13 @@ def main() -> None:
     p.add_argument("--start", type=float, required=True, help="time.time() at which to start speaking")
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", choices=("any", "h264", "vp8"), default="any")
+    p.add_argument("--chunk-ms", type=float, default=20.0, help="speech sent in chunks of this length")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     try:
         report = asyncio.run(run(a.url.rstrip("/"), os.environ.get("LIPSTREAM_API_KEY", ""), a.avatar, a.start,
-                                 a.seconds, a.seed))
+                                 a.seconds, a.seed, a.codec, a.chunk_ms / 1000))
     except Exception as e:  # the parent reports it, with the others' figures
         report = {"error": f"{type(e).__name__}: {e}"}
     tmp = a.out.with_suffix(".part")

@@ -46,7 +46,7 @@ def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
 
 
 def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, render_audio: Path | None = None,
-            server_pid: int | None = None, seed: int = 0) -> dict:
+            server_pid: int | None = None, seed: int = 0, codec: str = "any", chunk_ms: float = 20.0) -> dict:
     """N client processes for `seconds` (and a render job if asked); the figures of one row."""
     env = {**os.environ, "LIPSTREAM_API_KEY": key, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
@@ -59,7 +59,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
             out = Path(tmp) / f"client{k}.json"
             cmd = [sys.executable, "-m", "lipstream.bench.serve_client", "--url", url, "--avatar",
                    avatars[k % len(avatars)], "--start", str(start), "--seconds", str(seconds),
-                   "--seed", str(seed * 1000 + k), "--out", str(out)]
+                   "--seed", str(seed * 1000 + k), "--codec", codec, "--chunk-ms", str(chunk_ms), "--out", str(out)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
         time.sleep(max(0.0, start - time.time()))
         cpu0, t0 = _cpu_s(server_pid), time.monotonic()
@@ -96,6 +96,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
     row = {
         "sessions": n,
         "clients_ok": len(clients),
+        "video_codecs": sorted({c["video_codec"] for c in clients}),
         "errors": errors,
         "latency_ms": {f"p{q}": round(float(np.percentile(lat, q)), 1) for q in (50, 95, 99)} if lat else {},
         "latency_ms_max": round(max(lat), 1) if lat else None,
@@ -104,7 +105,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         "frames_late": sum(c["server_frames_late"] or 0 for c in clients),  # the server's: previous picture again
         "frames_played": sum(c["server_frames_played"] or 0 for c in clients),
         "video_frames_received": sum(c["video_frames"] for c in clients),
-        "video_frames_missing": sum(c["video_frames_missing"] or 0 for c in clients),
+        "video_frames_missing": sum(c["video_frames_missing"] or 0 for c in clients),  # never arrived (late, dropped)
         "utterances": [sum(c["utterances_sent"] for c in clients), sum(c["utterances_started"] for c in clients),
                        sum(c["utterances_finished"] for c in clients)],  # sent, started, finished
         "av_offset_ms": {"median": round(float(np.median(offsets)), 1), "max_abs": round(max(map(abs, offsets)), 1)}
@@ -122,7 +123,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
 
 def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
         render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
-        command: str = "", progress=print) -> dict:
+        codec: str = "any", chunk_ms: float = 20.0, command: str = "", progress=print) -> dict:
     """Every row, after a warm-up at the largest N; the report (not written)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
@@ -138,14 +139,16 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         raise RuntimeError(f"avatars {missing or chosen} are not resident on {url} (it has {sorted(known)})")
     report = {"command": command, "url": url, "avatars": {a: f"{known[a]['width']}x{known[a]['height']}@{known[a]['fps']}"
                                                           for a in chosen},
-              "seconds": seconds, "render_audio": str(render_audio) if render_audio else None,
+              "seconds": seconds, "codec": codec, "chunk_ms": chunk_ms, "render_audio": str(render_audio) if render_audio else None,
               "date": time.strftime("%Y-%m-%d %H:%M"), "commit": os.environ.get("LIPSTREAM_COMMIT", "?"),
               "cpus": os.cpu_count(), "rows": []}
     if warmup:
-        w = run_row(url, key, max(counts), WARMUP_S, chosen, server_pid=server_pid, seed=99)
+        w = run_row(url, key, max(counts), WARMUP_S, chosen, server_pid=server_pid, seed=99, codec=codec,
+                    chunk_ms=chunk_ms)
         progress(f"warm-up: {w['sessions']} sessions, {w['clients_ok']} ok, p99 {w['latency_ms'].get('p99')} ms")
     for i, n in enumerate(counts):
-        row = run_row(url, key, n, seconds, chosen, render_audio=render_audio, server_pid=server_pid, seed=i)
+        row = run_row(url, key, n, seconds, chosen, render_audio=render_audio, server_pid=server_pid, seed=i,
+                      codec=codec, chunk_ms=chunk_ms)
         report["rows"].append(row)
         progress(f"N={n}: p50/p99 {row['latency_ms'].get('p50')}/{row['latency_ms'].get('p99')} ms, "
                  f"{row['frames_late']} late, {row['video_frames_missing']} missing, errors {len(row['errors'])}")
@@ -158,7 +161,8 @@ def write(report: dict, out: Path) -> None:
     """serve_bench.json and serve_bench.md under `out`, atomically."""
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# serve-bench {report['date']} (commit {report['commit']}, {report['cpus']} CPUs)", "",
-             f"`{report['command']}`", "", f"avatars: {report['avatars']}; {report['seconds']} s a row; "
+             f"`{report['command']}`", "", f"avatars: {report['avatars']}; {report['seconds']} s a row; video {report['codec']} offered, speech in "
+             f"{report['chunk_ms']:g} ms chunks; "
              f"render job beside: {report['render_audio'] or 'none'}", "",
              "| N | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
              "(median, max) | first frame s | render job | server cores | errors |",

@@ -132,6 +132,11 @@ class Session:
                 self._utterances[-1].end()
         self._wake_engine()
 
+    def request_keyframe(self) -> None:
+        """The next frame handed to the encoder is an IDR (a viewer lost packets; frames were dropped after us)."""
+        with self._lock:
+            self._need_key = True
+
     def clear(self) -> None:
         """Interrupt: drop all queued speech; the next frame handed out is idle again."""
         with self._lock:

@@ -4,8 +4,16 @@ The client posts an SDP offer (WHEP's shape: offer in, answer out, a Location to
 gets the presenter's tracks. Speech comes in over a WebSocket (PCM16 chunks, `end`, `interrupt`;
 speech events go back on it) or as the client's own audio track. The session is read once and
 fanned out to the two tracks: a track nobody reads loses its oldest frames, never stalls the
-session. aiortc encodes (VP8/H.264 and Opus) on its own threads; the session's timestamps become
-the RTP clocks, so audio and video leave together at each frame's playout time.
+session. The session's timestamps become the RTP clocks, so audio and video leave together at each
+frame's playout time.
+
+When the offer takes H.264 (browsers and aiortc do), the session's own H.264 goes out as it is:
+x264 (zerolatency, constant quality), encoded in the engine's worker processes as each frame is
+rendered, before its playout time. Otherwise aiortc encodes VP8 from raw frames on this process's
+threads: on a 2-core CPU 16 ms a 720p frame at its 0.5 Mbit/s start rate, against x264's 4 ms in
+a worker (docs/BENCHMARKS.md), and at every frame's playout time, so it adds to latency. The audio
+is always the session's samples at playout, Opus-encoded by aiortc: a frame rendered late must not
+make its sound late (its packets would be), and Opus costs little next to video.
 """
 
 from __future__ import annotations
@@ -30,21 +38,67 @@ log = logging.getLogger(__name__)
 VIDEO_CLOCK = 90_000
 QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
 OPUS_FRAME = 960  # 20 ms at 48 kHz
+STALE_S = 0.1  # encoded video this far behind its playout time is dropped (and an IDR asked for)
+
+
+def prefer_h264(offer: str) -> str | None:
+    """The offer with H.264 (packetization-mode 1, constrained baseline first) ahead of its other video
+    codecs, so the answer and the sender take it; None when its video offers no such H.264. Both the
+    m-line and the rtpmap lines are reordered: aiortc reads preference from the rtpmap order."""
+    sep = "\r\n" if "\r\n" in offer else "\n"
+    lines = offer.split(sep)
+    m = next((i for i, line in enumerate(lines) if line.startswith("m=video ")), None)
+    if m is None:
+        return None
+    end = next((i for i in range(m + 1, len(lines)) if lines[i].startswith("m=")), len(lines))
+    section = lines[m + 1:end]
+    rtpmap = {line.split(":", 1)[1].split()[0]: line for line in section if line.startswith("a=rtpmap:")}
+    fmtp = {line.split(":", 1)[1].split()[0]: line.lower() for line in section if line.startswith("a=fmtp:")}
+    usable = [pt for pt, line in rtpmap.items()
+              if " h264/90000" in line.lower() and "packetization-mode=1" in fmtp.get(pt, "")]
+    if not usable:
+        return None
+    usable.sort(key=lambda pt: ("profile-level-id=42e0" not in fmtp[pt], int(pt)))
+    head = lines[m].split()
+    lines[m] = " ".join(head[:3] + usable + [pt for pt in head[3:] if pt not in usable])
+    first = next(i for i, line in enumerate(section) if line.startswith("a=rtpmap:"))
+    rest = [line for line in section if line not in {rtpmap[pt] for pt in usable}]
+    section = rest[:first] + [rtpmap[pt] for pt in usable] + rest[first:]
+    return sep.join(lines[:m + 1] + section + lines[end:])
 
 
 class _Track(MediaStreamTrack):
-    """Frames handed over by the session's reader; `due(frame)` (time.monotonic()) holds each back until
-    its playout time (the audio: a frame's 20 ms pieces go out 20 ms apart, not in a burst)."""
+    """Frames (or encoded packets) handed over by the session's reader; `due(frame)` (time.monotonic())
+    holds each back until its playout time (the audio: a frame's 20 ms pieces go out 20 ms apart, not
+    in a burst). A reader that falls behind loses the oldest; for encoded video that breaks the
+    decoder's reference chain, so the track drops up to the next IDR and asks for one (`on_gap`)."""
 
     def __init__(self, kind: str, due: Callable[[av.frame.Frame], float] | None = None):
         super().__init__()
         self.kind = kind
         self.queue: asyncio.Queue = asyncio.Queue(QUEUE_FRAMES)
         self.due = due
+        self.on_gap: Callable[[], None] | None = None
+        self._waiting_key = False
 
-    def put(self, frame) -> None:
-        if self.queue.full():
-            self.queue.get_nowait()  # the reader is behind: drop, do not stall the session
+    def gap(self) -> None:
+        """Encoded video lost a frame: nothing until the next IDR, which is asked for."""
+        if not self._waiting_key and self.on_gap is not None:
+            self._waiting_key = True
+            self.on_gap()
+
+    def put(self, frame, key: bool = True) -> None:
+        if self.queue.full():  # the reader is behind: drop, do not stall the session
+            if self.on_gap is None:
+                self.queue.get_nowait()
+            else:
+                while not self.queue.empty():
+                    self.queue.get_nowait()
+                self.gap()
+        if self._waiting_key:
+            if not key:
+                return
+            self._waiting_key = False
         self.queue.put_nowait(frame)
 
     async def recv(self):
@@ -72,11 +126,14 @@ class LiveSession:
     video: _Track = field(default_factory=lambda: _Track("video"))
     audio: _Track = field(default_factory=lambda: _Track("audio"))
     tasks: list[asyncio.Task] = field(default_factory=list)
+    encoded: bool = False  # the session's own H.264 packets go out (else raw frames, aiortc encodes VP8)
     observe_latency: Callable[[float], None] = lambda seconds: None  # audio pushed -> frame ready
 
     def __post_init__(self) -> None:
         s = self.session
         self.audio.due = lambda frame: s.t0 + s.o.playout_delay_s + frame.pts / AUDIO_RATE
+        if self.encoded:
+            self.video.on_gap = s.request_keyframe
 
     async def pump(self) -> None:
         """Read the session at its playout pace: frames to the tracks, speech events to the socket."""
@@ -87,10 +144,13 @@ class LiveSession:
                 if isinstance(item, LiveFrame):
                     if item.latency_s is not None:
                         self.observe_latency(item.latency_s)
-                    video = av.VideoFrame.from_ndarray(item.i420, format="yuv420p")
-                    video.pts = int(item.pts * VIDEO_CLOCK / fps)
-                    video.time_base = Fraction(1, VIDEO_CLOCK)
-                    self.video.put(video)
+                    if self.encoded:
+                        self._put_packets(item)
+                    else:
+                        video = av.VideoFrame.from_ndarray(item.i420, format="yuv420p")
+                        video.pts = int(item.pts * VIDEO_CLOCK / fps)
+                        video.time_base = Fraction(1, VIDEO_CLOCK)
+                        self.video.put(video)
                     # aiortc sends one Opus packet a frame it is given: 20 ms frames, from the session's clock
                     start = (item.pts * AUDIO_RATE * fps.denominator) // fps.numerator
                     if start != pcm_at + pcm.size:  # frames were dropped unread: the audio clock jumps too
@@ -109,6 +169,20 @@ class LiveSession:
         finally:
             self.video.put(None)
             self.audio.put(None)
+
+    def _put_packets(self, item: LiveFrame) -> None:
+        """The frame's H.264 access unit (with those of frames rendered after they played), as aiortc sends
+        pre-encoded media. One more than STALE_S behind its playout is dropped, with what depends on it,
+        until an IDR asked for now: the viewer keeps the last picture, as a late frame shows it."""
+        for p in item.packets:
+            if p.kind != "video":
+                continue
+            if float(item.pts * (1 / item.fps) - p.time_s) > STALE_S:
+                self.video.gap()
+                continue
+            packet = av.Packet(p.data)
+            packet.pts, packet.dts, packet.time_base = p.pts, p.dts, p.time_base
+            self.video.put(packet, p.keyframe)
 
     async def listen(self, track: MediaStreamTrack) -> None:
         """The client's own microphone track: its samples are the session's speech."""
@@ -137,9 +211,11 @@ class LiveSessions:
 
     async def start(self, owner: str, avatar: str, offer_sdp: str) -> tuple[LiveSession, str]:
         """Open an engine session (AdmissionError when full) and answer the client's offer."""
-        session = self.s.live.open_session(self.s.avatars[avatar], encode=False)
+        h264_offer = prefer_h264(offer_sdp)
+        encoded = h264_offer is not None
+        session = self.s.live.open_session(self.s.avatars[avatar], encode=encoded)
         pc = RTCPeerConnection()
-        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc,
+        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
         try:
@@ -153,9 +229,12 @@ class LiveSessions:
                 if pc.connectionState in ("failed", "closed"):
                     await self.close(live.id)
 
-            await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
-            pc.addTrack(live.video)  # after the offer: the tracks take its m-lines, in its order
+            await pc.setRemoteDescription(RTCSessionDescription(h264_offer or offer_sdp, "offer"))
+            video = pc.addTrack(live.video)  # after the offer: the tracks take its m-lines, in its order
             pc.addTrack(live.audio)
+            if encoded:  # a viewer that lost packets asks for a picture it can decode: the next frame an IDR
+                keyframe = video._send_keyframe
+                video._send_keyframe = lambda: (session.request_keyframe(), keyframe())
             await pc.setLocalDescription(await pc.createAnswer())  # aiortc gathers its candidates here
             live.tasks.append(asyncio.ensure_future(live.pump()))
         except BaseException:

@@ -34,8 +34,11 @@ class Service:
         for d in (self.uploads_dir, self.results_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(options.data_dir / "jobs.sqlite3")
-        # aiortc encodes for WebRTC: the sessions hand it raw frames
-        live_options = preset(options.live_preset).replace(encode=False, capacity_fps=options.live_capacity_fps)
+        # sessions whose client takes H.264 send the engine's own video packets (encoded in its worker
+        # processes, started with the engine); the others hand aiortc raw frames; the audio always goes
+        # raw (serve/live.py says why)
+        live_options = preset(options.live_preset).replace(encode=True, audio_codec="none",
+                                                           capacity_fps=options.live_capacity_fps)
         self.live = LiveEngine(models, live_options, compile=compile)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
