@@ -294,3 +294,27 @@ def test_not_a_database_refused(tmp_path: Path):
     with pytest.raises(JobStoreError, match="not a usable job store") as raised:
         JobStore(path)
     assert "\n" not in str(raised.value)
+
+
+def test_a_job_running_at_every_crash_fails_after_max_attempts(tmp_path: Path):
+    """A job that brings the server down is not run forever: at the third crash it fails, with why.
+    A graceful shutdown's requeue does not count as an attempt."""
+    path = tmp_path / "jobs.db"
+    job = JobStore(path).submit("alice", "render", {"n": 1})
+    for crash in (1, 2):
+        store = JobStore(path)
+        assert store.requeue_running(max_attempts=3) == ([job.id] if crash > 1 else [])
+        assert store.claim_next().attempts == crash
+        store.close()  # dies mid-job
+    store = JobStore(path)
+    assert store.requeue_running(max_attempts=3) == [job.id]
+    assert store.claim_next().attempts == 3
+    assert store.requeue_running(shutdown=True) == [job.id]  # SIGTERM: handed back, not counted
+    assert store.get(job.id).attempts == 2
+    assert store.claim_next().attempts == 3
+    store.close()  # the third crash
+    store = JobStore(path)
+    assert store.requeue_running(max_attempts=3) == []
+    failed = store.get(job.id)
+    assert failed.status == "failed" and "3 times" in failed.error and failed.finished_at is not None
+    assert store.claim_next() is None

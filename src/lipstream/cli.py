@@ -465,6 +465,9 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
                                                                  "clients) may have open.")] = 4,
               capacity_fps: Annotated[Optional[float], typer.Option(
                   help="Frames/s live sessions may take in all (default: what the engine measures at start).")] = None,
+              live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: realtime (plays 250 ms "
+                                                       "behind the speech), accurate (350 ms), utterance (1 s).")]
+              = "realtime",
               compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -474,7 +477,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
                                         if k.strip())
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
-                           jobs_per_key, sessions_per_key, live_capacity_fps=capacity_fps)
+                           jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps)
     try:
         options.check()
     except ValueError as e:

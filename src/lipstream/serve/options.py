@@ -23,7 +23,8 @@ def is_loopback(host: str) -> bool:
 class ServeOptions:
     """`api_keys`: bearer keys a client must send (none: only on a loopback address).
     `max_upload_mb` and `max_audio_s` bound one upload; `jobs_per_key` bounds a key's queued and
-    running jobs, `sessions_per_key` its live sessions. `live_capacity_fps`: the frames/s live
+    running jobs, `sessions_per_key` its live sessions. `max_attempts`: a job the server was running
+    when it died that many times fails at the next start instead of running again. `live_capacity_fps`: the frames/s live
     sessions may take in all (admission; None: what the engine measures at start, all of it)."""
 
     avatars_dir: Path
@@ -35,6 +36,7 @@ class ServeOptions:
     max_audio_s: float = 600.0
     jobs_per_key: int = 8
     sessions_per_key: int = 4
+    max_attempts: int = 3
     live_preset: str = "realtime"
     live_capacity_fps: float | None = None
 
@@ -51,3 +53,9 @@ class ServeOptions:
             raise ValueError(f"--port {self.port}: 0 to 65535 is allowed")
         if self.max_upload_mb <= 0 or self.max_audio_s <= 0 or self.jobs_per_key < 1 or self.sessions_per_key < 1:
             raise ValueError("upload and audio limits must be > 0, per-key caps >= 1")
+        from lipstream.live.options import PRESETS
+
+        if self.live_preset not in PRESETS:
+            raise ValueError(f"--preset {self.live_preset!r}: one of {', '.join(PRESETS)} is allowed")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")

@@ -56,7 +56,7 @@ class Service:
         for name in names:
             self.add_avatar(name)
         self.live.start()
-        requeued = self.store.requeue_running()
+        requeued = self.store.requeue_running(max_attempts=self.o.max_attempts)
         if requeued:
             log.info("requeued %d jobs that were running when the server stopped", len(requeued))
         self._sweep()
@@ -86,7 +86,7 @@ class Service:
         self.ready = False
         self.metrics.ready.set(0)
         self.runner.stop()
-        requeued = self.store.requeue_running()
+        requeued = self.store.requeue_running(shutdown=True)
         if requeued:
             log.info("requeued %d running jobs at shutdown", len(requeued))
         self.live.close()

@@ -267,14 +267,24 @@ class JobStore:
                                        " WHERE id = ? RETURNING *", (job_id,)).fetchall()[0]
         return _job(row)
 
-    def requeue_running(self) -> list[str]:
-        """Every running job back to queued (progress 0, started_at cleared), oldest first: at
-        start-up after a crash, and on a graceful shutdown for the jobs that did not finish. A
-        running job someone asked to cancel is cancelled instead of run again (and not returned)."""
+    def requeue_running(self, *, max_attempts: int | None = None, shutdown: bool = False) -> list[str]:
+        """Every running job back to queued (progress 0, started_at cleared), oldest first.
+
+        At start-up after a crash, with `max_attempts`: a job that was running at that many crashes
+        fails instead (it may be what brings the server down). On a graceful shutdown (`shutdown`)
+        the interrupted claim is not counted. A running job someone asked to cancel is cancelled
+        instead of run again (and not returned)."""
         now = time.time()
         with self._lock, self._transaction():
+            if max_attempts is not None:
+                self._db.execute(
+                    "UPDATE jobs SET status = 'failed', finished_at = ?, error = ?, version = version + 1"
+                    " WHERE status = 'running' AND cancel_requested = 0 AND attempts >= ?",
+                    (now, f"the server stopped {max_attempts} times while running this job; not run again",
+                     max_attempts))
+            uncount = ", attempts = MAX(0, attempts - 1)" if shutdown else ""
             requeued = self._db.execute(
-                "UPDATE jobs SET status = 'queued', started_at = NULL, progress = 0, version = version + 1"
+                f"UPDATE jobs SET status = 'queued', started_at = NULL, progress = 0{uncount}, version = version + 1"
                 " WHERE status = 'running' AND cancel_requested = 0 RETURNING seq, id").fetchall()
             self._db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, version = version + 1"
                              " WHERE status = 'running' AND cancel_requested = 1", (now,))
