@@ -302,8 +302,8 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
                         s.clear()
                         cleared_at = item.pts
                 if any(isinstance(i, SpeechEvent) and i.kind == "interrupted" for i in items):
-                    if isinstance(item, LiveFrame) and item.pts >= cleared_at + 2:
-                        break
+                    if isinstance(item, LiveFrame) and item.pts >= cleared_at + 8:
+                        break  # packets of a frame encoded after it played come with a later frame
             return items, cleared_at
         finally:
             streaming.close_session(s)
@@ -319,7 +319,8 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
     frames = _frames(items)
     video = [p for f in frames for p in f.packets if p.kind == "video"]
     audio = [p for f in frames for p in f.packets if p.kind == "audio"]
-    assert [p.pts for p in video] == [f.pts for f in frames]
+    assert [p.pts for p in video] == sorted({p.pts for p in video})  # rising, each frame once
+    assert set(range(cleared_at + 3)) <= {p.pts for p in video}  # every frame up to just after the clear
     first_after = next(p for p in video if p.pts == cleared_at + 1)
     assert first_after.keyframe and 5 in nal_types(first_after.data)
     assert all(b.pts > a.pts for a, b in zip(audio, audio[1:]))
