@@ -1,4 +1,5 @@
-"""What one WebRTC video frame costs to encode: aiortc's own VP8 and H.264 against the engine's x264.
+"""What one WebRTC video frame costs to encode: aiortc's own VP8 and H.264 against the engine's x264
+(and what aiortc's Opus costs a 20 ms audio frame).
 
 `lipstream serve` sends the engine's H.264 (x264 in its worker processes) to clients that take
 H.264 and lets aiortc encode raw frames for the others; this measures why. One thread, a moving
@@ -34,6 +35,25 @@ def _aiortc(mime: str, frames: list, fps: int) -> tuple[float, float]:
     return (time.perf_counter() - t) / len(frames), size * 8 * fps / len(frames)
 
 
+def _opus(seconds: float = 4.0) -> float:
+    """aiortc's Opus, as `lipstream serve` uses it for every session: seconds per 20 ms frame."""
+    import numpy as np
+    from aiortc.codecs import get_encoder
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    from lipstream.fixtures import speech_like
+
+    encoder = get_encoder(RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48_000, channels=2, payloadType=111))
+    pcm = (speech_like(seconds, 48_000, seed=1) * 32767).astype(np.int16)
+    frames = range(0, pcm.size - 959, 960)
+    t = time.perf_counter()
+    for i in frames:
+        frame = av.AudioFrame.from_ndarray(pcm[None, i:i + 960], format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = 48_000, i, Fraction(1, 48_000)
+        encoder.encode(frame)
+    return (time.perf_counter() - t) / len(frames)
+
+
 def _x264(frames: list, fps: int) -> tuple[float, float]:
     h, w = frames[0].shape[0] * 2 // 3, frames[0].shape[1]
     encoder, size, t = SessionEncoder(w, h, Fraction(fps), audio="none"), 0, time.perf_counter()
@@ -55,6 +75,7 @@ def main() -> None:
                                   ("aiortc H.264 (its start rate)", _aiortc("video/H264", frames, a.fps)),
                                   ("engine x264 ultrafast, CRF 23", _x264(frames, a.fps))):
         print(f"| {name} | {seconds * 1000:.1f} | {bits / 1e6:.2f} |")
+    print(f"\naiortc Opus (the audio of every session): {_opus() * 1000:.2f} ms a 20 ms frame")
 
 
 if __name__ == "__main__":
