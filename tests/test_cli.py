@@ -39,10 +39,22 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
     (tmp_path / "avatars").mkdir()
     cases = [(["--avatars", tmp_path / "none"], "--avatars"),
              (["--avatars", tmp_path / "avatars", "--host", "0.0.0.0"], "--host 0.0.0.0"),
-             (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key")]
+             (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key"),
+             (["--avatars", tmp_path / "avatars", "--preset", "fast"], "--preset 'fast'"),
+             (["--avatars", tmp_path / "avatars", "--playout-delay-ms", "10"], "--playout-delay-ms 10")]
     for args, named in cases:
         r = lipstream("serve", *args, "--random-weights", env={"LIPSTREAM_API_KEYS": ""})
         assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_bench_refuses_bad_options_in_one_line(tmp_path):
+    """Before any client starts: counts, codec, chunk length, the URL."""
+    cases = [(["--sessions", "0"], "--sessions"), (["--codec", "av1"], "--codec 'av1'"),
+             (["--chunk-ms", "5"], "--chunk-ms 5"), (["--url", "localhost:8000"], "--url")]
+    for args, named in cases:
+        r = lipstream("serve-bench", *args, "-o", tmp_path / "out")
+        assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_verify_reports_each_component(tiny_checkpoint):

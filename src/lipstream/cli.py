@@ -468,6 +468,9 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: realtime (plays 250 ms "
                                                        "behind the speech), accurate (350 ms), utterance (1 s).")]
               = "realtime",
+              playout_delay_ms: Annotated[Optional[float], typer.Option(
+                  help="How far behind the speech live sessions play (default: the preset's): less is less "
+                       "latency at the client and more frames late when the engine is busy.")] = None,
               compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -477,7 +480,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
                                         if k.strip())
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
-                           jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps)
+                           jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
+                           playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000)
     try:
         options.check()
     except ValueError as e:

@@ -24,7 +24,8 @@ class ServeOptions:
     """`api_keys`: bearer keys a client must send (none: only on a loopback address).
     `max_upload_mb` and `max_audio_s` bound one upload; `jobs_per_key` bounds a key's queued and
     running jobs, `sessions_per_key` its live sessions. `max_attempts`: a job the server was running
-    when it died that many times fails at the next start instead of running again. `live_capacity_fps`: the frames/s live
+    when it died that many times fails at the next start instead of running again. `playout_delay_s` (None: the preset's) is how far behind the speech sessions play: less
+    latency at the client, more frames late when the engine is busy. `live_capacity_fps`: the frames/s live
     sessions may take in all (admission; None: what the engine measures at start, all of it)."""
 
     avatars_dir: Path
@@ -39,6 +40,7 @@ class ServeOptions:
     max_attempts: int = 3
     live_preset: str = "realtime"
     live_capacity_fps: float | None = None
+    playout_delay_s: float | None = None  # None: the preset's (realtime: 0.25 s)
 
     def check(self) -> None:
         """One-line errors before anything loads."""
@@ -57,5 +59,7 @@ class ServeOptions:
 
         if self.live_preset not in PRESETS:
             raise ValueError(f"--preset {self.live_preset!r}: one of {', '.join(PRESETS)} is allowed")
+        if self.playout_delay_s is not None and not 0.05 <= self.playout_delay_s <= 5:
+            raise ValueError(f"--playout-delay-ms {self.playout_delay_s * 1000:g}: 50 to 5000 is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")

@@ -39,6 +39,8 @@ class Service:
         # raw (serve/live.py says why)
         live_options = preset(options.live_preset).replace(encode=True, audio_codec="none",
                                                            capacity_fps=options.live_capacity_fps)
+        if options.playout_delay_s is not None:
+            live_options = live_options.replace(playout_delay_s=options.playout_delay_s)
         self.live = LiveEngine(models, live_options, compile=compile)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
