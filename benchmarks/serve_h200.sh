@@ -1,0 +1,62 @@
+#!/bin/bash
+# Device call (the `run` tool, repo root; carry .whl with av, diffusers, py_spy and .whl/serve/*):
+# lipstream serve on the H200 + serve-bench (aiortc clients in their own processes).
+# STAGE=cold: install, build 4 avatars 1280x720@25, cold server start (ready time), a smoke row, stop.
+# STAGE=bench: warm server start (ready time), serve-bench rows $NS with a render job, py-spy on the server.
+# STAGE=tests: the test suite's media/live/serve modules on Python 3.12 with the newest wheels.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/av-*.whl .whl/diffusers-*.whl .whl/serve/*.whl .whl/py_spy*.whl 2>&1 | grep -v "^$" | tail -3
+export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor PYTHONUNBUFFERED=1
+W=$PWD/.h200-serve; mkdir -p $W
+NS=${NS:-8,16,20,24}
+python3 -c "import av, aiortc, fastapi, numpy, torch; print('av', av.__version__, 'aiortc', aiortc.__version__, 'fastapi', fastapi.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+if [ ! -d $W/avatars ]; then
+  t=$(date +%s.%N)
+  python3 - <<PY 2>&1 | tail -3
+from pathlib import Path
+from lipstream.cli import load_models
+from lipstream.bench.scenarios import _avatar
+m = load_models(None, "cuda", True, "auto")
+for k in range(4):
+    _avatar(Path("$W"), f"p{k}", m, 1280, 720, 25, k)
+print("avatars built")
+PY
+  echo "avatars_s $(python3 -c "import time; print(round(time.time()-$t,1))")"
+  python3 -c "from lipstream.fixtures import speech_like, write_audio; write_audio('$W/job.wav', speech_like(20.0, 16000, seed=7), 16000)"
+fi
+start_server() {  # log name
+  rm -rf $W/data
+  t0=$(date +%s.%N)
+  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data ${PLAYOUT:+--playout-delay-ms $PLAYOUT} > $OUT/$1.log 2>&1 &
+  SPID=$!
+  for i in $(seq 600); do
+    python3 -c "import httpx,sys; sys.exit(0 if httpx.get('http://127.0.0.1:8000/readyz').status_code==200 else 1)" 2>/dev/null && break
+    kill -0 $SPID 2>/dev/null || { echo "server died"; tail -20 $OUT/$1.log; return 1; }
+    sleep 0.5
+  done
+  echo "$1: ready after $(python3 -c "import time; print(round(time.time()-$t0,1))") s (process start to /readyz 200)"
+  grep -o '"capacity[^,]*\|capacity [0-9]* frames/s' $OUT/$1.log | head -2
+}
+stop_server() {
+  t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"
+}
+case ${STAGE:-cold} in
+cold)
+  start_server serve_cold || exit 0
+  timeout 120 python3 -m lipstream.cli serve-bench --sessions 4 --seconds 6 --no-warmup --server-pid $SPID -o $OUT/smoke 2>&1 | tail -4
+  stop_server ;;
+bench)
+  start_server serve_warm || exit 0
+  if [ -n "${PROF:-}" ]; then
+    (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
+  fi
+  timeout ${BENCH_T:-420} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav --server-pid $SPID --codec ${CODEC:-any} -o $OUT/sb 2>&1 | tail -12
+  stop_server
+  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
+  tail -3 $OUT/pyspy.log 2>/dev/null ;;
+tests)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
+  timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_live.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py} 2>&1 | tail -15 ;;
+esac
+find $OUT -size +15M -delete
+ls $OUT
