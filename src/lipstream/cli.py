@@ -410,7 +410,7 @@ def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help=
                    fps: Annotated[int, typer.Option(help="Frame rate of every session.")] = 25,
                    seconds: Annotated[float, typer.Option(help="Length of each run.")] = 20.0,
                    live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: "
-                                                            "realtime, accurate, utterance.")] = "realtime",
+                                                            "realtime, accurate, utterance, cpu.")] = "realtime",
                    compile: Annotated[str, typer.Option(help="off, vae or all (Inductor; the largest bucket only).")]
                    = "auto",
                    models: ModelsOpt = None, random_weights: RandomOpt = False,
@@ -466,7 +466,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               capacity_fps: Annotated[Optional[float], typer.Option(
                   help="Frames/s live sessions may take in all (default: what the engine measures at start).")] = None,
               live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: realtime (plays 250 ms "
-                                                       "behind the speech), accurate (350 ms), utterance (1 s).")]
+                                                       "behind the speech), accurate (350 ms), utterance (1 s), cpu (1 s, "
+                                                       "Whisper every 200 ms: a machine without a GPU).")]
               = "realtime",
               playout_delay_ms: Annotated[Optional[float], typer.Option(
                   help="How far behind the speech live sessions play (default: the preset's): less is less "

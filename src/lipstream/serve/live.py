@@ -173,13 +173,16 @@ class LiveSession:
     def _put_packets(self, item: LiveFrame) -> None:
         """The frame's H.264 access unit (with those of frames rendered after they played), as aiortc sends
         pre-encoded media. One more than STALE_S behind its playout is dropped, with what depends on it,
-        until an IDR asked for now: the viewer keeps the last picture, as a late frame shows it."""
+        until an IDR asked for now: the viewer keeps the last picture, as a late frame shows it, and
+        the next IDR (however late) shows a new one."""
         for p in item.packets:
             if p.kind != "video":
                 continue
-            if float(item.pts * (1 / item.fps) - p.time_s) > STALE_S:
+            if not p.keyframe and item.time_s - p.time_s > STALE_S:
                 self.video.gap()
                 continue
+            # an IDR goes out however late: a picture the viewer can decode, it ends the freeze (dropped, a
+            # late IDR asked for by a gap would freeze the picture until the next one on time)
             packet = av.Packet(p.data)
             packet.pts, packet.dts, packet.time_base = p.pts, p.dts, p.time_base
             self.video.put(packet, p.keyframe)
