@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lipstream-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install browser demo test clean
 
 install: $(STAMP)
 
@@ -24,7 +24,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m lipstream.demo
 
-test: $(STAMP)
+# tests/test_serve_page.py drives a real Chromium (Debian's package; Playwright's own download is not used):
+# installed here when missing and apt-get can run as root; without it that test skips
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else sudo=no; fi; \
+	  if [ "$$sudo" != no ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the page test"; \
+	    apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -qq"; \
+	    $$apt install --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { $$apt update && $$apt install --no-install-recommends chromium >/dev/null; }; \
+	  fi; \
+	  command -v chromium >/dev/null 2>&1 || echo "no chromium (apt-get as root could not install it): the page test will skip"; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 clean:

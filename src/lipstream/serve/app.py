@@ -1,4 +1,5 @@
-"""The HTTP API of `lipstream serve` (FastAPI): render jobs, their progress and results, health, metrics.
+"""The HTTP API of `lipstream serve` (FastAPI): render jobs, their progress and results, health, metrics,
+and the web page at / (static files, no build step).
 
 Every /v1 route takes a bearer key when the server has keys. Uploads are bounded before they are
 read (Content-Length) and their audio by duration once stored; an avatar is named, never a path.
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lipstream.live import AdmissionError
@@ -34,6 +36,8 @@ RETRY_AFTER_S = 5
 SSE_POLL_S = 0.1
 VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
+STATIC = Path(__file__).with_name("static")
+PAGE_CSP = "default-src 'self'"  # the page loads nothing from elsewhere (its WebSocket is same-origin too)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -52,6 +56,8 @@ def create_app(service: Service) -> FastAPI:
     async def count(request: Request, call_next):
         t = time.perf_counter()
         response = _too_big(request, service.o.max_upload_mb) or await call_next(request)
+        if request.url.path == "/" or request.url.path.startswith("/static/"):
+            response.headers["Cache-Control"] = "no-cache"  # revalidated: an upgraded server's page shows at once
         route = request.scope.get("route")
         service.metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
         log.info(json.dumps({"event": "request", "method": request.method, "path": request.url.path,
@@ -66,13 +72,18 @@ def create_app(service: Service) -> FastAPI:
         given = given if scheme.lower() == "bearer" else (token or "")
         return owner_of(given) if any(hmac.compare_digest(given.encode(), k) for k in keys) else None
 
-    def owner(request: Request) -> str:
-        """The caller's owner id; 401 without a valid key (when the server has keys)."""
-        who = key_owner(request.headers.get("authorization", ""))
+    def owner_or_token(request: Request, token: str | None = None) -> str:
+        """owner(), the key also taken as ?token=: for the GETs a browser makes without headers
+        (EventSource, <video src>). Only the path is logged, never the query."""
+        who = key_owner(request.headers.get("authorization", ""), token)
         if who is None:
             raise HTTPException(401, "a valid API key is needed: Authorization: Bearer <key>",
                                 headers={"WWW-Authenticate": "Bearer"})
         return who
+
+    def owner(request: Request) -> str:
+        """The caller's owner id; 401 without a valid key (when the server has keys)."""
+        return owner_or_token(request)
 
     def job_json(job: Job) -> dict:
         out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
@@ -103,6 +114,12 @@ def create_app(service: Service) -> FastAPI:
         if job is None:
             raise HTTPException(404, f"no job {job_id}")
         return job
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -311,7 +328,7 @@ def create_app(service: Service) -> FastAPI:
         return job_json(service.store.cancel(job_id))
 
     @app.get("/v1/jobs/{job_id}/events")
-    async def job_events(job_id: str, who: str = Depends(owner)) -> StreamingResponse:
+    async def job_events(job_id: str, who: str = Depends(owner_or_token)) -> StreamingResponse:
         """Server-sent events: the job as JSON each time it changes, until it is done, failed or cancelled."""
         own_job(job_id, who)
 
@@ -333,7 +350,7 @@ def create_app(service: Service) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/jobs/{job_id}/result")
-    def job_result(job_id: str, who: str = Depends(owner)) -> Response:
+    def job_result(job_id: str, who: str = Depends(owner_or_token)) -> Response:
         """The MP4 (HTTP Range works: players seek in it); a compile job's avatar, as /v1/avatars lists it."""
         job = own_job(job_id, who)
         if job.status != "done" or not job.result:
