@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,10 +43,8 @@ def root(tmp_path_factory, tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def server(root, tiny_models):
     """A started Service behind uvicorn on 127.0.0.1 (a free port), in this process."""
-    import uvicorn
-
-    from lipstream.serve.app import create_app
     from lipstream.serve.options import ServeOptions
+    from lipstream.serve.server import in_thread
     from lipstream.serve.service import Service
 
     # capacity given, not measured (a loaded 2-core machine measures ~6 frames/s and would refuse a 10 fps
@@ -55,16 +52,8 @@ def server(root, tiny_models):
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), max_upload_mb=0.5, max_audio_s=5.0,
                            jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0)
     service = Service(options, tiny_models).start()
-    uv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_config=None))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    with in_thread(service) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, service
-    uv.should_exit = True
-    thread.join(30)
 
 
 def _submit(client, audio: Path, avatar: str = "anna", headers=AUTH):

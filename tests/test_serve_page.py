@@ -15,7 +15,6 @@ import base64
 import json
 import logging
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -88,10 +87,8 @@ def root(tmp_path_factory, tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def server(root, tiny_models):
     """A started Service behind uvicorn on 127.0.0.1 (a free port), in this process; its base URL."""
-    import uvicorn
-
-    from lipstream.serve.app import create_app
     from lipstream.serve.options import ServeOptions
+    from lipstream.serve.server import in_thread
     from lipstream.serve.service import Service
 
     # The realtime preset is the GPU's: here a microphone session falls behind for good within seconds (its
@@ -101,14 +98,8 @@ def server(root, tiny_models):
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), max_audio_s=10.0, live_preset="cpu",
                            live_capacity_fps=35.0)
     service = Service(options, tiny_models).start()
-    uv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_config=None))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(30)
+    with in_thread(service) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

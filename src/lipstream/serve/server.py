@@ -6,7 +6,10 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from lipstream.models import MuseTalk
 from lipstream.serve.options import ServeOptions, is_loopback
@@ -63,3 +66,25 @@ def serve(options: ServeOptions, models: MuseTalk, *, compile: str = "off") -> N
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run()
     log.info(json.dumps({"event": "stopped"}))
+
+
+@contextmanager
+def in_thread(service, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """The app of a started Service served by uvicorn on a thread of this process (tests, notebooks):
+    yields its base URL (port 0: a free one); stops it on exit."""
+    import uvicorn
+
+    from lipstream.serve.app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True, name="lipstream-uvicorn")
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
