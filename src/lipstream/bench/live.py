@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lipstream.bench.proc import process_cpu_s
 from lipstream.fixtures import speech_like
 from lipstream.live import LiveEngine, LiveFrame, LiveOptions, preset
 from lipstream.models import MuseTalk
@@ -35,14 +36,8 @@ WARMUP_S = 4.0  # per frame size, at the largest N, before the rows (not reporte
 def _cpu_s(live: LiveEngine) -> float:
     """CPU seconds of this process and of its encode workers (processes of their own)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    total = r.ru_utime + r.ru_stime
-    for pid in live.encode_pool.pids if live.encode_pool is not None else []:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):  # not Linux, or the worker is gone
-            pass
-    return total
+    workers = [process_cpu_s(pid) for pid in (live.encode_pool.pids if live.encode_pool is not None else [])]
+    return r.ru_utime + r.ru_stime + sum(w for w in workers if w is not None)
 
 
 async def _feed(session, rng: np.random.Generator, until: float, chunk_s: float, speech: np.ndarray) -> None:

@@ -22,20 +22,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from lipstream.bench.proc import process_cpu_s
+
 TARGET_P99_MS = 250.0
 CONNECT_S = 6.0  # clients start (imports, offer, answer) before the common start
 WARMUP_S = 4.0
-
-
-def _cpu_s(pid: int | None) -> float | None:
-    """CPU seconds of a process (all its threads), from /proc; None if it cannot be read."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
@@ -62,7 +53,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                    "--seed", str(seed * 1000 + k), "--codec", codec, "--chunk-ms", str(chunk_ms), "--out", str(out)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
         time.sleep(max(0.0, start - time.time()))
-        cpu0, t0 = _cpu_s(server_pid), time.monotonic()
+        cpu0, t0 = process_cpu_s(server_pid), time.monotonic()
         job = _render_job(http, avatars[0], render_audio) if render_audio is not None else None
         job_s = None
         clients, errors = [], []
@@ -79,7 +70,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
             else:
                 clients.append(report)
         wall = time.monotonic() - t0
-        cpu1 = _cpu_s(server_pid)
+        cpu1 = process_cpu_s(server_pid)
         if job is not None:
             while True:  # the job may outlast the row
                 status = http.get(f"/v1/jobs/{job}").json()

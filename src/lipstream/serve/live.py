@@ -62,7 +62,8 @@ def prefer_h264(offer: str) -> str | None:
     head = lines[m].split()
     lines[m] = " ".join(head[:3] + usable + [pt for pt in head[3:] if pt not in usable])
     first = next(i for i, line in enumerate(section) if line.startswith("a=rtpmap:"))
-    rest = [line for line in section if line not in {rtpmap[pt] for pt in usable}]
+    moved = {rtpmap[pt] for pt in usable}
+    rest = [line for line in section if line not in moved]
     section = rest[:first] + [rtpmap[pt] for pt in usable] + rest[first:]
     return sep.join(lines[:m + 1] + section + lines[end:])
 
