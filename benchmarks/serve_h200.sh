@@ -3,6 +3,7 @@
 # lipstream serve on the H200 + serve-bench (aiortc clients in their own processes).
 # STAGE=cold: install, build 4 avatars 1280x720@25, cold server start (ready time), a smoke row, stop.
 # STAGE=bench: warm server start (ready time), serve-bench rows $NS with a render job, py-spy on the server.
+# STAGE=all: cold (with rows $NS0 at the default playout delay), then a warm start at PLAYOUT2 ms with rows $NS, py-spy.
 # STAGE=tests: the test suite's media/live/serve modules on Python 3.12 with the newest wheels.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/av-*.whl .whl/diffusers-*.whl .whl/serve/*.whl .whl/py_spy*.whl 2>&1 | grep -v "^$" | tail -3
@@ -24,10 +25,11 @@ PY
   echo "avatars_s $(python3 -c "import time; print(round(time.time()-$t,1))")"
   python3 -c "from lipstream.fixtures import speech_like, write_audio; write_audio('$W/job.wav', speech_like(20.0, 16000, seed=7), 16000)"
 fi
-start_server() {  # log name
+start_server() {  # log name [playout ms]
   rm -rf $W/data
+  local playout=${2:-${PLAYOUT:-}}
   t0=$(date +%s.%N)
-  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data ${PLAYOUT:+--playout-delay-ms $PLAYOUT} > $OUT/$1.log 2>&1 &
+  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data ${playout:+--playout-delay-ms $playout} > $OUT/$1.log 2>&1 &
   SPID=$!
   for i in $(seq 600); do
     python3 -c "import httpx,sys; sys.exit(0 if httpx.get('http://127.0.0.1:8000/readyz').status_code==200 else 1)" 2>/dev/null && break
@@ -45,6 +47,18 @@ cold)
   start_server serve_cold || exit 0
   timeout 120 python3 -m lipstream.cli serve-bench --sessions 4 --seconds 6 --no-warmup --server-pid $SPID -o $OUT/smoke 2>&1 | tail -4
   stop_server ;;
+all)
+  start_server serve_cold || exit 0
+  timeout ${BENCH0_T:-150} python3 -m lipstream.cli serve-bench --sessions ${NS0:-16,23} --seconds 12 --render-audio $W/job.wav --server-pid $SPID -o $OUT/sb250 2>&1 | tail -6
+  stop_server
+  start_server serve_warm ${PLAYOUT2:-230} || exit 0
+  if [ -n "${PROF:-}" ]; then
+    (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
+  fi
+  timeout ${BENCH_T:-200} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav --server-pid $SPID --codec ${CODEC:-any} -o $OUT/sb 2>&1 | tail -8
+  stop_server
+  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
+  tail -3 $OUT/pyspy.log 2>/dev/null ;;
 bench)
   start_server serve_warm || exit 0
   if [ -n "${PROF:-}" ]; then
