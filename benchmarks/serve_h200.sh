@@ -4,6 +4,8 @@
 # STAGE=cold: install, build 4 avatars 1280x720@25, cold server start (ready time), a smoke row, stop.
 # STAGE=bench: warm server start (ready time), serve-bench rows $NS with a render job, py-spy on the server.
 # STAGE=all: cold (with rows $NS0 at the default playout delay), then a warm start at PLAYOUT2 ms with rows $NS, py-spy.
+# STAGE=diag: cold start; rows $NS without a job (GPU use, per-thread CPU and a py-spy of every thread during
+#   the second), a row of N=$NJ with a job; then the tests stage in the time left (of TOTAL_T).
 # STAGE=tests: the test suite's media/live/serve modules on Python 3.12 with the newest wheels.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/av-*.whl .whl/diffusers-*.whl .whl/serve/*.whl .whl/py_spy*.whl 2>&1 | grep -v "^$" | tail -3
@@ -59,6 +61,27 @@ all)
   stop_server
   [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
   tail -3 $OUT/pyspy.log 2>/dev/null ;;
+diag)
+  T0=$(date +%s)
+  start_server serve_cold || exit 0
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > $OUT/gpu.csv 2>&1 &
+  GPID=$!
+  (sleep ${SNAP_AT:-48}; top -b -H -n 2 -d 2 -w 250 | awk '/^top -/{n++} n==2' | head -70 > $OUT/top_threads.txt
+   ps -eo pid,ni,pcpu,rss,comm --sort=-pcpu | head -45 > $OUT/ps.txt) &
+  if [ -n "${PROF:-}" ]; then
+    (sleep ${PROF_AT:-45}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --idle --threads -f raw -r 50 -d 10 -o $OUT/idle.txt > $OUT/pyspy.log 2>&1) &
+  fi
+  timeout ${BENCH_T:-200} python3 -m lipstream.cli serve-bench --sessions ${NS:-8,16,23} --seconds 12 --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_nojob 2>&1 | grep -v "^report" | tail -8
+  timeout ${BENCHJ_T:-90} python3 -m lipstream.cli serve-bench --sessions ${NJ:-16} --seconds 12 --no-warmup --render-audio $W/job.wav --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_job 2>&1 | grep -v "^report" | tail -4
+  kill $GPID
+  stop_server
+  [ -f $OUT/idle.txt ] && python3 benchmarks/gil_summary.py $OUT/idle.txt > $OUT/idle_summary.txt && gzip -f $OUT/idle.txt
+  left=$(( ${TOTAL_T:-570} - ($(date +%s) - T0) ))
+  echo "tests: $left s left"
+  if [ $left -gt 60 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
+    timeout $left python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py tests/test_live.py} 2>&1 | tail -15
+  fi ;;
 bench)
   start_server serve_warm || exit 0
   if [ -n "${PROF:-}" ]; then

@@ -383,8 +383,14 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
             listener.cancel()
         await asyncio.gather(*recorders)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            status = (await c.get(f"/v1/sessions/{sid}", headers=AUTH)).json()
+            assert status["video"] == "h264" and status["stats"]["played"] > 50, status["stats"]
+            timings = status["timings_ms"]  # every speech frame stored, with where its time went
+            assert set(timings) == {"audio", "features", "render", "encode", "slack"}
+            assert len(timings["render"]) >= 10 and min(timings["render"]) >= 0 and min(timings["encode"]) >= 0
             assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
             assert (await c.get("/v1/sessions", headers=AUTH)).json() == []
+            assert (await c.get(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 404
             assert "lipstream_live_frame_latency_seconds_count" in (await c.get("/metrics")).text
         await pc.close()
         return video, audio, events
@@ -446,6 +452,9 @@ def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
             r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
                              headers={**AUTH, "Content-Type": "application/sdp"})
             listed = (await c.get("/v1/sessions", headers=AUTH)).json()
+            bad = await c.post("/v1/sessions", params={"avatar": "anna", "playout_delay_ms": 10},
+                               content=pc.localDescription.sdp, headers={**AUTH, "Content-Type": "application/sdp"})
+            assert bad.status_code == 422 and "playout_delay_ms" in bad.json()["detail"], bad.text
             for _, sid, *_ in opened:
                 assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
         for other, *_ in opened:
@@ -470,7 +479,7 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     # VP8: aiortc sends every frame, late ones as the previous picture (on 2 cores most speech frames are
     # late; the engine's H.264 leaves those out), so frames can be matched to the audio
     code = main(["serve-bench", "--url", url, "--sessions", "2", "--seconds", "5", "--no-warmup", "--codec", "vp8",
-                 "--chunk-ms", "100",
+                 "--chunk-ms", "100", "--playout-delay-ms", "1500",
                  "--render-audio", str(root / "hello.wav"), "--server-pid", str(os.getpid()), "-o", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "serve_bench.json").read_text())
@@ -483,6 +492,10 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     assert abs(row["av_offset_ms"]["max_abs"]) < 100, row["av_offset_ms"]  # one frame at 10 fps
     assert row["render_job"]["status"] == "done"
     assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
+    assert row["playout_delay_ms"] == 1500  # the sessions' own, asked for by the clients
+    stages = row["server_stages_ms"]  # the server's account of the speech frames, per stage
+    assert stages["frames"] > 0 and {"audio", "features", "render", "encode", "slack"} <= set(stages), stages
+    assert row["host_busy_cores"] > 0 and row["client_cores"] > 0, row
     assert "| 2 |" in (tmp_path / "serve_bench.md").read_text()
 
 
@@ -499,6 +512,23 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
     lat = latencies(sent, events, video, clock, fps)
     assert len(lat) == 25 and np.allclose(lat, 0.3)
     assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio
+
+
+def test_the_audio_level_aiortc_sends_is_rfc_6465s():
+    """serve.live replaces aiortc's Python loop with numpy; the level must be the RFC's (Appendix A)."""
+    import math
+
+    from aiortc import rtp
+
+    from lipstream.serve.live import audio_level_dbov
+
+    assert rtp.compute_audio_level_dbov is audio_level_dbov
+    for scale in (0, 1, 300, 3000, 30000):
+        pcm = np.clip(np.random.default_rng(scale).standard_normal(960) * scale, -32768, 32767).astype(np.int16)
+        frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
+        rms = math.sqrt(sum(int(x) ** 2 for x in pcm) / (960 * 32767 ** 2))
+        want = -127 if rms == 0 else round(min(max(20 * math.log10(rms), -127), 0))
+        assert audio_level_dbov(frame) == want
 
 
 def test_prefer_h264_puts_constrained_baseline_first_and_leaves_other_offers_alone():

@@ -514,6 +514,9 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                     codec: Annotated[str, typer.Option(help="Video codec the clients offer: any (aiortc's list; the "
                                                             "server then sends H.264), h264 or vp8.")] = "any",
                     chunk_ms: Annotated[float, typer.Option(help="Speech goes out in chunks of this length.")] = 20.0,
+                    playout_delay_ms: Annotated[Optional[str], typer.Option(
+                        help="Comma-separated playout delays the sessions ask for, each a set of rows "
+                             "(default: the server's).")] = None,
                     ) -> None:
     """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
     try:
@@ -529,6 +532,12 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
     if codec not in ("any", "h264", "vp8"):
         raise UsageError(f"--codec {codec!r}: expected any, h264 or vp8")
     in_range("--chunk-ms", chunk_ms, 10, 1000, "milliseconds")
+    try:
+        delays = [float(v) for v in playout_delay_ms.split(",") if v.strip()] if playout_delay_ms else [None]
+    except ValueError:
+        raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: expected e.g. 200,250") from None
+    if not delays or any(d is not None and not 50 <= d <= 5000 for d in delays):
+        raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: 50 to 5000 ms each")
     if render_audio is not None:
         check_file(render_audio, "audio file")
     if out_dir.exists() and not out_dir.is_dir():
@@ -539,7 +548,7 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
     key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
     try:
         report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
-                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
     except (RuntimeError, OSError) as e:
         raise LipStreamError(f"--url {url}: {e}") from None
     write(report, out_dir)

@@ -22,11 +22,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from lipstream.bench.proc import process_cpu_s
+from lipstream.bench.proc import children_cpu_s, host_busy_s, process_cpu_s
 
 TARGET_P99_MS = 250.0
 CONNECT_S = 6.0  # clients start (imports, offer, answer) before the common start
 WARMUP_S = 4.0
+CLIENT_NICE = 10  # clients share the server's machine: they yield to it when cores are short
 
 
 def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
@@ -37,7 +38,8 @@ def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
 
 
 def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, render_audio: Path | None = None,
-            server_pid: int | None = None, seed: int = 0, codec: str = "any", chunk_ms: float = 20.0) -> dict:
+            server_pid: int | None = None, seed: int = 0, codec: str = "any", chunk_ms: float = 20.0,
+            playout_delay_ms: float | None = None) -> dict:
     """N client processes for `seconds` (and a render job if asked); the figures of one row."""
     env = {**os.environ, "LIPSTREAM_API_KEY": key, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
@@ -51,9 +53,13 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
             cmd = [sys.executable, "-m", "lipstream.bench.serve_client", "--url", url, "--avatar",
                    avatars[k % len(avatars)], "--start", str(start), "--seconds", str(seconds),
                    "--seed", str(seed * 1000 + k), "--codec", codec, "--chunk-ms", str(chunk_ms), "--out", str(out)]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+            if playout_delay_ms is not None:
+                cmd += ["--playout-delay-ms", str(playout_delay_ms)]
+            # the load must not take the CPU the server under test needs: clients run at a lower priority
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
         time.sleep(max(0.0, start - time.time()))
-        cpu0, t0 = process_cpu_s(server_pid), time.monotonic()
+        cpu0, kids0, host0, t0 = process_cpu_s(server_pid), children_cpu_s(server_pid), host_busy_s(), time.monotonic()
         job = _render_job(http, avatars[0], render_audio) if render_audio is not None else None
         job_s = None
         clients, errors = [], []
@@ -70,7 +76,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
             else:
                 clients.append(report)
         wall = time.monotonic() - t0
-        cpu1 = process_cpu_s(server_pid)
+        cpu1, kids1, host1 = process_cpu_s(server_pid), children_cpu_s(server_pid), host_busy_s()
         if job is not None:
             while True:  # the job may outlast the row
                 status = http.get(f"/v1/jobs/{job}").json()
@@ -84,8 +90,11 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
     lat = [x for c in clients for x in c["latency_ms"]]
     decoded = [x for c in clients for x in c["decoded_latency_ms"]]
     offsets = [c["av_offset_ms"] for c in clients if c["av_offset_ms"] is not None]
+    stages = _stages([c["server_timings_ms"] for c in clients if c.get("server_timings_ms")])
+    cores = (lambda a, b: round((b - a) / wall, 2) if a is not None and b is not None else None)
     row = {
         "sessions": n,
+        "playout_delay_ms": next((c["server_playout_delay_ms"] for c in clients), None),
         "clients_ok": len(clients),
         "video_codecs": sorted({c["video_codec"] for c in clients}),
         "errors": errors,
@@ -105,17 +114,40 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                                                                  if c["first_frame_s"] is not None], q)), 2)
                           for q in (50, 100)} if clients else {},
         "render_job": job_s,
-        "server_cpu_cores": round((cpu1 - cpu0) / wall, 2) if cpu0 is not None and cpu1 is not None else None,
+        "server_stages_ms": stages,  # the server's account of each speech frame (GET /v1/sessions/{id})
+        "server_skipped": sum((c.get("server_stats") or {}).get("skipped", 0) for c in clients),
+        "server_underruns": sum((c.get("server_stats") or {}).get("underruns", 0) for c in clients),
+        "server_cpu_cores": cores(cpu0, cpu1),
+        "encode_workers_cores": cores(kids0, kids1),
+        "host_busy_cores": cores(host0, host1),  # everything on the machine, the clients included
+        "client_cores": round(sum(c.get("cpu_s", 0) for c in clients) / (wall + CONNECT_S), 2),
         "wall_s": round(wall, 1),
     }
     row["holds"] = bool(lat) and not errors and row["latency_ms"]["p99"] <= TARGET_P99_MS and row["frames_late"] == 0
     return row
 
 
+def _stages(per_client: list[dict[str, list[float]]]) -> dict:
+    """p50 / p99 of each stage over every speech frame; and, over the frames ready after their
+    deadline, each stage's median: which one made them late."""
+    if not per_client:
+        return {}
+    names = list(per_client[0])
+    pooled = {k: np.concatenate([np.asarray(c[k], float) for c in per_client]) for k in names}
+    late = pooled["slack"] < 0
+    out = {k: {"p50": round(float(np.percentile(v, 50)), 1), "p99": round(float(np.percentile(v, 99)), 1)}
+           for k, v in pooled.items() if v.size}
+    out["frames"], out["ready_after_deadline"] = int(late.size), int(late.sum())
+    if late.any():
+        out["late_median"] = {k: round(float(np.median(v[late])), 1) for k, v in pooled.items()}
+    return out
+
+
 def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
         render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
-        codec: str = "any", chunk_ms: float = 20.0, command: str = "", progress=print) -> dict:
-    """Every row, after a warm-up at the largest N; the report (not written)."""
+        codec: str = "any", chunk_ms: float = 20.0, playout_delays_ms: list[float | None] | None = None,
+        command: str = "", progress=print) -> dict:
+    """Every row (each playout delay, each N), after a warm-up at the largest N; the report (not written)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
         ready = http.get("/readyz")
@@ -137,14 +169,23 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         w = run_row(url, key, max(counts), WARMUP_S, chosen, server_pid=server_pid, seed=99, codec=codec,
                     chunk_ms=chunk_ms)
         progress(f"warm-up: {w['sessions']} sessions, {w['clients_ok']} ok, p99 {w['latency_ms'].get('p99')} ms")
-    for i, n in enumerate(counts):
+    rows = [(d, n) for d in (playout_delays_ms or [None]) for n in counts]
+    for i, (delay, n) in enumerate(rows):
         row = run_row(url, key, n, seconds, chosen, render_audio=render_audio, server_pid=server_pid, seed=i,
-                      codec=codec, chunk_ms=chunk_ms)
+                      codec=codec, chunk_ms=chunk_ms, playout_delay_ms=delay)
         report["rows"].append(row)
-        progress(f"N={n}: p50/p99 {row['latency_ms'].get('p50')}/{row['latency_ms'].get('p99')} ms, "
-                 f"{row['frames_late']} late, {row['video_frames_missing']} missing, errors {len(row['errors'])}")
+        st = row["server_stages_ms"]
+        progress(f"N={n} at {row['playout_delay_ms']} ms: p50/p99 {row['latency_ms'].get('p50')}/"
+                 f"{row['latency_ms'].get('p99')} ms, {row['frames_late']} late, {row['video_frames_missing']} missing, "
+                 f"errors {len(row['errors'])}; server stages p99 "
+                 f"{ {k: v['p99'] for k, v in st.items() if isinstance(v, dict) and 'p99' in v} }, "
+                 f"late by {st.get('late_median')}; cores host {row['host_busy_cores']} server "
+                 f"{row['server_cpu_cores']} encoders {row['encode_workers_cores']} clients {row['client_cores']}")
     held = [r["sessions"] for r in report["rows"] if r["holds"]]
     report["largest_n"] = max(held) if held else None
+    report["largest_n_by_delay"] = {str(d): max([r["sessions"] for r in report["rows"]
+                                                 if r["holds"] and r["playout_delay_ms"] == d], default=None)
+                                    for d in sorted({r["playout_delay_ms"] for r in report["rows"]}, key=str)}
     return report
 
 
@@ -155,22 +196,29 @@ def write(report: dict, out: Path) -> None:
              f"`{report['command']}`", "", f"avatars: {report['avatars']}; {report['seconds']} s a row; video {report['codec']} offered, speech in "
              f"{report['chunk_ms']:g} ms chunks; "
              f"render job beside: {report['render_audio'] or 'none'}", "",
-             "| N | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
-             "(median, max) | first frame s | render job | server cores | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | playout ms | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
+             "(median, max) | first frame s | render job s | server stages p99 ms (audio, features, render, encode) | "
+             "cores: host, server, encoders, clients | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         q, av_ = r["latency_ms"], r["av_offset_ms"]
         job = r["render_job"]
         d = r["decoded_latency_ms"]
-        lines.append(f"| {r['sessions']} | {q.get('p50')} / {q.get('p95')} / {q.get('p99')} | {r['latency_ms_max']} | "
+        st = r.get("server_stages_ms") or {}
+        stages = ", ".join(str(st.get(k, {}).get("p99")) for k in ("audio", "features", "render", "encode"))
+        lines.append(f"| {r['sessions']} | {r.get('playout_delay_ms')} | {q.get('p50')} / {q.get('p95')} / {q.get('p99')} | {r['latency_ms_max']} | "
                      f"{d.get('p50')} / {d.get('p99')} | "
                      f"{r['speech_frames']} | {r['frames_late']} | {r['video_frames_missing']} | "
                      f"{av_.get('median')}, {av_.get('max_abs')} | {r['first_frame_s'].get('p50')} | "
-                     f"{(job or {}).get('seconds')} | {r['server_cpu_cores']} | {len(r['errors'])} |")
+                     f"{(job or {}).get('seconds')} | {stages} | {r.get('host_busy_cores')}, {r['server_cpu_cores']}, "
+                     f"{r.get('encode_workers_cores')}, {r.get('client_cores')} | {len(r['errors'])} |")
     lines += ["", "Latency: audio sent by the client -> the frame's last RTP packet at the client; decoded: -> "
                   "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts)."]
+    lines += ["", "Server stages, per speech frame: its audio arriving (push of the frame's first sample -> "
+                  "the last its window needs), features and scheduling, the step with the copy to host, "
+                  "copy-out and H.264 encode."]
     lines += ["", f"Largest N with p99 <= {TARGET_P99_MS:.0f} ms, no frame late, no client error: "
-                  f"{report['largest_n']}"]
+                  f"{report['largest_n']} (by playout delay: {report.get('largest_n_by_delay')})"]
     for name, text in (("serve_bench.json", json.dumps(report, indent=1)), ("serve_bench.md", "\n".join(lines) + "\n")):
         tmp = out / (name + ".part")
         tmp.write_text(text)

@@ -249,9 +249,13 @@ class LiveEngine:
     # --- sessions and jobs ----------------------------------------------------------------------
 
     def open_session(self, avatar: int = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
-                     start_frame: int = 0) -> Session:
-        """A new session on a resident avatar, idle until speech is pushed; AdmissionError if full."""
+                     start_frame: int = 0, playout_delay_s: float | None = None) -> Session:
+        """A new session on a resident avatar, idle until speech is pushed; AdmissionError if full.
+        `playout_delay_s` (None: the engine's) is this session's own: a client may trade latency for
+        fewer late frames; the scheduler orders every frame by its own session's deadline."""
         self._raise_error()
+        if playout_delay_s is not None and not 0.05 <= playout_delay_s <= 5:
+            raise ValueError(f"playout_delay_s: {playout_delay_s:g}; 0.05 to 5 s is allowed")
         if not 0 <= avatar < len(self.engine.avatars):
             raise ValueError(f"avatar: slot {avatar}; {len(self.engine.avatars)} avatars are resident")
         a = self.engine.avatars[avatar]
@@ -269,7 +273,8 @@ class LiveEngine:
         try:
             a.wait_frames(1)
             rest = a.frames[int(ping_pong(start_frame, a.num_frames))].cpu().numpy().copy()  # before frame 0 is ready
-            session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, self.o, self.table, rest,
+            o = self.o if playout_delay_s is None else self.o.replace(playout_delay_s=playout_delay_s)
+            session = Session(sid, slot, avatar, a.fps, fps, a.size, a.num_frames, o, self.table, rest,
                               self._wake.set, self._copy.submit, start_frame)
             if self.o.encode if encode is None else encode:
                 session.attach_encoder(self._encoders().open(

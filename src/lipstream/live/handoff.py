@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 NO_AUDIO = np.zeros(0, np.float32)
 NO_AUDIO.flags.writeable = False
 FALL_BEHIND_S = 1.0  # a consumer this far behind the playout clock skips ahead (frames dropped, counted)
+TIMING_STAGES = ("audio", "features", "render", "encode", "slack")  # Session.timings: where a speech frame's time went
 
 
 class FrameHandoff:
@@ -152,6 +153,12 @@ class FrameHandoff:
         with self._lock:
             if c.generation != self.generation:
                 return
+            if frame.pushed_at is not None and frame.audio_at is not None:
+                # speech frames: its audio arriving, waiting for the core (features, scheduling), the
+                # step and copy to host, copy-out and encode, and what was left before its deadline
+                self.timings.append((frame.audio_at - frame.pushed_at, frame.planned_at - frame.audio_at,
+                                     frame.rendered_at - frame.planned_at, frame.ready_at - frame.rendered_at,
+                                     self.deadline(frame.pts) - frame.ready_at))
             if frame.pts < self.play_frame:
                 self.stats.arrived_after_play += 1
                 self._carry += frame.packets  # late, but the decoder needs it: it goes out with the next frame

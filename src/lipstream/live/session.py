@@ -29,12 +29,14 @@ import torch
 from lipstream.audio.windows import LEFT_PAD_STEPS
 from lipstream.avatar import ping_pong
 from lipstream.live.features import MARGIN, WindowJob
-from lipstream.live.handoff import FALL_BEHIND_S, FrameHandoff
+from lipstream.live.handoff import FALL_BEHIND_S, TIMING_STAGES, FrameHandoff
 from lipstream.live.items import Candidate, LiveFrame, SessionStats, SpeechEvent
 from lipstream.live.options import LiveOptions
 from lipstream.live.utterance import Utterance
 from lipstream.media.mp4 import AUDIO_RATE
 from lipstream.models.config import FEATURE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
+
+TIMINGS_KEPT = 6000  # speech frames' timings a session keeps (4 minutes at 25 fps)
 
 if TYPE_CHECKING:
     from lipstream.live.encode import EncodedPacket, PoolEncoder
@@ -58,6 +60,7 @@ class Session(FrameHandoff):
         self._wake_engine, self._submit, self._clock = wake, submit, clock
         self.t0 = clock()
         self.stats = SessionStats()
+        self.timings: deque[tuple[float, ...]] = deque(maxlen=TIMINGS_KEPT)  # seconds, by TIMING_STAGES
         self._lock = threading.Lock()
         self._utterances: deque[Utterance] = deque()
         self._next_uid = 0
@@ -86,6 +89,12 @@ class Session(FrameHandoff):
 
     def deadline(self, frame: int) -> float:
         return self.t0 + self.o.playout_delay_s + float(frame / self.fps)
+
+    def timings_ms(self) -> dict[str, list[float]]:
+        """The kept speech frames' timings by stage (ms; "slack" < 0: ready after its deadline)."""
+        with self._lock:
+            rows = list(self.timings)
+        return {name: [round(r[i] * 1000, 2) for r in rows] for i, name in enumerate(TIMING_STAGES)}
 
     def idle_due(self, frame: int, margin: float) -> float:
         """When an idle frame may be rendered: up to one frame (or `margin`) before its media time, so

@@ -8,6 +8,7 @@ read (Content-Length) and their audio by duration once stored; an avatar is name
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -232,11 +233,16 @@ def create_app(service: Service) -> FastAPI:
         return job_json(job)
 
     @app.post("/v1/sessions", status_code=201)
-    async def open_session(request: Request, avatar: str, who: str = Depends(owner)) -> Response:
+    async def open_session(request: Request, avatar: str, playout_delay_ms: float | None = None,
+                           who: str = Depends(owner)) -> Response:
         """A live presenter over WebRTC: the body is the client's SDP offer (application/sdp), the
         answer comes back with the session's Location (DELETE it to end); speech goes to
-        /v1/sessions/{id}/speech (a WebSocket) or comes as the offer's own audio track."""
+        /v1/sessions/{id}/speech (a WebSocket) or comes as the offer's own audio track.
+        `playout_delay_ms`: how far behind the speech this session plays (default: the server's);
+        less is sooner, with more frames at risk of being late under load."""
         known_avatar(avatar)
+        if playout_delay_ms is not None and not 50 <= playout_delay_ms <= 5000:
+            raise HTTPException(422, f"playout_delay_ms: {playout_delay_ms:g}; 50 to 5000 is allowed")
         if sessions.count(who) >= service.o.sessions_per_key:
             raise HTTPException(429, f"this key has {service.o.sessions_per_key} live sessions open already",
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -244,7 +250,8 @@ def create_app(service: Service) -> FastAPI:
         if "v=0" not in offer:
             raise HTTPException(422, "the body must be an SDP offer (Content-Type: application/sdp)")
         try:
-            live, answer = await sessions.start(who, avatar, offer)
+            live, answer = await sessions.start(who, avatar, offer,
+                                                None if playout_delay_ms is None else playout_delay_ms / 1000)
         except AdmissionError as e:
             raise HTTPException(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as e:
@@ -256,6 +263,18 @@ def create_app(service: Service) -> FastAPI:
     def list_sessions(who: str = Depends(owner)) -> list[dict]:
         return [{"id": x.id, "avatar": x.avatar, "frames_played": x.session.stats.played,
                  "frames_late": x.session.stats.late} for x in sessions.open.values() if x.owner == who or not keys]
+
+    @app.get("/v1/sessions/{sid}")
+    def session_status(sid: str, who: str = Depends(owner)) -> dict:
+        """One session's counters and, per speech frame kept, where its time went (ms by stage:
+        audio arriving, features and scheduling, render, encode, slack before its deadline)."""
+        live = sessions.open.get(sid)
+        if live is None or (keys and live.owner != who):
+            raise HTTPException(404, f"no live session {sid}")
+        s = live.session
+        return {"id": live.id, "avatar": live.avatar, "playout_delay_ms": round(s.o.playout_delay_s * 1000, 1),
+                "video": "h264" if live.encoded else "vp8", "stats": dataclasses.asdict(s.stats),
+                "timings_ms": s.timings_ms()}
 
     @app.delete("/v1/sessions/{sid}", status_code=204)
     async def close_session(sid: str, who: str = Depends(owner)) -> Response:
