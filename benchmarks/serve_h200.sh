@@ -66,7 +66,7 @@ diag)
   start_server serve_cold || exit 0
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > $OUT/gpu.csv 2>&1 &
   GPID=$!
-  (sleep ${SNAP_AT:-48}; top -b -H -n 2 -d 2 -w 250 | awk '/^top -/{n++} n==2' | head -70 > $OUT/top_threads.txt
+  [ -n "${SNAP_AT:-}" ] && (sleep $SNAP_AT; top -b -H -n 2 -d 2 -w 250 | awk '/^top -/{n++} n==2' | head -70 > $OUT/top_threads.txt
    ps -eo pid,ni,pcpu,rss,comm --sort=-pcpu | head -45 > $OUT/ps.txt) &
   if [ -n "${PROF:-}" ]; then
     (sleep ${PROF_AT:-45}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --idle --threads -f raw -r 50 -d 10 -o $OUT/idle.txt > $OUT/pyspy.log 2>&1) &
@@ -75,7 +75,8 @@ diag)
   timeout ${BENCHJ_T:-90} python3 -m lipstream.cli serve-bench --sessions ${NJ:-16} --seconds 12 --no-warmup --render-audio $W/job.wav --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_job 2>&1 | grep -v "^report" | tail -4
   kill $GPID
   stop_server
-  [ -f $OUT/idle.txt ] && python3 benchmarks/gil_summary.py $OUT/idle.txt > $OUT/idle_summary.txt && gzip -f $OUT/idle.txt
+  [ -f $OUT/idle.txt ] && python3 benchmarks/gil_summary.py $OUT/idle.txt > $OUT/idle_summary.txt && rm -f $OUT/idle.txt $OUT/pyspy.log
+  rm -f $OUT/sb_*/serve_bench.md  # few files come back: the reports are rebuilt from the JSON
   left=$(( ${TOTAL_T:-570} - ($(date +%s) - T0) ))
   echo "tests: $left s left"
   if [ $left -gt 60 ]; then

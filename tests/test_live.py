@@ -468,6 +468,34 @@ def test_many_sessions_share_full_batches(tiny_models, avatars):
     assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes
 
 
+def test_out_of_phase_pushes_share_whisper_runs(tiny_models, avatars):
+    """The many-clients path on 2 cores: 4 sessions pushing 20 ms chunks out of phase (as clients over a
+    network do) get their windows encoded together, at most one encoder call a feature tick, not
+    one call a push; and every window is encoded."""
+    import time
+
+    live = _engine(tiny_models, avatars[:1], feature_tick_s=0.25, playout_delay_s=8.0, idle_cache_gib=1.0)
+    try:
+        sessions = [live.open_session(0, fps=1) for _ in range(4)]
+        speech = speech_like(1.0, 16_000, seed=3)
+        t0 = time.monotonic()
+        for i in range(50):  # 1 s of audio: 20 ms chunks, each session 5 ms after the one before
+            for k, s in enumerate(sessions):
+                time.sleep(max(0.0, t0 + 0.02 * i + 0.005 * k - time.monotonic()))
+                s.push_audio(speech[320 * i:320 * (i + 1)], 16_000)
+        for s in sessions:
+            s.end_utterance()
+        deadline = time.monotonic() + 20
+        while live.stats.whisper_windows < 4 * 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        windows, runs, wall = live.stats.whisper_windows, live.stats.whisper_runs, time.monotonic() - t0
+    finally:
+        live.close()
+    assert windows >= 4 * 50, windows  # hop 1: a window per 20 ms step per session
+    assert runs <= wall / 0.25 + 2, (runs, windows, wall)  # 200 pushes; one call a tick at most (13 with no tick)
+    assert windows / runs >= 4, (runs, windows)
+
+
 class _Frames:
     """A session as the scheduler sees it: frames it could render now, and what the core took."""
 

@@ -29,7 +29,7 @@ from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine
 from lipstream.live.encode_pool import EncodePool
-from lipstream.live.features import FeatureTable, StreamingWhisper
+from lipstream.live.features import BATCHES, FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
 from lipstream.live.scheduler import UNDERRUN_SLACK_S, AdmissionError, OfflineJob, Scheduler, StepPlan, admission
 from lipstream.live.session import Session
@@ -78,6 +78,7 @@ class EngineStats:
     offline_frames: int = 0
     idle_cached_frames: int = 0  # idle frames handed out from the kept idle loops (no step)
     whisper_windows: int = 0
+    whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
     started_at: float = field(default_factory=time.monotonic)
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -321,13 +322,19 @@ class LiveEngine:
 
     def _run(self) -> None:
         inflight: _InFlight | None = None
-        last_turn = 0.0
+        last_turn = features_at = 0.0
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     with self._lock:
                         sessions = list(self.sessions.values())
-                        self._features(sessions)
+                        # Whisper runs over every session's ready windows at most once a feature tick
+                        # (the first window after a quiet spell at once): unaligned 20 ms pushes
+                        # otherwise make a small encoder run at nearly every turn
+                        now = time.monotonic()
+                        features_wait = features_at + self.o.feature_tick_s - now
+                        if features_wait <= 0 and self._features(sessions):
+                            features_at = now
                         now = time.monotonic()
                         plan = self.scheduler.plan(sessions, now, self._step_estimate(), self.idle_loops,
                                                    self.o.fill_slack_s)
@@ -340,7 +347,8 @@ class LiveEngine:
                         self._finish(inflight)
                         inflight = None
                     if inflight is None:
-                        self._wake.wait(FILL_POLL_S if plan.deferred else self._idle_wait(sessions))
+                        wait = FILL_POLL_S if plan.deferred else self._idle_wait(sessions)
+                        self._wake.wait(min(wait, features_wait) if features_wait > 0 else wait)
                         self._wake.clear()
                         # Pushes wake the core; a turn scans every session and runs Whisper, so turns
                         # are at least COALESCE_S apart (otherwise 24 sessions' 20 ms pushes make
@@ -379,8 +387,9 @@ class LiveEngine:
         wake = math.ceil(min(due) / tick) * tick
         return max(0.0005, min(0.05, wake - now))
 
-    def _features(self, sessions: list[Session]) -> None:
-        jobs = []
+    def _features(self, sessions: list[Session]) -> int:
+        """Encode every window that can be now (stream), or whole ended utterances; how many."""
+        jobs, whole = [], 0
         for s in sessions:
             if self.o.features == "stream":
                 jobs += s.window_jobs()
@@ -389,9 +398,12 @@ class LiveEngine:
                     feats = whisper_features(torch.from_numpy(audio), self.m.whisper, self.m.feature_extractor)
                     index = torch.tensor(rows[:len(feats)], device=self.device)
                     self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
+                    whole += 1
         if jobs:
             self.whisper.run(jobs)
             self.stats.whisper_windows += len(jobs)
+            self.stats.whisper_runs += math.ceil(len(jobs) / BATCHES[-1])
+        return len(jobs) + whole
 
     def _launch(self, plan: StepPlan) -> _InFlight:
         t = time.perf_counter()

@@ -25,6 +25,10 @@ class LiveOptions:
     more than this before its deadline: fuller steps and fewer GPU-seconds a frame, for more
     latency (0: launch at once; on the H200 at 24 sessions 0.1 s took GPU busy from 90% to 74%
     and p99 from 258 to 276 ms).
+    `feature_tick_s`: Whisper runs at most this often, over every session's windows ready by then
+    (the first after a quiet spell at once): clients' 20 ms chunks arrive out of phase, and without
+    it a small encoder call at nearly every turn of the core thread took 77% of that thread on the
+    H200 at 16 sessions (GPU 15% busy, frames late); at most this much more latency.
     `idle_cache_gib`: the idle loop of each avatar (every loop frame with the mouth at rest) is
     rendered once and kept in host memory, up to this much over all avatars, so silent sessions
     cost no GPU time; 0 renders every idle frame in the steps.
@@ -47,12 +51,15 @@ class LiveOptions:
     audio_codec: str = "opus"
     idle_cache_gib: float = 8.0
     fill_slack_s: float = 0.0
+    feature_tick_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features must be one of {FEATURE_MODES}, not {self.features!r}")
         if self.fill_slack_s < 0:
             raise ValueError("fill_slack_s must be >= 0")
+        if not 0 <= self.feature_tick_s <= 0.5:
+            raise ValueError("feature_tick_s must be 0 to 0.5 s")
         if self.idle_cache_gib < 0:
             raise ValueError("idle_cache_gib must be >= 0")
         if self.playout_delay_s <= 0 or self.context_s < 0 or self.lookahead_steps < 0 or self.hop_steps < 1:
