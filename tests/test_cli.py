@@ -41,7 +41,8 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
              (["--avatars", tmp_path / "avatars", "--host", "0.0.0.0"], "--host 0.0.0.0"),
              (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key"),
              (["--avatars", tmp_path / "avatars", "--preset", "fast"], "--preset 'fast'"),
-             (["--avatars", tmp_path / "avatars", "--playout-delay-ms", "10"], "--playout-delay-ms 10")]
+             (["--avatars", tmp_path / "avatars", "--playout-delay-ms", "10"], "--playout-delay-ms 10"),
+             (["--avatars", tmp_path / "avatars", "--switch-interval-ms", "50"], "--switch-interval-ms 50")]
     for args, named in cases:
         r = lipstream("serve", *args, "--random-weights", env={"LIPSTREAM_API_KEYS": ""})
         assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -50,7 +51,9 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
 def test_serve_bench_refuses_bad_options_in_one_line(tmp_path):
     """Before any client starts: counts, codec, chunk length, the URL."""
     cases = [(["--sessions", "0"], "--sessions"), (["--codec", "av1"], "--codec 'av1'"),
-             (["--chunk-ms", "5"], "--chunk-ms 5"), (["--url", "localhost:8000"], "--url")]
+             (["--chunk-ms", "5"], "--chunk-ms 5"), (["--url", "localhost:8000"], "--url"),
+             (["--playout-delay-ms", "250,x"], "--playout-delay-ms '250,x'"),
+             (["--playout-delay-ms", "20"], "--playout-delay-ms '20'")]
     for args, named in cases:
         r = lipstream("serve-bench", *args, "-o", tmp_path / "out")
         assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -100,6 +100,8 @@ def test_health_ready_metrics_and_keys(server):
     avatars = client.get("/v1/avatars", headers=AUTH).json()
     assert [a["name"] for a in avatars] == ["anna"] and avatars[0]["width"] == 320
     assert client.get("/openapi.json").json()["paths"]["/v1/jobs/render"]
+    # while it serves, the engine's core thread gets the GIL back from the event loop within 0.5 ms
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
 
 
 def test_bad_uploads_are_refused_before_any_job(server, root, tmp_path):

@@ -472,6 +472,9 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               playout_delay_ms: Annotated[Optional[float], typer.Option(
                   help="How far behind the speech live sessions play (default: the preset's): less is less "
                        "latency at the client and more frames late when the engine is busy.")] = None,
+              switch_interval_ms: Annotated[float, typer.Option(
+                  help="The GIL switch interval while serving: how soon the engine's core thread gets the "
+                       "interpreter back from the event loop (Python's default: 5).")] = 0.5,
               compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -482,7 +485,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
                                         if k.strip())
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
                            jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
-                           playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000)
+                           playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000,
+                           switch_interval_ms=switch_interval_ms)
     try:
         options.check()
     except ValueError as e:

@@ -109,8 +109,7 @@ class StreamingWhisper:
         host = self._host[k]
         if self._events[k] is not None:
             self._events[k].synchronize()  # the upload that last read this buffer is done (long ago)
-        for i, job in enumerate(jobs):
-            host[i].numpy()[:] = job.audio
+        np.stack([job.audio for job in jobs], out=host.numpy()[:b])  # one copy: each drops and retakes the GIL
         audio = host[:b].to(self.device, non_blocking=True)
         if self._events[k] is not None:
             self._events[k].record()

@@ -26,7 +26,12 @@ class ServeOptions:
     running jobs, `sessions_per_key` its live sessions. `max_attempts`: a job the server was running
     when it died that many times fails at the next start instead of running again. `playout_delay_s` (None: the preset's) is how far behind the speech sessions play: less
     latency at the client, more frames late when the engine is busy. `live_capacity_fps`: the frames/s live
-    sessions may take in all (admission; None: what the engine measures at start, all of it)."""
+    sessions may take in all (admission; None: what the engine measures at start, all of it).
+    `switch_interval_ms`: the interpreter's GIL switch interval while the server runs. Every PyTorch op
+    of the engine's core thread drops the GIL and must take it back from the event loop, which
+    runs every session's WebRTC in Python; CPython makes the holder give it up only after this
+    long (5 ms by default). `python -m lipstream.bench.gil_convoy`: beside one busy thread a
+    62 ms Whisper call took 688 ms at 5 ms, 139 ms at 0.5 ms."""
 
     avatars_dir: Path
     data_dir: Path
@@ -41,6 +46,7 @@ class ServeOptions:
     live_preset: str = "realtime"
     live_capacity_fps: float | None = None
     playout_delay_s: float | None = None  # None: the preset's (realtime: 0.25 s)
+    switch_interval_ms: float = 0.5
 
     def check(self) -> None:
         """One-line errors before anything loads."""
@@ -61,5 +67,7 @@ class ServeOptions:
             raise ValueError(f"--preset {self.live_preset!r}: one of {', '.join(PRESETS)} is allowed")
         if self.playout_delay_s is not None and not 0.05 <= self.playout_delay_s <= 5:
             raise ValueError(f"--playout-delay-ms {self.playout_delay_s * 1000:g}: 50 to 5000 is allowed")
+        if not 0.1 <= self.switch_interval_ms <= 10:
+            raise ValueError(f"--switch-interval-ms {self.switch_interval_ms:g}: 0.1 to 10 is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 
 from lipstream.avatar.cache import META
 from lipstream.avatar.resident import resident_avatar
@@ -48,6 +49,7 @@ class Service:
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
         self.sessions = None  # the app's LiveSessions (serve/live.py), set by create_app
         self.ready = False
+        self._switch_interval: float | None = None
 
     def start(self) -> Service:
         """Load every avatar, capture and measure the steps, requeue what a crash left running."""
@@ -57,6 +59,8 @@ class Service:
             raise ValueError(f"--avatars: {self.o.avatars_dir} holds no compiled avatar")
         for name in names:
             self.add_avatar(name)
+        self._switch_interval = sys.getswitchinterval()  # the process's, given back at stop
+        sys.setswitchinterval(self.o.switch_interval_ms / 1000)
         self.live.start()
         requeued = self.store.requeue_running(max_attempts=self.o.max_attempts)
         if requeued:
@@ -93,4 +97,7 @@ class Service:
             log.info("requeued %d running jobs at shutdown", len(requeued))
         self.live.close()
         self.store.close()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
