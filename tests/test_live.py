@@ -147,6 +147,26 @@ def test_padded_whisper_batches_change_no_window(tiny_models):
     torch.testing.assert_close(outs[0], outs[1])
 
 
+def test_traced_whisper_calls_equal_the_eager_ops(tiny_models):
+    """The streaming Whisper call runs traced (its ops free of the GIL); its features and the running
+    peaks it keeps are the eager ops' exactly, over two calls (the second reads the first's peaks)."""
+    from lipstream.live.features import FeatureTable, StreamingWhisper, WindowJob
+
+    outs = []
+    for trace in (False, True):
+        rng = np.random.default_rng(2)
+        table = FeatureTable(3, 64, torch.device("cpu"), torch.float32)
+        sw = StreamingWhisper(tiny_models, table, 25, 1, 0, trace=trace)
+        for call in range(2):
+            jobs = [WindowJob(rng.standard_normal(sw.samples).astype(np.float32) * (0.1 + k), 10 * k + call, k,
+                              call == 0, [table.row(k, 5 + call)]) for k in range(3)]
+            sw.run(jobs)
+        assert sw.trace == trace and bool(sw._traced) == trace  # traced, not fallen back to eager
+        outs.append((table.table.clone(), table.peaks.clone()))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
+
+
 def test_three_sessions_of_three_sizes_at_once(streaming):
     """Different avatars and frame sizes in the same steps; speech on one, idle on the others."""
     speech = speech_like(1.5, 16_000, seed=1)

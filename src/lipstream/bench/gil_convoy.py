@@ -9,7 +9,8 @@ frames waited ~1 s in the render stage with the GPU 6% busy (docs/BENCHMARKS.md)
 
 This runs the live engine's streaming Whisper (StreamingWhisper, the tiny or full-size encoder on
 the CPU or a GPU) on a thread, alone and beside threads that run pure Python, at several switch
-intervals, and reports the time a call takes:
+intervals, eager and traced (TorchScript runs the traced ops with the GIL released), and reports
+the time a call takes:
 
     python -m lipstream.bench.gil_convoy [--size tiny|full] [--device cpu] [--windows 16] [--seconds 3]
 """
@@ -85,20 +86,23 @@ def main() -> None:
     m = load_musetalk(random_weights=True, size=a.size, device=a.device, seed=0, components=("whisper",))
     p0 = next(m.whisper.parameters())
     table = FeatureTable(a.windows, 256, p0.device, p0.dtype)
-    whisper = StreamingWhisper(m, table, o.context_steps, o.hop_steps, o.lookahead_steps)
-    whisper.warm()
+    calls = {trace: StreamingWhisper(m, table, o.context_steps, o.hop_steps, o.lookahead_steps, trace=trace)
+             for trace in (False, True)}
     rng = np.random.default_rng(0)
-    jobs = [WindowJob(rng.standard_normal(whisper.samples).astype(np.float32) * 0.1, 0, k, False, [table.row(k, 0)])
+    jobs = [WindowJob(rng.standard_normal(calls[False].samples).astype(np.float32) * 0.1, 0, k, False, [table.row(k, 0)])
             for k in range(a.windows)]
     torch.set_num_threads(1)  # one core's compute: the figure is the waiting
     print(f"streaming Whisper ({a.size}, {a.device}), {a.windows} windows a call, {a.seconds:g} s a row")
-    print("| busy Python threads | switch interval ms | calls | p50 ms | p99 ms |\n|---|---|---|---|---|")
-    for busy in (0, 1, 2):
-        for interval in (0.005, 0.001, 0.0005, 0.0002):
-            if busy == 0 and interval != 0.005:
-                continue
-            r = run_calls(whisper, jobs, a.seconds, busy, interval)
-            print(f"| {busy} | {r['switch_interval_ms']:g} | {r['calls']} | {r['p50_ms']} | {r['p99_ms']} |", flush=True)
+    print("| call | busy Python threads | switch interval ms | calls | p50 ms | p99 ms |\n|---|---|---|---|---|---|")
+    for trace, whisper in calls.items():
+        whisper.run(jobs)  # traced at its first call of a size
+        for busy in (0, 1, 2):
+            for interval in (0.005, 0.001, 0.0005, 0.0002):
+                if busy == 0 and interval != 0.005:
+                    continue
+                r = run_calls(whisper, jobs, a.seconds, busy, interval)
+                print(f"| {'traced' if trace else 'eager'} | {busy} | {r['switch_interval_ms']:g} | {r['calls']} | "
+                      f"{r['p50_ms']} | {r['p99_ms']} |", flush=True)
 
 
 if __name__ == "__main__":

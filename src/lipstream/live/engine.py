@@ -109,7 +109,7 @@ class LiveEngine:
                              compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
         self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
         self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
-                                        self.o.lookahead_steps)
+                                        self.o.lookahead_steps, trace=self.o.trace_whisper)
         self.scheduler = Scheduler(buckets[-1])
         self.sessions: dict[int, Session] = {}
         self._free = list(range(self.o.max_sessions))[::-1]

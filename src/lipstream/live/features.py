@@ -14,8 +14,9 @@ docs/BENCHMARKS.md ("Streaming features") measures what each choice costs agains
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +31,7 @@ from lipstream.models.config import (
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
+log = logging.getLogger(__name__)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # windows per encoder call, padded up
 MARGIN = N_FFT // 2  # samples each side of a window: its first and last mel frames see real audio
 
@@ -64,7 +66,8 @@ class FeatureTable:
 class StreamingWhisper:
     """Encodes batches of fixed-length windows into a FeatureTable (the GPU side of streaming features)."""
 
-    def __init__(self, models: MuseTalk, table: FeatureTable, context: int, hop: int, lookahead: int):
+    def __init__(self, models: MuseTalk, table: FeatureTable, context: int, hop: int, lookahead: int,
+                 trace: bool = True):
         self.encoder, self.fe, self.table = models.whisper, models.feature_extractor, table
         self.context, self.hop, self.lookahead = context, hop, lookahead
         self.steps = context + hop + lookahead  # W
@@ -77,8 +80,31 @@ class StreamingWhisper:
         self._k = 0
         self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
         self._ints = IndexRing(self.device)
-        self._offsets = torch.arange(self.steps, device=self.device)
-        self._filters_key = self.fe.mel_filters.astype(np.float64).tobytes()
+        window, filters = _window_and_filters(self.device, self.fe.mel_filters.astype(np.float64).tobytes())
+        self._math = WindowFeatures(self.encoder, window, filters, torch.arange(self.steps, device=self.device),
+                                    self.dtype)
+        self.trace = trace
+        self._traced: dict[int, torch.jit.ScriptModule] = {}  # by batch size
+
+    def _call(self, b: int):
+        """The encoder call for a batch of b: traced once per size (its ops then run without the GIL)."""
+        if not self.trace:
+            return self._math
+        traced = self._traced.get(b)
+        if traced is None:
+            example = (torch.zeros(b, self.samples, device=self.device), self.table.peaks.clone(),
+                       torch.full((b,), self.table.spare, device=self.device), torch.zeros(b, dtype=torch.long,
+                                                                                          device=self.device))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # TorchScript is deprecated; it is here for its GIL-free calls
+                    traced = torch.jit.trace(self._math, example, check_trace=False)
+            except Exception as e:  # noqa: BLE001 - a torch without TorchScript: the eager ops, slower under load
+                log.warning("streaming Whisper runs eager (tracing failed: %s)", str(e).splitlines()[0])
+                self.trace = False
+                return self._math
+            self._traced[b] = traced
+        return lambda *args: _untuned(traced, *args)
 
     @torch.inference_mode()
     def idle_window(self) -> None:
@@ -114,23 +140,46 @@ class StreamingWhisper:
         if self._events[k] is not None:
             self._events[k].record()
         up = self._ints.upload
-        window, filters = _window_and_filters(self.device, self._filters_key)
-        stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
-        mel = torch.clamp(filters @ stft[..., :-1].abs().square(), min=1e-10).log10()  # [b, 80, 2W]
         slots = up([j.peak_slot for j in jobs])
         resets = [j.peak_slot for j in jobs if j.reset_peak]
-        peaks = self.table.peaks
         if resets:
-            peaks[up(resets)] = -10.0
-        peaks.scatter_reduce_(0, slots, mel.amax(dim=(1, 2)), "amax")
-        mel = (torch.maximum(mel, peaks[slots][:, None, None] - 8.0) + 4.0) / 4.0
+            self.table.peaks[up(resets)] = -10.0
         first = up([j.first for j in jobs])
-        positions = (first[:, None] + self._offsets) % FEATURES_PER_SEGMENT
-        states = encode_windows(self.encoder, mel.to(self.dtype), positions)  # [b, W, 5, 384]
+        states = self._call(b)(audio, self.table.peaks, slots, first)  # [b, W, 5, 384]
         new = states[:n, self.context:self.context + self.hop].reshape(-1, HIDDEN_STATES, AUDIO_DIM)
         real = [r for j in jobs[:n] for r in j.rows]
         if real:
             self.table.table.index_copy_(0, up(real), new.to(self.table.table.dtype))
+
+
+def _untuned(traced: torch.jit.ScriptModule, *args) -> torch.Tensor:
+    with torch.jit.optimized_execution(False):  # the traced ops as they are: no fusion passes, no numerics change
+        return traced(*args)
+
+
+class WindowFeatures(torch.nn.Module):
+    """An encoder call's maths, samples to hidden states: log-mel (the offline one, frame for frame),
+    normalised by each utterance's running peak (`peaks`, updated in place), the encoder on the
+    window's steps. One module so that it can be traced: a traced call drops the GIL once where
+    the eager ops drop and retake it at each op, and retaking it waits on the event loop
+    (bench/gil_convoy.py: 535 ms against 68 ms beside one busy thread)."""
+
+    def __init__(self, encoder, window: torch.Tensor, filters: torch.Tensor, offsets: torch.Tensor,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.encoder, self.dtype = encoder, dtype
+        self.register_buffer("window", window, persistent=False)
+        self.register_buffer("filters", filters, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def forward(self, audio: torch.Tensor, peaks: torch.Tensor, slots: torch.Tensor,
+                first: torch.Tensor) -> torch.Tensor:
+        stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=self.window, center=False, return_complex=True)
+        mel = torch.clamp(self.filters @ stft[..., :-1].abs().square(), min=1e-10).log10()  # [b, 80, 2W]
+        peaks.scatter_reduce_(0, slots, mel.amax(dim=(1, 2)), "amax")
+        mel = (torch.maximum(mel, peaks[slots][:, None, None] - 8.0) + 4.0) / 4.0
+        positions = (first[:, None] + self.offsets) % FEATURES_PER_SEGMENT
+        return encode_windows(self.encoder, mel.to(self.dtype), positions)
 
 
 def encode_windows(encoder, mel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

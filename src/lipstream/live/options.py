@@ -29,6 +29,9 @@ class LiveOptions:
     (the first after a quiet spell at once): clients' 20 ms chunks arrive out of phase, and without
     it a small encoder call at nearly every turn of the core thread took 77% of that thread on the
     H200 at 16 sessions (GPU 15% busy, frames late); at most this much more latency.
+    `trace_whisper`: the streaming Whisper call runs traced (TorchScript), its ops without the GIL;
+    eager, each op gives the GIL up and waits to get it back from whatever Python runs beside
+    (`lipstream serve`'s event loop), 8x slower beside one busy thread (bench/gil_convoy.py).
     `idle_cache_gib`: the idle loop of each avatar (every loop frame with the mouth at rest) is
     rendered once and kept in host memory, up to this much over all avatars, so silent sessions
     cost no GPU time; 0 renders every idle frame in the steps.
@@ -52,6 +55,7 @@ class LiveOptions:
     idle_cache_gib: float = 8.0
     fill_slack_s: float = 0.0
     feature_tick_s: float = 0.02
+    trace_whisper: bool = True
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
