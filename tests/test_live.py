@@ -147,22 +147,28 @@ def test_padded_whisper_batches_change_no_window(tiny_models):
     torch.testing.assert_close(outs[0], outs[1])
 
 
-def test_traced_whisper_calls_equal_the_eager_ops(tiny_models):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_traced_whisper_calls_equal_the_eager_ops(tiny_models, device):
     """The streaming Whisper call runs traced (its ops free of the GIL); its features and the running
-    peaks it keeps are the eager ops' exactly, over two calls (the second reads the first's peaks)."""
+    peaks it keeps are the eager ops' exactly, over two calls (the second reads the first's peaks).
+    On a GPU too (the H200's test run), with the padded batch sizes it traces at warm-up."""
     from lipstream.live.features import FeatureTable, StreamingWhisper, WindowJob
+    from lipstream.models import load_musetalk
 
+    models = tiny_models if device == "cpu" else load_musetalk(random_weights=True, size="tiny", device=device,
+                                                                seed=0, components=("whisper",))
     outs = []
     for trace in (False, True):
         rng = np.random.default_rng(2)
-        table = FeatureTable(3, 64, torch.device("cpu"), torch.float32)
-        sw = StreamingWhisper(tiny_models, table, 25, 1, 0, trace=trace)
+        table = FeatureTable(3, 64, torch.device(device), torch.float32)
+        sw = StreamingWhisper(models, table, 25, 1, 0, trace=trace)
+        sw.warm()
         for call in range(2):
             jobs = [WindowJob(rng.standard_normal(sw.samples).astype(np.float32) * (0.1 + k), 10 * k + call, k,
                               call == 0, [table.row(k, 5 + call)]) for k in range(3)]
             sw.run(jobs)
         assert sw.trace == trace and bool(sw._traced) == trace  # traced, not fallen back to eager
-        outs.append((table.table.clone(), table.peaks.clone()))
+        outs.append((table.table.cpu(), table.peaks.cpu()))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
 

@@ -326,6 +326,9 @@ class LiveEngine:
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
+                    if inflight is not None and inflight.done is not None and inflight.done.query():
+                        self._finish(inflight)  # done already: its frames go out before this turn's work
+                        inflight = None
                     with self._lock:
                         sessions = list(self.sessions.values())
                         # Whisper runs over every session's ready windows at most once a feature tick
