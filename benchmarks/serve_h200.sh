@@ -44,6 +44,17 @@ start_server() {  # log name [playout ms]
 stop_server() {
   t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"
 }
+gil_profile() {  # py-spy of the GIL's holder, PROF_AT s on, in the background
+  [ -n "${PROF:-}" ] && (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
+}
+gil_summary() {
+  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
+  tail -3 $OUT/pyspy.log 2>/dev/null
+}
+run_tests() {  # limit in s: the media, live and serve modules on Python 3.12 with the newest wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
+  timeout $1 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_live.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py} 2>&1 | tail -15
+}
 case ${STAGE:-cold} in
 cold)
   start_server serve_cold || exit 0
@@ -54,13 +65,10 @@ all)
   timeout ${BENCH0_T:-150} python3 -m lipstream.cli serve-bench --sessions ${NS0:-16,23} --seconds 12 --render-audio $W/job.wav --server-pid $SPID -o $OUT/sb250 2>&1 | tail -6
   stop_server
   start_server serve_warm ${PLAYOUT2:-230} || exit 0
-  if [ -n "${PROF:-}" ]; then
-    (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
-  fi
+  gil_profile
   timeout ${BENCH_T:-200} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav --server-pid $SPID --codec ${CODEC:-any} -o $OUT/sb 2>&1 | tail -8
   stop_server
-  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
-  tail -3 $OUT/pyspy.log 2>/dev/null ;;
+  gil_summary ;;
 diag)
   T0=$(date +%s)
   start_server serve_cold || exit 0
@@ -80,21 +88,16 @@ diag)
   left=$(( ${TOTAL_T:-570} - ($(date +%s) - T0) ))
   echo "tests: $left s left"
   if [ $left -gt 60 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
-    timeout $left python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py tests/test_live.py} 2>&1 | tail -15
+    run_tests $left
   fi ;;
 bench)
   start_server serve_warm || exit 0
-  if [ -n "${PROF:-}" ]; then
-    (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
-  fi
+  gil_profile
   timeout ${BENCH_T:-420} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav --server-pid $SPID --codec ${CODEC:-any} -o $OUT/sb 2>&1 | tail -12
   stop_server
-  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
-  tail -3 $OUT/pyspy.log 2>/dev/null ;;
+  gil_summary ;;
 tests)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
-  timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_live.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py} 2>&1 | tail -15 ;;
+  run_tests ${TEST_T:-400} ;;
 esac
 find $OUT -size +15M -delete
 ls $OUT
