@@ -68,10 +68,7 @@ async def _lag(until: float, out: list) -> None:
 async def _read(session, until: float, frames: list) -> None:
     async for item in session:
         if isinstance(item, LiveFrame):
-            parts = None
-            if item.latency_s is not None and item.audio_at is not None:
-                parts = (item.audio_at - item.pushed_at, item.planned_at - item.audio_at,
-                         item.rendered_at - item.planned_at, item.ready_at - item.rendered_at)
+            parts = item.stages_s()
             frames.append((item.pts, item.late, item.latency_s, item.utterance is not None, item.played_at,
                            len(item.packets), parts))
             if item.played_at > until:

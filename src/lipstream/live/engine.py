@@ -29,7 +29,7 @@ from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine
 from lipstream.live.encode_pool import EncodePool
-from lipstream.live.features import BATCHES, FeatureTable, StreamingWhisper
+from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
 from lipstream.live.scheduler import UNDERRUN_SLACK_S, AdmissionError, OfflineJob, Scheduler, StepPlan, admission
 from lipstream.live.session import Session
@@ -403,9 +403,8 @@ class LiveEngine:
                     self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
                     whole += 1
         if jobs:
-            self.whisper.run(jobs)
+            self.stats.whisper_runs += self.whisper.run(jobs)
             self.stats.whisper_windows += len(jobs)
-            self.stats.whisper_runs += math.ceil(len(jobs) / BATCHES[-1])
         return len(jobs) + whole
 
     def _launch(self, plan: StepPlan) -> _InFlight:

@@ -14,8 +14,10 @@ docs/BENCHMARKS.md ("Streaming features") measures what each choice costs agains
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,9 +86,9 @@ class StreamingWhisper:
         self._math = WindowFeatures(self.encoder, window, filters, torch.arange(self.steps, device=self.device),
                                     self.dtype)
         self.trace = trace
-        self._traced: dict[int, torch.jit.ScriptModule] = {}  # by batch size
+        self._traced: dict[int, Callable[..., torch.Tensor]] = {}  # by batch size
 
-    def _call(self, b: int):
+    def _call(self, b: int) -> Callable[..., torch.Tensor]:
         """The encoder call for a batch of b: traced once per size (its ops then run without the GIL); on a
         GPU the sizes are the padded BATCHES, all traced at warm-up."""
         if not self.trace:
@@ -104,8 +106,8 @@ class StreamingWhisper:
                 log.warning("streaming Whisper runs eager (tracing failed: %s)", str(e).splitlines()[0])
                 self.trace = False
                 return self._math
-            self._traced[b] = traced
-        return lambda *args: _untuned(traced, *args)
+            traced = self._traced[b] = functools.partial(_untuned, traced)
+        return traced
 
     @torch.inference_mode()
     def idle_window(self) -> None:
@@ -115,10 +117,12 @@ class StreamingWhisper:
         self.table.table[self.table.idle] = window.to(self.table.table.dtype)
 
     @torch.inference_mode()
-    def run(self, jobs: list[WindowJob]) -> None:
-        """Encode these windows and write their hop steps into the table (queued on the current stream)."""
+    def run(self, jobs: list[WindowJob]) -> int:
+        """Encode these windows and write their hop steps into the table (queued on the current stream);
+        how many encoder calls that took."""
         for start in range(0, len(jobs), BATCHES[-1]):
             self._run(jobs[start:start + BATCHES[-1]])
+        return -(-len(jobs) // BATCHES[-1])
 
     @torch.inference_mode()
     def warm(self) -> None:

@@ -153,12 +153,9 @@ class FrameHandoff:
         with self._lock:
             if c.generation != self.generation:
                 return
-            if frame.pushed_at is not None and frame.audio_at is not None:
-                # speech frames: its audio arriving, waiting for the core (features, scheduling), the
-                # step and copy to host, copy-out and encode, and what was left before its deadline
-                self.timings.append((frame.audio_at - frame.pushed_at, frame.planned_at - frame.audio_at,
-                                     frame.rendered_at - frame.planned_at, frame.ready_at - frame.rendered_at,
-                                     self.deadline(frame.pts) - frame.ready_at))
+            stages = frame.stages_s()
+            if stages is not None:  # a speech frame: its stages, and what was left before its deadline
+                self.timings.append((*stages, self.deadline(frame.pts) - frame.ready_at))
             if frame.pts < self.play_frame:
                 self.stats.arrived_after_play += 1
                 self._carry += frame.packets  # late, but the decoder needs it: it goes out with the next frame

@@ -38,6 +38,14 @@ class LiveFrame:
     def time_s(self) -> float:
         return float(self.pts / self.fps)
 
+    def stages_s(self) -> tuple[float, float, float, float] | None:
+        """Where a speech frame's latency went (s): its window's audio arriving, waiting for the core
+        (features, scheduling), the step with the copy to host, copy-out and encode; None when idle."""
+        if self.pushed_at is None or self.audio_at is None or self.ready_at is None:
+            return None
+        return (self.audio_at - self.pushed_at, self.planned_at - self.audio_at,
+                self.rendered_at - self.planned_at, self.ready_at - self.rendered_at)
+
     @property
     def latency_s(self) -> float | None:
         """From the push of the audio it shows to the frame being ready (encoded)."""
