@@ -312,6 +312,31 @@ def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models,
         assert np.abs(g.i420.astype(int) - w.i420.astype(int)).max() <= 1
 
 
+def test_an_end_that_comes_after_the_speech_ran_dry_still_finishes(streaming):
+    """The client's `end` arrives after the utterance's last frame played (its audio ran out first, and
+    the frames after it played as silence of the same utterance): "finished" is sent then, once."""
+    speech = speech_like(0.5, 16_000, seed=9)
+
+    async def run():
+        s = streaming.open_session(0, fps=FPS)
+        try:
+            s.push_audio(speech, 16_000)  # one frame of speech at 2 fps, and no end yet
+            items, ended = [], False
+            async for item in s:
+                items.append(item)
+                if isinstance(item, LiveFrame) and not ended and item.pts >= 3:
+                    s.end_utterance()  # well after the speech's last frame played
+                    ended = True
+                if isinstance(item, SpeechEvent) and item.kind == "finished" or len(items) > 40:
+                    break
+            return items
+        finally:
+            streaming.close_session(s)
+
+    events = [(i.kind, i.utterance) for i in asyncio.run(run()) if isinstance(i, SpeechEvent)]
+    assert events == [("started", 0), ("finished", 0)], events
+
+
 def test_clear_returns_to_idle_within_a_frame(streaming):
     speech = speech_like(6.0, 16_000, seed=7)
 

@@ -136,9 +136,20 @@ class Session(FrameHandoff):
 
     def end_utterance(self) -> None:
         """The utterance is complete: its last frames can be made without waiting for more audio."""
+        ended_late = False
         with self._lock:
             if self._utterances and not self._utterances[-1].ended:
-                self._utterances[-1].end()
+                u = self._utterances[-1]
+                u.end()
+                if u.frames_played and u.start_frame + u.frames(self.fps) <= self.play_frame:
+                    # its end came after its last frame had played (the speech ran dry first): it
+                    # finishes now, or no "finished" would ever be sent for it
+                    self._out.append(SpeechEvent("finished", u.id, self.play_frame - 1,
+                                                 float(Fraction(u.n48, AUDIO_RATE)), self._clock()))
+                    self._retire(self.play_frame)
+                    ended_late = True
+        if ended_late:
+            self._notify()
         self._wake_engine()
 
     def request_keyframe(self) -> None:
@@ -351,10 +362,16 @@ class Session(FrameHandoff):
                 return
             self.stats.dropped_unread += frame - self.play_frame
             self._drop_ready(frame)
-            for f in range(self.play_frame, frame):
+            now = self._clock()
+            for f in range(self.play_frame, frame):  # dropped unread: their speech events still go out
                 u = self._utterance_at(f)
                 if u is not None:
+                    local = f - u.start_frame
+                    if local == 0:
+                        self._out.append(SpeechEvent("started", u.id, f, 0.0, now))
                     u.frames_played += 1
+                    if u.ended and local == u.frames(self.fps) - 1:
+                        self._out.append(SpeechEvent("finished", u.id, f, float(Fraction(u.n48, AUDIO_RATE)), now))
             self.play_frame = frame
             self._retire(frame)
 
