@@ -48,9 +48,10 @@ def server(root, tiny_models):
     from lipstream.serve.service import Service
 
     # capacity given, not measured (a loaded 2-core machine measures ~6 frames/s and would refuse a 10 fps
-    # session): 35 frames/s at 95% admit three 10 fps sessions, and refuse a fourth
+    # session): 35 frames/s at 95% admit three 10 fps sessions, and refuse a fourth. Two WebRTC workers, as
+    # a big machine has (one a 2-core one would get)
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), max_upload_mb=0.5, max_audio_s=5.0,
-                           jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0)
+                           jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0, rtc_workers=2)
     service = Service(options, tiny_models).start()
     with in_thread(service) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, service
@@ -429,6 +430,8 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
                     pass
         video: list = []
         await _record(tracks["video"], video, time.monotonic() + 2.0)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            assert (await c.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
         await pc.close()
         if player is not None and player.audio is not None:
             player.audio.stop()
@@ -440,13 +443,17 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
 
 
 def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
-    """Admission: the fourth 10 fps session would overload the engine; it is refused with Retry-After."""
+    """Admission: the fourth 10 fps session would overload the engine; it is refused with Retry-After. The
+    three admitted are spread over both WebRTC workers."""
     from aiortc import RTCPeerConnection
 
     port = _port(server)
+    service = server[1]
 
     async def run():
         opened = [await _open_live(port) for _ in range(3)]
+        workers = [service.sessions.open[sid].peer.worker for _, sid, *_ in opened]
+        assert sorted(len(w.peers) for w in set(workers)) == [1, 2], "sessions go to the worker with the fewest"
         pc = RTCPeerConnection()
         pc.addTransceiver("video", direction="recvonly")
         await pc.setLocalDescription(await pc.createOffer())
@@ -467,6 +474,40 @@ def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
     r, listed = asyncio.run(run())
     assert r.status_code == 503 and r.headers["retry-after"] and "full" in r.json()["detail"]
     assert len(listed) == 3
+
+
+def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_next(server):
+    """aiortc runs in worker processes (serve/rtc.py). Killing one ends the sessions it carried (gone from the
+    list, not stalled); the server keeps serving, and the next session gets a fresh worker and plays."""
+    port = _port(server)
+    service = server[1]
+
+    async def run():
+        pc, sid, tracks, *_ = await _open_live(port)
+        worker = service.sessions.open[sid].peer.worker
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            t = time.monotonic()
+            while sid in [x["id"] for x in (await c.get("/v1/sessions", headers=AUTH)).json()]:
+                assert time.monotonic() - t < 10, "the dead worker's session is still listed"
+                await asyncio.sleep(0.05)
+        await pc.close()
+        pids = [w.proc.pid for w in service.sessions.gateway.workers]
+        pc2, sid2, tracks2, *_ = await _open_live(port)
+        t = time.monotonic()
+        while "video" not in tracks2 and time.monotonic() - t < 20:
+            await asyncio.sleep(0.05)
+        video: list = []
+        await _record(tracks2["video"], video, time.monotonic() + 2.0)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            assert (await c.delete(f"/v1/sessions/{sid2}", headers=AUTH)).status_code == 204
+        await pc2.close()
+        return worker, pids, service.sessions.gateway.pids(), video
+
+    dead, before, after, video = asyncio.run(run())
+    assert dead.failure and "exited with code" in dead.failure, dead.failure
+    assert dead.proc.pid not in after and len(after) == 2 and set(before) - {dead.proc.pid} <= set(after)
+    assert len(video) >= 10, len(video)
 
 
 # --- serve-bench: the load test's clients, each in a process of its own -----------------------------------
@@ -517,12 +558,12 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
 
 
 def test_the_audio_level_aiortc_sends_is_rfc_6465s():
-    """serve.live replaces aiortc's Python loop with numpy; the level must be the RFC's (Appendix A)."""
+    """serve.rtc_worker replaces aiortc's Python loop with numpy; the level must be the RFC's (Appendix A)."""
     import math
 
     from aiortc import rtp
 
-    from lipstream.serve.live import audio_level_dbov
+    from lipstream.serve.rtc_worker import audio_level_dbov
 
     assert rtp.compute_audio_level_dbov is audio_level_dbov
     for scale in (0, 1, 300, 3000, 30000):

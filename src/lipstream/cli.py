@@ -475,6 +475,9 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               switch_interval_ms: Annotated[float, typer.Option(
                   help="The GIL switch interval while serving: how soon the engine's core thread gets the "
                        "interpreter back from the event loop (Python's default: 5).")] = 0.5,
+              rtc_workers: Annotated[Optional[int], typer.Option(
+                  help="Processes the sessions' WebRTC (aiortc) runs in, off the engine's GIL (default: one per "
+                       "4 cores, 1 to 8).")] = None,
               compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -486,7 +489,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
                            jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
                            playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000,
-                           switch_interval_ms=switch_interval_ms)
+                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers)
     try:
         options.check()
     except ValueError as e:

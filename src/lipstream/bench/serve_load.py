@@ -118,7 +118,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         "server_skipped": sum((c.get("server_stats") or {}).get("skipped", 0) for c in clients),
         "server_underruns": sum((c.get("server_stats") or {}).get("underruns", 0) for c in clients),
         "server_cpu_cores": cores(cpu0, cpu1),
-        "encode_workers_cores": cores(kids0, kids1),
+        "worker_processes_cores": cores(kids0, kids1),  # the server's children: encode and WebRTC workers
         "host_busy_cores": cores(host0, host1),  # everything on the machine, the clients included
         "client_cores": round(sum(c.get("cpu_s", 0) for c in clients) / (wall + CONNECT_S), 2),
         "wall_s": round(wall, 1),
@@ -180,7 +180,7 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
                  f"errors {len(row['errors'])}; server stages p99 "
                  f"{ {k: v['p99'] for k, v in st.items() if isinstance(v, dict) and 'p99' in v} }, "
                  f"late by {st.get('late_median')}; cores host {row['host_busy_cores']} server "
-                 f"{row['server_cpu_cores']} encoders {row['encode_workers_cores']} clients {row['client_cores']}")
+                 f"{row['server_cpu_cores']} workers {row['worker_processes_cores']} clients {row['client_cores']}")
     held = [r["sessions"] for r in report["rows"] if r["holds"]]
     report["largest_n"] = max(held) if held else None
     report["largest_n_by_delay"] = {str(d): max([r["sessions"] for r in report["rows"]
@@ -198,7 +198,7 @@ def write(report: dict, out: Path) -> None:
              f"render job beside: {report['render_audio'] or 'none'}", "",
              "| N | playout ms | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
              "(median, max) | first frame s | render job s | server stages p99 ms (audio, features, render, encode) | "
-             "cores: host, server, encoders, clients | errors |",
+             "cores: host, server, its workers (encode, WebRTC), clients | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         q, av_ = r["latency_ms"], r["av_offset_ms"]
@@ -211,7 +211,7 @@ def write(report: dict, out: Path) -> None:
                      f"{r['speech_frames']} | {r['frames_late']} | {r['video_frames_missing']} | "
                      f"{av_.get('median')}, {av_.get('max_abs')} | {r['first_frame_s'].get('p50')} | "
                      f"{(job or {}).get('seconds')} | {stages} | {r.get('host_busy_cores')}, {r['server_cpu_cores']}, "
-                     f"{r.get('encode_workers_cores')}, {r.get('client_cores')} | {len(r['errors'])} |")
+                     f"{r.get('worker_processes_cores', r.get('encode_workers_cores'))}, {r.get('client_cores')} | {len(r['errors'])} |")
     lines += ["", "Latency: audio sent by the client -> the frame's last RTP packet at the client; decoded: -> "
                   "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts)."]
     lines += ["", "Server stages, per speech frame: its audio arriving (push of the frame's first sample -> "

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lipstream.live import AdmissionError
 from lipstream.serve.live import LiveSessions
+from lipstream.serve.rtc import default_workers
 from lipstream.serve.options import AVATAR_NAME
 from lipstream.serve.service import Service, owner_of
 from lipstream.serve.store import Job
@@ -44,6 +45,7 @@ PAGE_CSP = "default-src 'self'"  # the page loads nothing from elsewhere (its We
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await sessions.start_workers()
         yield
         await sessions.close_all()
         await asyncio.to_thread(service.stop)  # SIGTERM: the running job requeued, sessions closed
@@ -51,7 +53,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="LipStream", version="0.1", lifespan=lifespan,
                   description="MuseTalk lip-sync as a service: render jobs and live presenter sessions.")
     keys = [k.encode() for k in service.o.api_keys]
-    sessions = service.sessions = LiveSessions(service)
+    sessions = service.sessions = LiveSessions(service, service.o.rtc_workers or default_workers())
 
     @app.middleware("http")
     async def count(request: Request, call_next):
@@ -256,6 +258,8 @@ def create_app(service: Service) -> FastAPI:
             raise HTTPException(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as e:
             raise HTTPException(422, f"offer: {str(e).splitlines()[0]}") from None
+        except RuntimeError as e:  # its WebRTC worker died under it: a new one takes the next session
+            raise HTTPException(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return Response(answer, 201, media_type="application/sdp",
                         headers={"Location": f"/v1/sessions/{live.id}", "X-Session-Id": live.id})
 
@@ -306,6 +310,9 @@ def create_app(service: Service) -> FastAPI:
             while True:
                 message = await ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    break
+                if sessions.open.get(sid) is not live:  # the session ended under the socket (its client left)
+                    await ws.close(code=4410, reason="the session has ended")
                     break
                 if message.get("bytes") is not None:
                     pcm = np.frombuffer(message["bytes"], "<i2")

@@ -1,17 +1,18 @@
-"""Live sessions over WebRTC: a LiveEngine Session's frames out as an audio and a video track (aiortc).
+"""Live sessions over WebRTC: a LiveEngine Session's frames out as an audio and a video track.
 
 The client posts an SDP offer (WHEP's shape: offer in, answer out, a Location to DELETE) and
 gets the presenter's tracks. Speech comes in over a WebSocket (PCM16 chunks, `end`, `interrupt`;
-speech events go back on it) or as the client's own audio track. The session is read once and
-fanned out to the two tracks: a track nobody reads loses its oldest frames, never stalls the
-session. The session's timestamps become the RTP clocks, so audio and video leave together at each
-frame's playout time.
+speech events go back on it) or as the client's own audio track. The session is read here, at its
+playout pace, and its media goes to the session's peer connection, which lives in a WebRTC worker
+process (serve/rtc.py): aiortc's Python must not hold this process's GIL, which the engine's core
+thread needs for every PyTorch op. The session's timestamps become the RTP clocks, so audio and
+video leave together at each frame's playout time.
 
 When the offer takes H.264 (browsers and aiortc do), the session's own H.264 goes out as it is:
 x264 (zerolatency, constant quality), encoded in the engine's worker processes as each frame is
-rendered, before its playout time. Otherwise aiortc encodes VP8 from raw frames on this process's
-threads: on a 2-core CPU 16 ms a 720p frame at its 0.5 Mbit/s start rate, against x264's 4 ms in
-a worker (docs/BENCHMARKS.md), and at every frame's playout time, so it adds to latency. The audio
+rendered, before its playout time. Otherwise aiortc encodes VP8 from raw frames in the RTC worker:
+on a 2-core CPU 16 ms a 720p frame at its 0.5 Mbit/s start rate, against x264's 4 ms in an encode
+worker (docs/BENCHMARKS.md), and at every frame's playout time, so it adds to latency. The audio
 is always the session's samples at playout, Opus-encoded by aiortc: a frame rendered late must not
 make its sound late (its packets would be), and Opus costs little next to video.
 """
@@ -20,38 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
-import av
 import numpy as np
-from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription, rtp
-from aiortc.mediastreams import MediaStreamError
 
 from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.serve.rtc import Peer, PeerHandlers, RtcGateway
 
 log = logging.getLogger(__name__)
 VIDEO_CLOCK = 90_000
-QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
-OPUS_FRAME = 960  # 20 ms at 48 kHz
 STALE_S = 0.1  # encoded video this far behind its playout time is dropped (and an IDR asked for)
-
-
-def audio_level_dbov(frame: av.AudioFrame) -> int:
-    """RFC 6465's audio level of a frame exactly as aiortc's rtp.compute_audio_level_dbov has it, in numpy:
-    aiortc's own sums the samples in a Python loop, 60 us a 20 ms packet on the event loop that
-    sends every session's media (3 us here)."""
-    samples = np.frombuffer(bytes(frame.planes[0]), np.int16).astype(np.float64)
-    rms = math.sqrt(float(samples @ samples) / (frame.samples * 32767 * 32767))
-    return round(min(max(20 * math.log10(rms), -127), 0)) if rms > 0 else -127
-
-
-rtp.compute_audio_level_dbov = audio_level_dbov  # aiortc's sender calls it through the module
 
 
 def prefer_h264(offer: str) -> str | None:
@@ -81,78 +63,24 @@ def prefer_h264(offer: str) -> str | None:
     return sep.join(lines[:m + 1] + section + lines[end:])
 
 
-class _Track(MediaStreamTrack):
-    """Frames (or encoded packets) handed over by the session's reader; `due(frame)` (time.monotonic())
-    holds each back until its playout time (the audio: a frame's 20 ms pieces go out 20 ms apart, not
-    in a burst). A reader that falls behind loses the oldest; for encoded video that breaks the
-    decoder's reference chain, so the track drops up to the next IDR and asks for one (`on_gap`)."""
-
-    def __init__(self, kind: str, due: Callable[[av.frame.Frame], float] | None = None):
-        super().__init__()
-        self.kind = kind
-        self.queue: asyncio.Queue = asyncio.Queue(QUEUE_FRAMES)
-        self.due = due
-        self.on_gap: Callable[[], None] | None = None
-        self._waiting_key = False
-
-    def gap(self) -> None:
-        """Encoded video lost a frame: nothing until the next IDR, which is asked for."""
-        if not self._waiting_key and self.on_gap is not None:
-            self._waiting_key = True
-            self.on_gap()
-
-    def put(self, frame, key: bool = True) -> None:
-        if self.queue.full():  # the reader is behind: drop, do not stall the session
-            if self.on_gap is None:
-                self.queue.get_nowait()
-            else:
-                while not self.queue.empty():
-                    self.queue.get_nowait()
-                self.gap()
-        if self._waiting_key:
-            if not key:
-                return
-            self._waiting_key = False
-        self.queue.put_nowait(frame)
-
-    async def recv(self):
-        frame = await self.queue.get()
-        if frame is None:
-            self.stop()
-            raise MediaStreamError
-        if self.due is not None:
-            wait = self.due(frame) - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-        return frame
-
-
 @dataclass
 class LiveSession:
-    """One client's presenter: the engine's session, its peer connection, its speech socket's events."""
+    """One client's presenter: the engine's session, its peer connection (in a worker), its events."""
 
     id: str
     owner: str
     avatar: str
     session: Session
-    pc: RTCPeerConnection
+    peer: Peer | None = None
     events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(256))
-    video: _Track = field(default_factory=lambda: _Track("video"))
-    audio: _Track = field(default_factory=lambda: _Track("audio"))
     tasks: list[asyncio.Task] = field(default_factory=list)
     encoded: bool = False  # the session's own H.264 packets go out (else raw frames, aiortc encodes VP8)
     observe_latency: Callable[[float], None] = lambda seconds: None  # audio pushed -> frame ready
 
-    def __post_init__(self) -> None:
-        s = self.session
-        self.audio.due = lambda frame: s.t0 + s.o.playout_delay_s + frame.pts / AUDIO_RATE
-        if self.encoded:
-            self.video.on_gap = s.request_keyframe
-
     async def pump(self) -> None:
-        """Read the session at its playout pace: frames to the tracks, speech events to the socket."""
+        """Read the session at its playout pace: media to the peer, speech events to the socket."""
         fps = self.session.fps
-        pcm, pcm_at = np.zeros(0, np.int16), 0  # audio not sent yet, and the sample it starts at
+        peer = self.peer
         try:
             async for item in self.session:
                 if isinstance(item, LiveFrame):
@@ -161,28 +89,17 @@ class LiveSession:
                     if self.encoded:
                         self._put_packets(item)
                     else:
-                        video = av.VideoFrame.from_ndarray(item.i420, format="yuv420p")
-                        video.pts = int(item.pts * VIDEO_CLOCK / fps)
-                        video.time_base = Fraction(1, VIDEO_CLOCK)
-                        self.video.put(video)
-                    # aiortc sends one Opus packet a frame it is given: 20 ms frames, from the session's clock
+                        peer.frame(item.i420, int(item.pts * VIDEO_CLOCK / fps))
                     start = (item.pts * AUDIO_RATE * fps.denominator) // fps.numerator
-                    if start != pcm_at + pcm.size:  # frames were dropped unread: the audio clock jumps too
-                        pcm, pcm_at = np.zeros(0, np.int16), start
-                    pcm = np.concatenate([pcm, (np.clip(item.audio, -1, 1) * 32767).astype(np.int16)])
-                    while pcm.size >= OPUS_FRAME:
-                        audio = av.AudioFrame.from_ndarray(pcm[None, :OPUS_FRAME], format="s16", layout="mono")
-                        audio.sample_rate, audio.pts, audio.time_base = AUDIO_RATE, pcm_at, Fraction(1, AUDIO_RATE)
-                        self.audio.put(audio)
-                        pcm, pcm_at = pcm[OPUS_FRAME:], pcm_at + OPUS_FRAME
+                    peer.audio((np.clip(item.audio, -1, 1) * 32767).astype(np.int16), start)
+                    await peer.drain()
                 elif isinstance(item, SpeechEvent):
                     if self.events.full():
                         self.events.get_nowait()
                     self.events.put_nowait({"type": "speech", "kind": item.kind, "utterance": item.utterance,
                                             "pts": item.pts, "position_s": round(item.position_s, 3)})
         finally:
-            self.video.put(None)
-            self.audio.put(None)
+            peer.end()
 
     def _put_packets(self, item: LiveFrame) -> None:
         """The frame's H.264 access unit (with those of frames rendered after they played), as aiortc sends
@@ -193,73 +110,54 @@ class LiveSession:
             if p.kind != "video":
                 continue
             if not p.keyframe and item.time_s - p.time_s > STALE_S:
-                self.video.gap()
+                self.peer.gap()
                 continue
             # an IDR goes out however late: a picture the viewer can decode, it ends the freeze (dropped, a
             # late IDR asked for by a gap would freeze the picture until the next one on time)
-            packet = av.Packet(p.data)
-            packet.pts, packet.dts, packet.time_base = p.pts, p.dts, p.time_base
-            self.video.put(packet, p.keyframe)
-
-    async def listen(self, track: MediaStreamTrack) -> None:
-        """The client's own microphone track: its samples are the session's speech."""
-        try:
-            while True:
-                frame = await track.recv()
-                samples = frame.to_ndarray().astype(np.float32)
-                channels = len(frame.layout.channels)
-                mono = samples.mean(axis=0) if frame.format.is_planar else samples.reshape(-1, channels).mean(axis=1)
-                if frame.format.name.startswith("s16"):
-                    mono /= 32768.0
-                self.session.push_audio(mono, frame.sample_rate)
-        except MediaStreamError:
-            pass
+            self.peer.video(p.data, p.pts, p.dts, p.time_base, p.keyframe)
 
 
 class LiveSessions:
-    """The server's live sessions, by id."""
+    """The server's live sessions, by id, and the WebRTC workers their peer connections live in."""
 
-    def __init__(self, service):
+    def __init__(self, service, rtc_workers: int):
         self.s = service
         self.open: dict[str, LiveSession] = {}
+        self.gateway = RtcGateway(rtc_workers)
+
+    async def start_workers(self) -> None:
+        await self.gateway.start()
 
     def count(self, owner: str) -> int:
         return sum(x.owner == owner for x in self.open.values())
 
     async def start(self, owner: str, avatar: str, offer_sdp: str,
                     playout_delay_s: float | None = None) -> tuple[LiveSession, str]:
-        """Open an engine session (AdmissionError when full) and answer the client's offer."""
+        """Open an engine session (AdmissionError when full) and answer the client's offer (ValueError:
+        a bad offer; RuntimeError: no WebRTC worker could take it)."""
         h264_offer = prefer_h264(offer_sdp)
         encoded = h264_offer is not None
         session = self.s.live.open_session(self.s.avatars[avatar], encode=encoded,
                                            playout_delay_s=playout_delay_s)
-        pc = RTCPeerConnection()
-        live = LiveSession(secrets.token_hex(8), owner, avatar, session, pc, encoded=encoded,
+        live = LiveSession(secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
+        handlers = PeerHandlers(keyframe=session.request_keyframe, mic=session.push_audio,
+                                failed=lambda why: self._failed(live.id, why))
         try:
-            @pc.on("track")
-            def on_track(track: MediaStreamTrack) -> None:
-                if track.kind == "audio":
-                    live.tasks.append(asyncio.ensure_future(live.listen(track)))
-
-            @pc.on("connectionstatechange")
-            async def on_state() -> None:
-                if pc.connectionState in ("failed", "closed"):
-                    await self.close(live.id)
-
-            await pc.setRemoteDescription(RTCSessionDescription(h264_offer or offer_sdp, "offer"))
-            video = pc.addTrack(live.video)  # after the offer: the tracks take its m-lines, in its order
-            pc.addTrack(live.audio)
-            if encoded:  # a viewer that lost packets asks for a picture it can decode: the next frame an IDR
-                keyframe = video._send_keyframe
-                video._send_keyframe = lambda: (session.request_keyframe(), keyframe())
-            await pc.setLocalDescription(await pc.createAnswer())  # aiortc gathers its candidates here
+            worker = await self.gateway.pick()
+            live.peer, answer = await worker.open_peer(live.id, h264_offer or offer_sdp, encoded,
+                                                       session.t0 + session.o.playout_delay_s, handlers)
             live.tasks.append(asyncio.ensure_future(live.pump()))
         except BaseException:
             await self.close(live.id)
             raise
-        return live, pc.localDescription.sdp
+        return live, answer
+
+    def _failed(self, sid: str, why: str) -> None:
+        if sid in self.open:
+            log.info('{"event": "session_failed", "id": "%s", "why": "%s"}', sid, why.replace('"', "'"))
+            asyncio.ensure_future(self.close(sid))
 
     async def close(self, sid: str) -> bool:
         live = self.open.pop(sid, None)
@@ -269,10 +167,12 @@ class LiveSessions:
         self.s.live.close_session(live.session)
         for task in live.tasks:
             task.cancel()
-        await live.pc.close()
+        if live.peer is not None:
+            await live.peer.close()
         log.info('{"event": "session_closed", "id": "%s", "frames_late": %d}', sid, live.session.stats.late)
         return True
 
     async def close_all(self) -> None:
         for sid in list(self.open):
             await self.close(sid)
+        await self.gateway.close()

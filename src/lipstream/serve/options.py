@@ -28,10 +28,12 @@ class ServeOptions:
     latency at the client, more frames late when the engine is busy. `live_capacity_fps`: the frames/s live
     sessions may take in all (admission; None: what the engine measures at start, all of it).
     `switch_interval_ms`: the interpreter's GIL switch interval while the server runs. Every PyTorch op
-    of the engine's core thread drops the GIL and must take it back from the event loop, which
-    runs every session's WebRTC in Python; CPython makes the holder give it up only after this
+    of the engine's core thread drops the GIL and must take it back from the process's other Python
+    threads (the event loop, the frame copy-out); CPython makes the holder give it up only after this
     long (5 ms by default). `python -m lipstream.bench.gil_convoy`: beside one busy thread a
-    62 ms eager Whisper call took 725 ms at 5 ms, 143 ms at 0.5 ms (traced: 129 and 71)."""
+    62 ms eager Whisper call took 725 ms at 5 ms, 143 ms at 0.5 ms (traced: 129 and 71).
+    `rtc_workers`: the processes aiortc runs in (serve/rtc.py), so that its Python holds their GILs, not
+    the engine's."""
 
     avatars_dir: Path
     data_dir: Path
@@ -47,6 +49,7 @@ class ServeOptions:
     live_capacity_fps: float | None = None
     playout_delay_s: float | None = None  # None: the preset's (realtime: 0.25 s)
     switch_interval_ms: float = 0.5
+    rtc_workers: int | None = None  # WebRTC worker processes (None: one per 4 cores, 1 to 8)
 
     def check(self) -> None:
         """One-line errors before anything loads."""
@@ -69,5 +72,7 @@ class ServeOptions:
             raise ValueError(f"--playout-delay-ms {self.playout_delay_s * 1000:g}: 50 to 5000 is allowed")
         if not 0.1 <= self.switch_interval_ms <= 10:
             raise ValueError(f"--switch-interval-ms {self.switch_interval_ms:g}: 0.1 to 10 is allowed")
+        if self.rtc_workers is not None and not 1 <= self.rtc_workers <= 64:
+            raise ValueError(f"--rtc-workers {self.rtc_workers}: 1 to 64 is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")
