@@ -4,7 +4,7 @@
 # STAGE=cold: install, build 4 avatars 1280x720@25, cold server start (ready time), a smoke row, stop.
 # STAGE=bench: warm server start (ready time), serve-bench rows $NS with a render job, py-spy on the server.
 # STAGE=all: cold (with rows $NS0 at the default playout delay), then a warm start at PLAYOUT2 ms with rows $NS, py-spy.
-# STAGE=diag: cold start; rows $NS without a job (GPU use, per-thread CPU and a py-spy of every thread during
+# STAGE=diag: cold start; rows $NS without a job (none: no such rows) (GPU use, per-thread CPU and a py-spy of every thread during
 #   the second), a row of N=$NJ with a job; then the tests stage in the time left (of TOTAL_T).
 # STAGE=tests: the test suite's media/live/serve modules on Python 3.12 with the newest wheels.
 set -u
@@ -79,8 +79,8 @@ diag)
   if [ -n "${PROF:-}" ]; then
     (sleep ${PROF_AT:-45}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --idle --threads -f raw -r 50 -d 10 -o $OUT/idle.txt > $OUT/pyspy.log 2>&1) &
   fi
-  timeout ${BENCH_T:-200} python3 -m lipstream.cli serve-bench --sessions ${NS:-8,16,23} --seconds 12 --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_nojob 2>&1 | grep -v "^report" | tail -8
-  timeout ${BENCHJ_T:-90} python3 -m lipstream.cli serve-bench --sessions ${NJ:-16} --seconds 12 --no-warmup --render-audio $W/job.wav --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_job 2>&1 | grep -v "^report" | tail -4
+  [ "${NS:-}" != none ] && timeout ${BENCH_T:-200} python3 -m lipstream.cli serve-bench --sessions ${NS:-8,16,23} --seconds 12 --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_nojob 2>&1 | grep -v "^report" | tail -8
+  timeout ${BENCHJ_T:-90} python3 -m lipstream.cli serve-bench --sessions ${NJ:-16} --seconds 12 ${NOWARM---no-warmup} --render-audio $W/job.wav --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_job 2>&1 | grep -v "^report" | tail -4
   kill $GPID
   stop_server
   [ -f $OUT/idle.txt ] && python3 benchmarks/gil_summary.py $OUT/idle.txt > $OUT/idle_summary.txt && rm -f $OUT/idle.txt $OUT/pyspy.log

@@ -312,6 +312,46 @@ def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models,
         assert np.abs(g.i420.astype(int) - w.i420.astype(int)).max() <= 1
 
 
+def test_with_a_kept_idle_loop_speech_starts_at_the_next_frame_boundary(tiny_models, avatars):
+    """Kept idle frames are taken at their media time, not a frame early: speech pushed at T starts at the
+    first frame whose media time is not before T, so a client waits at most one frame past the playout
+    delay (a frame taken early would make it two)."""
+    import time
+
+    fps = Fraction(5)
+    speech = speech_like(0.3, 16_000, seed=4)
+
+    async def run(live):
+        s = live.open_session(0, fps=fps)
+        pushed, started = [], []
+        try:
+            async def speak():
+                for phase in (0.13, 0.61, 0.37, 0.89):  # of a frame, after a frame's media time
+                    media = s.t0 + float(s.media_frame(time.monotonic()) / fps)
+                    await asyncio.sleep(max(0.0, media - time.monotonic()) + phase / float(fps))
+                    pushed.append(time.monotonic())
+                    s.push_audio(speech, 16_000)
+                    s.end_utterance()
+                    await asyncio.sleep(0.9)
+            speaker = asyncio.ensure_future(speak())
+            async for item in s:
+                if isinstance(item, SpeechEvent) and item.kind == "started":
+                    started.append(item.pts)
+                if speaker.done() and len(started) == len(pushed):
+                    break
+            await speaker
+        finally:
+            live.close_session(s)
+        return [s.t0 + float(f / fps) - t for f, t in zip(started, pushed)]
+
+    kept = _engine(tiny_models, avatars[:1], idle_cache_gib=1.0, playout_delay_s=1.0)
+    try:
+        leads = asyncio.run(run(kept))
+    finally:
+        kept.close()
+    assert len(leads) == 4 and all(0 <= x < 1 / fps for x in leads), leads
+
+
 def test_an_end_that_comes_after_the_speech_ran_dry_still_finishes(streaming):
     """The client's `end` arrives after the utterance's last frame played (its audio ran out first, and
     the frames after it played as silence of the same utterance): "finished" is sent then, once."""
@@ -555,7 +595,7 @@ class _Frames:
     def __init__(self, deadlines: list[float]):
         self.deadlines, self.taken = deadlines, []
 
-    def candidates(self, now, limit, margin):
+    def candidates(self, now, limit, margin, idle_cached=False):
         return [Candidate(self, f, d, [], 0, 0, 0) for f, d in enumerate(self.deadlines[:limit])]
 
     def take(self, taken, skipped):

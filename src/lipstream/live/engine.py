@@ -383,7 +383,7 @@ class LiveEngine:
         of half the idle lead, so the idle frames of sessions opened moments apart share a step."""
         now = time.monotonic()
         margin = self._step_estimate() + UNDERRUN_SLACK_S  # what the scheduler passes the sessions
-        due = [s.idle_due(max(s.next_frame, s.play_frame), margin) for s in sessions]
+        due = [s.idle_due(max(s.next_frame, s.play_frame), margin, s.avatar in self.idle_loops) for s in sessions]
         if not due:
             return 0.01
         tick = max(0.002, min(margin, min(float(1 / s.fps) for s in sessions)) / 2)

@@ -66,7 +66,7 @@ class Scheduler:
         plan finds it fuller.
 
         Idle frames of the avatars in `idle_cached` need no step (their pictures are kept): they
-        are handed out at once and take no room in the batch.
+        are handed out at their media time and take no room in the batch.
 
         `step_s`: what a step takes on the device now (the core measures it). A speech frame whose
         audio is not all in is rendered anyway once its deadline is that close (with silence for
@@ -76,7 +76,8 @@ class Scheduler:
         skipped: list[Candidate] = []
         per_session = []
         for s in sessions:
-            mine = s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S)
+            mine = s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S,
+                                idle_cached=s.avatar in idle_cached)
             per_session.append((s, mine))
             for c in mine:
                 if c.deadline < now:

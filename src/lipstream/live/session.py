@@ -96,11 +96,13 @@ class Session(FrameHandoff):
             rows = list(self.timings)
         return {name: [round(r[i] * 1000, 2) for r in rows] for i, name in enumerate(TIMING_STAGES)}
 
-    def idle_due(self, frame: int, margin: float) -> float:
-        """When an idle frame may be rendered: up to one frame (or `margin`) before its media time, so
-        the idle frames of sessions opened at different moments share steps. Speech pushed later
-        starts after it (at most a frame later)."""
-        return self.t0 + float(frame / self.fps) - min(margin, float(1 / self.fps))
+    def idle_due(self, frame: int, margin: float, cached: bool = False) -> float:
+        """When an idle frame may be taken. A rendered one: up to one frame (or `margin`) before its media
+        time, so the idle frames of sessions opened at different moments share steps; speech pushed
+        after it starts a frame later, so the client waits up to two frames past the playout delay.
+        A `cached` one (the avatar's idle loop is kept: no step) at its media time: speech starts at
+        the next frame boundary, within one frame."""
+        return self.t0 + float(frame / self.fps) - (0.0 if cached else min(margin, float(1 / self.fps)))
 
     def media_frame(self, now: float) -> int:
         """The first frame whose media time is not before `now` (where speech pushed now begins)."""
@@ -255,10 +257,11 @@ class Session(FrameHandoff):
     def _first_step(self, local: int) -> int:
         return (local * FEATURE_RATE * self.fps.denominator) // self.fps.numerator - LEFT_PAD_STEPS
 
-    def candidates(self, now: float, limit: int, margin: float) -> list[Candidate]:
+    def candidates(self, now: float, limit: int, margin: float, idle_cached: bool = False) -> list[Candidate]:
         """Frames that can be rendered now, in order: speech frames whose window is known, idle
-        frames once their media time has come (so speech pushed by then can still take them), and
-        speech frames due within `margin` whose audio is late (rendered with silence for it)."""
+        frames once their media time has come (so speech pushed by then can still take them; see
+        idle_due), and speech frames due within `margin` whose audio is late (rendered with silence
+        for it)."""
         out: list[Candidate] = []
         kick = False
         with self._lock:
@@ -277,7 +280,7 @@ class Session(FrameHandoff):
                 deadline = self.deadline(f)
                 u = self._utterance_at(f)
                 if u is None:
-                    if now < self.idle_due(f, margin):
+                    if now < self.idle_due(f, margin, idle_cached):
                         break
                     rows, underrun = self.table.idle, False
                 else:
