@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # windows per encoder call, padded up
+CPU_WARM_BATCH = 16
 MARGIN = N_FFT // 2  # samples each side of a window: its first and last mel frames see real audio
 
 
@@ -77,7 +78,9 @@ class StreamingWhisper:
         p = next(self.encoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         cuda = self.device.type == "cuda"
-        self.pad = cuda  # fixed batch shapes matter on a GPU (kernel choices per shape); on a CPU they only cost
+        # fixed batch shapes: on a GPU kernel choices are per shape; traced, each shape is a trace (100-200 ms
+        # on a CPU), which a first session would wait for. Eager on a CPU, padding would only cost.
+        self.pad = cuda or trace
         self._host = [torch.empty(BATCHES[-1], self.samples, pin_memory=cuda) for _ in range(4)]  # pinned: uploads never block
         self._k = 0
         self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
@@ -89,8 +92,8 @@ class StreamingWhisper:
         self._traced: dict[int, Callable[..., torch.Tensor]] = {}  # by batch size
 
     def _call(self, b: int) -> Callable[..., torch.Tensor]:
-        """The encoder call for a batch of b: traced once per size (its ops then run without the GIL); on a
-        GPU the sizes are the padded BATCHES, all traced at warm-up."""
+        """The encoder call for a batch of b: traced once per size (its ops then run without the GIL); the
+        sizes are the padded BATCHES, traced at warm-up."""
         if not self.trace:
             return self._math
         traced = self._traced.get(b)
@@ -126,8 +129,12 @@ class StreamingWhisper:
 
     @torch.inference_mode()
     def warm(self) -> None:
-        """Run every batch size once now: a first call per shape costs tens of ms (kernel choices)."""
-        for b in BATCHES if self.pad else ():
+        """Run every batch size once now: a first call per shape costs tens of ms (kernel choices) or a
+        trace. On a CPU up to CPU_WARM_BATCH (a CPU serves a few sessions; a larger shape traces when
+        it first comes)."""
+        if not self.pad:
+            return
+        for b in [x for x in BATCHES if self.device.type == "cuda" or x <= CPU_WARM_BATCH]:
             self._run([WindowJob(np.zeros(self.samples, np.float32), 0, self.table.spare, False, [])] * b)
 
     def _run(self, jobs: list[WindowJob]) -> None:

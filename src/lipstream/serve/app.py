@@ -27,8 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lipstream.live import AdmissionError
 from lipstream.serve.live import LiveSessions
-from lipstream.serve.rtc import default_workers
 from lipstream.serve.options import AVATAR_NAME
+from lipstream.serve.rtc import default_workers
 from lipstream.serve.service import Service, owner_of
 from lipstream.serve.store import Job
 

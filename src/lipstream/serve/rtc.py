@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ class Peer:
     def __init__(self, worker: RtcWorker, sid: str, handlers: PeerHandlers):
         self.worker, self.sid, self.handlers = worker, sid, handlers
 
-    def video(self, data: bytes, pts: int, dts: int, time_base, key: bool) -> None:
+    def video(self, data: bytes, pts: int, dts: int, time_base: Fraction, key: bool) -> None:
         self.worker.send({"type": "video", "sid": self.sid, "pts": pts, "dts": dts,
                           "tb": [time_base.numerator, time_base.denominator], "key": key}, data)
 
@@ -79,8 +80,9 @@ class RtcWorker:
         self.index = index
         self.proc: asyncio.subprocess.Process | None = None
         self.peers: dict[str, Peer] = {}
-        self.replies: dict[tuple[str, str], asyncio.Future] = {}  # (sid, "answer" | "closed") -> its reply
+        self.replies: dict[tuple[str, str], asyncio.Future] = {}  # (sid, "answer" | "closed" | "pong") -> reply
         self.failure: str | None = None
+        self.info: dict = {}  # its pong: pid, whether torch is imported
         self._reader: asyncio.Task | None = None
 
     @property
@@ -95,6 +97,8 @@ class RtcWorker:
                                                          stdin=asyncio.subprocess.PIPE,
                                                          stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 26)
         self._reader = asyncio.ensure_future(self._read())
+        # its imports done before the server is ready (they would take a first session's CPU)
+        self.info = await self._call("", "pong", {"type": "ping"})
         return self
 
     @property
@@ -171,8 +175,8 @@ class RtcWorker:
     def _handle(self, h: dict, payload: memoryview) -> None:
         kind, sid = h.get("type"), h.get("sid", "")
         peer = self.peers.get(sid)
-        if kind in ("answer", "closed") or (kind == "error" and (sid, "answer") in self.replies):
-            future = self.replies.get((sid, "closed" if kind == "closed" else "answer"))
+        if kind in ("answer", "closed", "pong") or (kind == "error" and (sid, "answer") in self.replies):
+            future = self.replies.get((sid, "answer" if kind == "error" else kind))
             if future is not None and not future.done():
                 if kind == "error":
                     future.set_exception(ValueError(h.get("message", "the offer was refused")))
@@ -234,7 +238,10 @@ class RtcGateway:
                 if not w.alive and not w.peers:
                     await w.close()
                     self.workers[i] = await RtcWorker(w.index).start()
-            return min((w for w in self.workers if w.alive), key=lambda w: len(w.peers))
+            alive = [w for w in self.workers if w.alive]
+            if not alive:
+                raise RuntimeError("no WebRTC worker is running")
+            return min(alive, key=lambda w: len(w.peers))
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None]

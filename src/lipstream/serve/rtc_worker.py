@@ -17,6 +17,7 @@ only the stdlib, numpy, PyAV and aiortc: no torch.
   gap {sid}: video was dropped; nothing until an IDR           keyframe {sid}: the viewer needs an IDR
   end {sid}: the session's media ended                         state {sid, state}: the connection failed
   close {sid}                                                  closed {sid}
+  ping {}                                                      pong {pid, torch: whether torch is imported}
                                                                mic {sid, rate} + float32 mono: the client's track
 
 `audio_zero` is the time.monotonic() at which audio sample 0 plays (one clock for every process of the
@@ -217,6 +218,8 @@ class Worker:
             self.opening[sid] = asyncio.ensure_future(self.open(sid, h))
         elif kind == "close":
             asyncio.ensure_future(self.close(sid))
+        elif kind == "ping":
+            self.reply({"type": "pong", "sid": sid, "pid": os.getpid(), "torch": "torch" in sys.modules})
         else:
             self.reply({"type": "error", "sid": sid, "message": f"unknown message {kind!r}"})
 
