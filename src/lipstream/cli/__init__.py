@@ -1,0 +1,61 @@
+"""`lipstream` command line. Each flag maps onto a function argument; user errors are one line.
+
+One module per group of commands (common: what they share; weights; render: compile, render, broadcast,
+warmup, features; bench: bench, live-bench; serve: serve, serve-bench); importing this package
+registers them all on `app`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+# each registers its commands on `app`, in the order `lipstream --help` lists them
+from lipstream.cli import render  # isort: skip
+from lipstream.cli import serve  # isort: skip
+from lipstream.cli import bench, weights  # isort: skip
+from lipstream.cli.common import app, click, err, load_models, process_age, warn_random_weights
+from lipstream.errors import LipStreamError
+from lipstream.preflight import UsageError, random_size_for
+
+__all__ = ["app", "bench", "entry", "load_models", "main", "process_age", "random_size_for", "render", "serve",
+           "warn_random_weights", "weights"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; every error a user can cause ends in one line: exit 1, or 2 for usage, 130 for Ctrl-C."""
+    logging.basicConfig(level=os.environ.get("LIPSTREAM_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        # standalone_mode=False: click's usage errors come here (one line) instead of a multi-line panel;
+        # typer turns a KeyboardInterrupt into the return value 130.
+        code = app(args=argv, prog_name="lipstream", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help(), err=True)
+        return 2
+    except click.exceptions.UsageError as e:
+        command = e.ctx.command_path if e.ctx else "lipstream"
+        err.print(f"[bold red]error:[/] {e.format_message()} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        return 2
+    except UsageError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    except LipStreamError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 1
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        code = 130
+    if code == 130:
+        err.print("interrupted: stopped, no output written", highlight=False)
+    return code if isinstance(code, int) else 0
+
+
+def entry() -> None:
+    """The `lipstream` program. After Ctrl-C the output is already cleaned up, so the process ends at once:
+    tearing down torch (and a CUDA context) took seconds more, and Ctrl-C must stop within one."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,5 @@
+"""`python -m lipstream.cli`: the `lipstream` program."""
+
+from lipstream.cli import entry
+
+entry()

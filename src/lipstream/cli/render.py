@@ -1,0 +1,242 @@
+"""`lipstream compile | render | broadcast | warmup | features`: avatars in, MP4s out."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lipstream.cli.common import (
+    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt, PresetOpt,
+    RandomOpt, RandomSizeOpt, ReferenceOpt, TimingsOpt, app, avatars_dir, compile_choice, err, load_models, out,
+    process_age, warn_random_weights)
+from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.preflight import (
+    RenderOptions, check_models, check_output_path, check_program, fps_option, in_range, machine_defaults,
+    random_size_for)
+
+
+@app.command("compile")
+def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or images (stills), or folders of them.")],
+                output: Annotated[Path, typer.Option("-o", "--output", help="Avatars folder (one sub-folder per avatar).")],
+                force: Annotated[bool, typer.Option(help="Compile again even if the input is unchanged.")] = False,
+                track: Annotated[Optional[Path], typer.Option(
+                    help="Precomputed landmarks or boxes (JSON) for one input, or a folder of <name>.track.json.")] = None,
+                save_track: Annotated[Optional[Path], typer.Option(
+                    help="Write the tracked landmarks to DIR/<name>.track.json.")] = None,
+                extra_margin: Annotated[int, typer.Option(help="Pixels added below the chin (MuseTalk v1.5: 10).")] = 10,
+                bbox_shift: Annotated[int, typer.Option(help="Move the box's centre line down (+) or up (-), px.")] = 0,
+                fps: Annotated[Optional[str], typer.Option(help="Override the loop's frame rate (stills: 25).")] = None,
+                models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+                device: DeviceOpt = "auto") -> None:
+    """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
+    RenderOptions(device=device, random_size=random_size).check()
+    fps_option(fps)
+    in_range("--extra-margin", extra_margin, 0, 200, "pixels")
+    in_range("--bbox-shift", bbox_shift, -200, 200, "pixels")
+    for path in inputs:
+        if not path.exists():
+            raise InputError(path, "no such video, image or folder")
+    if output.exists() and not output.is_dir():
+        raise InputError(output, "is a file, expected the avatars folder")
+    if track is not None and not track.exists():
+        raise InputError(track, "no such track file or folder")
+    check_models(models, random_weights)
+
+    from rich.table import Table
+
+    from lipstream.avatar import CompileOptions, compile_many
+
+    m = load_models(models, device, random_weights, random_size, components=["vae"])
+    results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
+                           options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
+                           vae_random=m.config.name if m.random_weights else None)
+    table = Table(title=f"avatars in {output}")
+    for col in ("avatar", "status", "frames", "size", "fps", "face box", "time", "note"):
+        table.add_column(col)
+    colours = {"compiled": "green", "skipped": "cyan", "failed": "red"}
+    for r in results:
+        table.add_row(r.name, f"[{colours[r.status]}]{r.status}[/]", str(r.frames or ""),
+                      f"{r.size[0]}x{r.size[1]}" if r.frames else "", r.fps,
+                      f"{r.face[0]}x{r.face[1]}" if r.frames else "", f"{r.seconds:.1f} s" if r.seconds else "",
+                      r.message)
+    out.print(table)
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
+
+
+def _render(program, output: Path, avatars: Optional[Path], options: RenderOptions, reference: bool,
+            compile: str, models, random_weights: bool, timings: bool = False) -> None:
+    """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
+    options.check()
+    metas = check_program(program, avatars, output)
+    check_models(models, random_weights)
+    t_checked = process_age()
+
+    import torch
+
+    from lipstream.startup import load_networks, pick_device
+
+    device = pick_device(options.device)
+    t_torch = process_age()
+    chosen = machine_defaults(device.type, os.cpu_count() or 1)
+    batch, preset = options.batch or chosen["batch"], options.preset or chosen["preset"]
+    encoders = options.encoders or chosen["encoders"]
+    size = random_size_for(options.random_size, device.type, next(iter(metas.values())))
+    if random_weights:
+        warn_random_weights()
+    nets = load_networks(models, device, random_weights, size, compile="off" if reference else compile,
+                         decode_rows=options.decode_rows, dtype=torch.float32 if reference else None,
+                         report=lambda line: err.print(line, highlight=False))
+    from lipstream.render import render_program  # after the networks: its imports overlap nothing
+
+    t_networks = process_age()
+    where = f"{size} random networks" if random_weights else "networks"
+    engine = "reference path" if reference else f"{nets.engine} engine"
+    err.print(f"{engine}: {where} on {device}, batch {batch}, {encoders} x264 encoder{'s' * (encoders > 1)} "
+              f"({preset}, crf {options.crf})", highlight=False)
+    if nets.note:
+        err.print(nets.note, highlight=False, soft_wrap=True)
+    report = render_program(program, output, nets.models, avatars_dir=avatars, fps=options.fps, reference=reference,
+                            batch_size=batch, crf=options.crf, preset=preset, encoders=encoders,
+                            decode_rows=options.decode_rows)
+    out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
+              f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
+              f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
+              + (" [reference path]" if reference else ""))
+    age = process_age()  # what the user waited: imports, networks and set-up included
+    started = age - report.wall_s
+    out.print(f"process: {age:.2f} s so far, first encoded packet {started + report.first_frame_s:.2f} s "
+              "after it started", highlight=False)
+    if timings:
+        _print_timings(report, nets, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
+                                      "networks": t_networks - t_torch, "render set-up": started - t_networks})
+    if random_weights:
+        out.print("[bold red]random weights: the mouth is noise, not speech[/]")
+
+
+def _print_timings(report, nets, before: dict[str, float]) -> None:
+    """--timings: where the process's time went, from its start to the finished MP4."""
+    from rich.table import Table
+
+    t = report.timings
+    table = Table(title="start-up and render, seconds from the process start")
+    for col in ("step", "seconds", "note"):
+        table.add_column(col)
+    notes = {"networks": f"{nets.engine} engine" + "".join(
+        f", {k.removesuffix('_s')} {v:.2f} s" for k, v in nets.timings.items() if k != "networks_s")}
+    for name, seconds in before.items():
+        table.add_row(name, f"{seconds:.2f}", notes.get(name, ""))
+    rows = [("audio: decode + Whisper features", t.get("audio_s")), ("avatars: load", t.get("load_s")),
+            ("graph capture", t.get("warmup_s")),
+            ("first encoded packet (after render start)", report.first_frame_s),
+            ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
+                t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "plan_s"))),
+            ("flush: last segments, audio, faststart", t.get("finish_s"))]
+    for name, seconds in rows:
+        if seconds is not None:
+            table.add_row(name, f"{seconds:.2f}", "")
+    table.add_row("render_program total", f"{report.wall_s:.2f}", f"{report.frames} frames")
+    err.print(table)
+
+
+@app.command("render")
+def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name in --avatars, or its folder.")],
+               audio: Annotated[Path, typer.Option(help="Speech: any audio file, or a video with audio.")],
+               output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
+               avatars: AvatarsOpt = None,
+               start_frame: Annotated[int, typer.Option(help="Where in its loop the avatar starts.")] = 0,
+               fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None, reference: ReferenceOpt = False,
+               batch: BatchOpt = None, encoders: EncodersOpt = None, compile: CompileOpt = None,
+               decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False,
+               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
+    """Make an avatar speak an audio file: one lip-synced MP4."""
+    from lipstream.script import single_scene
+
+    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, start_frame, device,
+                            random_size)
+    _render(single_scene(avatar, audio, start_frame), output, avatars_dir(avatars), options, reference,
+            compile_choice(compile), models, random_weights, timings)
+
+
+@app.command("broadcast")
+def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
+                  output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
+                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None,
+                  reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
+                  compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
+                  random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+                  device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
+    """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
+    from lipstream.script import load_script
+
+    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, 0, device, random_size)
+    _render(load_script(script), output, avatars_dir(avatars), options, reference, compile_choice(compile), models,
+            random_weights, timings)
+
+
+@app.command("warmup")
+def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
+               random_size: Annotated[str, typer.Option(
+                   "--random-size", help="With --random-weights: full or tiny (auto: tiny on a CPU, full on a GPU).")]
+               = "auto",
+               decode_rows: DecodeRowsOpt = "auto", device: DeviceOpt = "auto",
+               force: Annotated[bool, typer.Option(help="Build again even if cached.")] = False) -> None:
+    """Build the compiled engine for this machine ahead of time (in a container build, or at provisioning).
+
+    Writes AOTInductor packages and the weights they read to the cache folder ($LIPSTREAM_CACHE,
+    default ~/.cache/lipstream/aot); renders then load them in about a second. Safe to delete.
+    """
+    RenderOptions(device=device, random_size=random_size, decode_rows=decode_rows).check()
+    check_models(models, random_weights)
+
+    from lipstream.startup import KINDS_FOR_ROWS, pick_device, warmup
+
+    dev = pick_device(device)
+    size = random_size_for(random_size, dev.type)
+    if random_weights:
+        warn_random_weights()
+    t0 = time.perf_counter()
+    built = warmup(models, dev, random_weights, size, kinds=KINDS_FOR_ROWS[decode_rows], force=force,
+                   report=lambda line: err.print(line, highlight=False, soft_wrap=True))
+    failed = [b for b in built if b.status == "failed"]
+    out.print(f"compiled engine for {dev}: {sum(b.status == 'built' for b in built)} built, "
+              f"{sum(b.status == 'cached' for b in built)} already cached, {len(failed)} failed, "
+              f"{time.perf_counter() - t0:.1f} s", highlight=False)
+    if failed:
+        raise LipStreamError("could not compile: " + "; ".join(f"{b.kind}: {b.message}" for b in failed)
+                             + " (renders use the uncompiled engine for these)")
+
+
+@app.command("features")
+def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video with an audio track.")],
+             fps: Annotated[str, typer.Option(help="Video frame rate the windows align to (25, 29.97, 30000/1001).")] = "25",
+             output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Save features + windows (.safetensors).")] = None,
+             models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+             device: DeviceOpt = "auto") -> None:
+    """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
+    rate = fps_option(fps)
+    RenderOptions(device=device, random_size=random_size).check()
+    check_file(audio, "audio file")
+    if output is not None:
+        check_output_path(output)
+    check_models(models, random_weights)
+
+    from lipstream.audio import prepare_speech
+
+    m = load_models(models, device, random_weights, random_size, components=["whisper"])
+    speech = prepare_speech(audio, rate, m.whisper, m.feature_extractor)
+    out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
+              f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {m.device}")
+    out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))
+    if output is not None:
+        from lipstream.io import save_safetensors_atomic
+
+        save_safetensors_atomic(output, {"features": speech.features, "windows": speech.windows},
+                                {"fps": str(speech.fps), "samples": str(speech.samples.numel()),
+                                 "weights": m.source, **{f"fingerprint.{k}": v for k, v in m.fingerprints.items()}})
+        out.print(f"wrote {output}")

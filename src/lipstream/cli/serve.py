@@ -1,0 +1,127 @@
+"""`lipstream serve | serve-bench`: the engine as a service, and its load test with real clients."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lipstream.cli.common import DeviceOpt, ModelsOpt, RandomOpt, RandomSizeOpt, app, load_models, out
+from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.preflight import RenderOptions, UsageError, check_models, in_range
+
+
+@app.command("serve")
+def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled avatars: every one is kept resident.")],
+              host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+              port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+              data: Annotated[Path, typer.Option(help="Where jobs, uploads and results are kept.")] = Path("lipstream-data"),
+              api_key: Annotated[Optional[list[str]], typer.Option(
+                  "--api-key", help="A bearer key clients must send (repeatable; or LIPSTREAM_API_KEYS, comma-"
+                                    "separated). Without any, only a loopback --host is allowed.")] = None,
+              max_upload_mb: Annotated[float, typer.Option(help="Largest upload.")] = 50.0,
+              max_audio_s: Annotated[float, typer.Option(help="Longest audio of a job.")] = 600.0,
+              jobs_per_key: Annotated[int, typer.Option(help="Queued + running jobs a key may have.")] = 8,
+              sessions_per_key: Annotated[int, typer.Option(help="Live sessions a key (or, without keys, all "
+                                                                 "clients) may have open.")] = 4,
+              capacity_fps: Annotated[Optional[float], typer.Option(
+                  help="Frames/s live sessions may take in all (default: what the engine measures at start).")] = None,
+              live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: realtime (plays 250 ms "
+                                                       "behind the speech), accurate (350 ms), utterance (1 s), cpu (1 s, "
+                                                       "Whisper every 200 ms: a machine without a GPU).")]
+              = "realtime",
+              playout_delay_ms: Annotated[Optional[float], typer.Option(
+                  help="How far behind the speech live sessions play (default: the preset's): less is less "
+                       "latency at the client and more frames late when the engine is busy.")] = None,
+              switch_interval_ms: Annotated[float, typer.Option(
+                  help="The GIL switch interval while serving: how soon the engine's core thread gets the "
+                       "interpreter back from the event loop (Python's default: 5).")] = 0.5,
+              rtc_workers: Annotated[Optional[int], typer.Option(
+                  help="Processes the sessions' WebRTC (aiortc) runs in, off the engine's GIL (default: one per "
+                       "4 cores, 1 to 8).")] = None,
+              compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
+              models: ModelsOpt = None, random_weights: RandomOpt = False,
+              random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
+    """Keep the networks, the compiled steps and the avatars resident; serve jobs and live sessions."""
+    from lipstream.serve.options import ServeOptions
+
+    keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
+                                        if k.strip())
+    options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
+                           jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
+                           playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000,
+                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers)
+    try:
+        options.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if compile not in ("auto", "off", "vae", "all"):
+        raise UsageError(f"--compile {compile!r}: expected auto, off, vae or all")
+    RenderOptions(device=device, random_size=random_size).check()
+    check_models(models, random_weights)
+
+    from lipstream.serve.server import json_logs, serve
+
+    json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
+    m = load_models(models, device, random_weights, random_size)
+    serve(options, m, compile=("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile)
+
+
+@app.command("serve-bench")
+def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream serve`.")] = "http://127.0.0.1:8000",
+                    out_dir: Annotated[Path, typer.Option("-o", "--output", help="Report folder.")] = Path("serve-bench-out"),
+                    sessions: Annotated[str, typer.Option(help="Comma-separated session counts to run.")] = "4,8,16",
+                    seconds: Annotated[float, typer.Option(help="Length of each row.")] = 12.0,
+                    avatar: Annotated[Optional[list[str]], typer.Option(
+                        help="Avatars the sessions use, in turn (repeatable; default: every resident one).")] = None,
+                    render_audio: Annotated[Optional[Path], typer.Option(
+                        help="Also submit a render job of this audio at the start of each row.")] = None,
+                    server_pid: Annotated[Optional[int], typer.Option(help="The server's process id, to report "
+                                                                           "its CPU (same machine only).")] = None,
+                    warmup: Annotated[bool, typer.Option(help="A short unreported row at the largest N first.")] = True,
+                    codec: Annotated[str, typer.Option(help="Video codec the clients offer: any (aiortc's list; the "
+                                                            "server then sends H.264), h264 or vp8.")] = "any",
+                    chunk_ms: Annotated[float, typer.Option(help="Speech goes out in chunks of this length.")] = 20.0,
+                    playout_delay_ms: Annotated[Optional[str], typer.Option(
+                        help="Comma-separated playout delays the sessions ask for, each a set of rows "
+                             "(default: the server's).")] = None,
+                    ) -> None:
+    """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
+    try:
+        counts = [int(v) for v in sessions.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--sessions {sessions!r}: expected e.g. 4,8,16") from None
+    if not counts or min(counts) < 1 or max(counts) > 128:
+        raise UsageError(f"--sessions {sessions!r}: expected counts from 1 to 128")
+    if not 4 <= seconds <= 600:
+        raise UsageError(f"--seconds {seconds}: expected 4 to 600")
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
+    if codec not in ("any", "h264", "vp8"):
+        raise UsageError(f"--codec {codec!r}: expected any, h264 or vp8")
+    in_range("--chunk-ms", chunk_ms, 10, 1000, "milliseconds")
+    try:
+        delays = [float(v) for v in playout_delay_ms.split(",") if v.strip()] if playout_delay_ms else [None]
+    except ValueError:
+        raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: expected e.g. 200,250") from None
+    if not delays or any(d is not None and not 50 <= d <= 5000 for d in delays):
+        raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: 50 to 5000 ms each")
+    if render_audio is not None:
+        check_file(render_audio, "audio file")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(out_dir, "is a file, expected the report folder")
+
+    from lipstream.bench.serve_load import run, write
+
+    key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
+    try:
+        report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
+                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+    except (RuntimeError, OSError) as e:
+        raise LipStreamError(f"--url {url}: {e}") from None
+    write(report, out_dir)
+    out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
+    out.print(f"report: {out_dir / 'serve_bench.md'}")
