@@ -533,7 +533,10 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     sent, started, _ = row["utterances"]
     assert sent >= 2 and started == sent, row["utterances"]
     assert row["speech_frames"] > 0 and row["video_frames_received"] > 20, row
-    assert abs(row["av_offset_ms"]["max_abs"]) < 100, row["av_offset_ms"]  # one frame at 10 fps
+    print("A/V offset at the clients (ms), as sent and decoded:", row["av_offset_ms"], row["av_offset_decoded_ms"])
+    # as the packets came in: the server's own sync, within the issue's 40 ms (aiortc's receive buffers add
+    # their own offset to the decoded frames: 4 audio packets against one video frame)
+    assert abs(row["av_offset_ms"]["max_abs"]) <= 40, row["av_offset_ms"]
     assert row["render_job"]["status"] == "done"
     assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
     assert row["playout_delay_ms"] == 1500  # the sessions' own, asked for by the clients

@@ -67,22 +67,32 @@ class Recorder:
 
 
 class WireClock:
-    """When each video frame's last RTP packet arrived, by media time from the stream's first packet:
-    a hook on the receiver's packet handler (it measures, it changes nothing)."""
+    """When each video frame's last RTP packet (`frames`: the marker ends a frame) or each audio packet
+    arrived, by media time from the stream's first packet: a hook on the receiver's packet handler (it
+    measures, it changes nothing). Before aiortc's buffering, which is not the same for both tracks:
+    its audio jitter buffer hands a packet over once 4 are in (60-80 ms), its video one holds a frame
+    until the next starts (one frame), so decoded arrivals show an A/V offset the sender did not make."""
 
-    def __init__(self, receiver) -> None:
+    def __init__(self, receiver, clock: int, frames: bool = True) -> None:
         self.arrivals: dict[int, float] = {}
         self.origin: int | None = None
+        self.clock = clock
         handle = receiver._handle_rtp_packet
 
         async def timed(packet, arrival_time_ms: int) -> None:
             if self.origin is None:
                 self.origin = packet.timestamp
-            if packet.marker:
+            if packet.marker or not frames:
                 self.arrivals.setdefault((packet.timestamp - self.origin) % (1 << 32), time.monotonic())
             await handle(packet, arrival_time_ms)
 
         receiver._handle_rtp_packet = timed
+
+    def lag(self) -> float | None:
+        """Median arrival minus media time."""
+        if not self.arrivals:
+            return None
+        return float(np.median([at - ts / self.clock for ts, at in self.arrivals.items()]))
 
 
 async def _speak(ws, speech: np.ndarray, rng: np.random.Generator, start: float, until: float,
@@ -139,8 +149,8 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
     if codec != "any":
         transceiver.setCodecPreferences([c for c in RTCRtpReceiver.getCapabilities("video").codecs
                                          if c.mimeType.lower() in (f"video/{codec}", "video/rtx")])
-    wire = WireClock(transceiver.receiver)
-    pc.addTransceiver("audio", direction="recvonly")
+    wire = WireClock(transceiver.receiver, 90_000)
+    wire_audio = WireClock(pc.addTransceiver("audio", direction="recvonly").receiver, 48_000, frames=False)
     t_connect = time.monotonic()
     await pc.setLocalDescription(await pc.createOffer())
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
@@ -184,6 +194,7 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
     lat_wire = latencies(sent, events, wire.arrivals, video.clock, fps, chunk_s)
     v = sorted(video.arrivals)
     lags = video.lag(), audio.lag()
+    wire_lags = wire.lag(), wire_audio.lag()
     return {
         "session": sid, "avatar": avatar, "fps": str(fps), "video_codec": answered,
         "first_frame_s": first_frame_s and round(first_frame_s, 3),  # offer made -> first video frame
@@ -196,7 +207,9 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
         "video_frames_missing": (round((v[-1] - v[0]) * fps / video.clock) + 1 - len(v)) if v else None,
         "audio_frames": len(audio.arrivals),
         "audio_peak": round(audio.peak, 1),
-        "av_offset_ms": round(1000 * (lags[0] - lags[1]), 1) if None not in lags else None,
+        # video minus audio, as the packets came in (what the server sent) and as aiortc handed them over decoded
+        "av_offset_ms": round(1000 * (wire_lags[0] - wire_lags[1]), 1) if None not in wire_lags else None,
+        "av_offset_decoded_ms": round(1000 * (lags[0] - lags[1]), 1) if None not in lags else None,
         "server_frames_played": server.get("stats", {}).get("played"),
         "server_frames_late": server.get("stats", {}).get("late"),
         "server_stats": server.get("stats"),

@@ -90,6 +90,8 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
     lat = [x for c in clients for x in c["latency_ms"]]
     decoded = [x for c in clients for x in c["decoded_latency_ms"]]
     offsets = [c["av_offset_ms"] for c in clients if c["av_offset_ms"] is not None]
+    decoded_offsets = [c["av_offset_decoded_ms"] for c in clients if c.get("av_offset_decoded_ms") is not None]
+    spread = (lambda xs: {"median": round(float(np.median(xs)), 1), "max_abs": round(max(map(abs, xs)), 1)} if xs else {})
     stages = _stages([c["server_timings_ms"] for c in clients if c.get("server_timings_ms")])
     cores = (lambda a, b: round((b - a) / wall, 2) if a is not None and b is not None else None)
     row = {
@@ -108,8 +110,8 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         "video_frames_missing": sum(c["video_frames_missing"] or 0 for c in clients),  # never arrived (late, dropped)
         "utterances": [sum(c["utterances_sent"] for c in clients), sum(c["utterances_started"] for c in clients),
                        sum(c["utterances_finished"] for c in clients)],  # sent, started, finished
-        "av_offset_ms": {"median": round(float(np.median(offsets)), 1), "max_abs": round(max(map(abs, offsets)), 1)}
-        if offsets else {},
+        "av_offset_ms": spread(offsets),  # video minus audio as the packets arrived: the server's sync
+        "av_offset_decoded_ms": spread(decoded_offsets),  # as aiortc handed them over (its buffers differ by track)
         "first_frame_s": {f"p{q}": round(float(np.percentile([c["first_frame_s"] for c in clients
                                                                  if c["first_frame_s"] is not None], q)), 2)
                           for q in (50, 100)} if clients else {},
@@ -197,7 +199,7 @@ def write(report: dict, out: Path) -> None:
              f"{report['chunk_ms']:g} ms chunks; "
              f"render job beside: {report['render_audio'] or 'none'}", "",
              "| N | playout ms | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
-             "(median, max) | first frame s | render job s | server stages p99 ms (audio, features, render, encode) | "
+             "(median, max; decoded) | first frame s | render job s | server stages p99 ms (audio, features, render, encode) | "
              "cores: host, server, its workers (encode, WebRTC), clients | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -209,11 +211,15 @@ def write(report: dict, out: Path) -> None:
         lines.append(f"| {r['sessions']} | {r.get('playout_delay_ms')} | {q.get('p50')} / {q.get('p95')} / {q.get('p99')} | {r['latency_ms_max']} | "
                      f"{d.get('p50')} / {d.get('p99')} | "
                      f"{r['speech_frames']} | {r['frames_late']} | {r['video_frames_missing']} | "
-                     f"{av_.get('median')}, {av_.get('max_abs')} | {r['first_frame_s'].get('p50')} | "
+                     f"{av_.get('median')}, {av_.get('max_abs')}; {r.get('av_offset_decoded_ms', {}).get('median')} | "
+                     f"{r['first_frame_s'].get('p50')} | "
                      f"{(job or {}).get('seconds')} | {stages} | {r.get('host_busy_cores')}, {r['server_cpu_cores']}, "
                      f"{r.get('worker_processes_cores', r.get('encode_workers_cores'))}, {r.get('client_cores')} | {len(r['errors'])} |")
     lines += ["", "Latency: audio sent by the client -> the frame's last RTP packet at the client; decoded: -> "
-                  "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts)."]
+                  "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts).",
+              "", "A/V offset: video minus audio, each packet's arrival less its media time, as the packets came in "
+                  "(the server's sync); decoded: as aiortc handed the frames over (its audio jitter buffer waits "
+                  "for 4 packets, its video one holds a frame: an offset the server did not make)."]
     lines += ["", "Server stages, per speech frame: its audio arriving (push of the frame's first sample -> "
                   "the last its window needs), features and scheduling, the step with the copy to host, "
                   "copy-out and H.264 encode."]
