@@ -98,7 +98,11 @@ class RtcWorker:
                                                          stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 26)
         self._reader = asyncio.ensure_future(self._read())
         # its imports done before the server is ready (they would take a first session's CPU)
-        self.info = await self._call("", "pong", {"type": "ping"})
+        try:
+            self.info = await self._call("", "pong", {"type": "ping"})
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            await self.close()
+            raise RuntimeError(f"{self.name} did not start: {e or 'no answer to a ping'}") from None
         return self
 
     @property
@@ -162,7 +166,11 @@ class RtcWorker:
                     why = "" if not e.partial else "a reply cut short"
                     break
                 split = body.index(b"\n")
-                self._handle(json.loads(body[:split]), memoryview(body)[split + 1:])
+                header = json.loads(body[:split])
+                try:
+                    self._handle(header, memoryview(body)[split + 1:])
+                except Exception as e:  # noqa: BLE001 - a session's handler failed: that session's business
+                    log.warning("%s, session %s: %s failed: %s", self.name, header.get("sid"), header.get("type"), e)
         except Exception as e:  # a broken reply: the worker cannot be trusted any more
             why = f"a broken reply ({e})"
         code = await self.proc.wait() if why == "" else None
