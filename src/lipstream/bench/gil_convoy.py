@@ -1,7 +1,8 @@
 """What a busy event loop does to the live core thread's eager work: the GIL convoy, measured.
 
 Every PyTorch op drops the GIL while it runs and takes it back after; when another thread runs
-Python meanwhile (`lipstream serve`'s event loop: aiortc's RTP, SRTP and ICE for every session),
+Python meanwhile (`lipstream serve`'s event loop ran aiortc's RTP, SRTP and ICE for every session
+until serve/rtc.py moved them to processes of their own),
 taking it back waits for that thread to give it up, which CPython asks for only after the switch
 interval (5 ms by default). An eager Whisper encoder call is about a hundred ops, so a call that
 computes in a few milliseconds can take hundreds. On the H200 at 23 sessions the core thread's

@@ -31,7 +31,9 @@ class LiveOptions:
     H200 at 16 sessions (GPU 15% busy, frames late); at most this much more latency.
     `trace_whisper`: the streaming Whisper call runs traced (TorchScript), its ops without the GIL;
     eager, each op gives the GIL up and waits to get it back from whatever Python runs beside
-    (`lipstream serve`'s event loop): 725 against 129 ms beside one busy thread (bench/gil_convoy.py).
+    (`lipstream serve`'s event loop): 725 against 129 ms beside one busy thread on 2 CPU cores
+    (bench/gil_convoy.py); on the H200 a traced 2.6 ms call still took 273 ms beside one, which is why
+    `lipstream serve` runs aiortc in processes of its own (serve/rtc.py).
     `idle_cache_gib`: the idle loop of each avatar (every loop frame with the mouth at rest) is
     rendered once and kept in host memory, up to this much over all avatars, so silent sessions
     cost no GPU time; 0 renders every idle frame in the steps.
