@@ -30,7 +30,8 @@ def lipstream(*args, env=None):
 def test_help_lists_only_working_commands():
     r = lipstream("--help")
     assert r.returncode == 0
-    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights", "live-bench", "serve"):
+    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights", "live-bench", "serve",
+                "serve-bench"):
         assert cmd in r.stdout
 
 
@@ -42,7 +43,8 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
              (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key"),
              (["--avatars", tmp_path / "avatars", "--preset", "fast"], "--preset 'fast'"),
              (["--avatars", tmp_path / "avatars", "--playout-delay-ms", "10"], "--playout-delay-ms 10"),
-             (["--avatars", tmp_path / "avatars", "--switch-interval-ms", "50"], "--switch-interval-ms 50")]
+             (["--avatars", tmp_path / "avatars", "--switch-interval-ms", "50"], "--switch-interval-ms 50"),
+             (["--avatars", tmp_path / "avatars", "--rtc-workers", "0"], "--rtc-workers 0")]
     for args, named in cases:
         r = lipstream("serve", *args, "--random-weights", env={"LIPSTREAM_API_KEYS": ""})
         assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
