@@ -40,10 +40,16 @@ from lipstream.session_encoder import EncodedPacket, SessionEncoder
 LENGTH = struct.Struct("<I")
 
 
+def frame_parts(header: dict, payload: bytes | memoryview = b"") -> list:
+    """One framed message as the buffers to write (writelines, writev): the payload is not copied."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    payload = memoryview(payload).cast("B")  # a numpy array's buffer counts items, not bytes
+    return [LENGTH.pack(len(head) + 1 + payload.nbytes), head, b"\n", payload]
+
+
 def pack(header: dict, payload: bytes = b"") -> bytes:
     """One framed message (the worker's replies; the parent writes its frames with writev instead)."""
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return LENGTH.pack(len(head) + 1 + len(payload)) + head + b"\n" + payload
+    return b"".join(frame_parts(header, payload))
 
 
 def read_message(stream: BinaryIO) -> tuple[dict, memoryview] | None:
@@ -57,6 +63,21 @@ def read_message(stream: BinaryIO) -> tuple[dict, memoryview] | None:
     body = stream.read(size)
     if len(body) < size:
         raise EOFError(f"stream ended inside a message ({len(body)} of {size} bytes)")
+    split = body.index(b"\n")
+    return json.loads(body[:split]), memoryview(body)[split + 1:]
+
+
+async def read_message_async(reader) -> tuple[dict, memoryview] | None:
+    """read_message on an asyncio.StreamReader (serve/rtc.py and its workers)."""
+    import asyncio
+
+    try:
+        prefix = await reader.readexactly(LENGTH.size)
+        body = await reader.readexactly(LENGTH.unpack(prefix)[0])
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise EOFError(f"stream ended inside a message ({len(e.partial)} bytes of it)") from None
     split = body.index(b"\n")
     return json.loads(body[:split]), memoryview(body)[split + 1:]
 

@@ -29,10 +29,9 @@ import numpy as np
 
 from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.mp4 import AUDIO_RATE
-from lipstream.serve.rtc import Peer, PeerHandlers, RtcGateway
+from lipstream.serve.rtc import VIDEO_CLOCK, Peer, PeerHandlers, RtcGateway
 
 log = logging.getLogger(__name__)
-VIDEO_CLOCK = 90_000
 STALE_S = 0.1  # encoded video this far behind its playout time is dropped (and an IDR asked for)
 
 

@@ -10,7 +10,6 @@ them) and a new one is started for the next session.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -22,10 +21,11 @@ from pathlib import Path
 import numpy as np
 
 import lipstream
-from lipstream.encode_worker import LENGTH
+from lipstream.encode_worker import frame_parts, read_message_async
 
 log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 30.0  # an answer (ICE gathering included) or a close
+VIDEO_CLOCK = 90_000  # RTP's video clock: raw pictures' pts go to the worker in it
 
 
 def default_workers() -> int:
@@ -58,7 +58,7 @@ class Peer:
                           "height": i420.shape[0] * 2 // 3}, np.ascontiguousarray(i420).data)
 
     def audio(self, pcm16: np.ndarray, at: int) -> None:
-        self.worker.send({"type": "audio", "sid": self.sid, "at": at}, pcm16.astype("<i2").data)
+        self.worker.send({"type": "audio", "sid": self.sid, "at": at}, np.ascontiguousarray(pcm16, "<i2").data)
 
     def gap(self) -> None:
         self.worker.send({"type": "gap", "sid": self.sid})
@@ -112,9 +112,7 @@ class RtcWorker:
     def send(self, header: dict, payload: bytes | memoryview = b"") -> None:
         if not self.alive:
             return  # its sessions are being closed (their `failed` ran)
-        head = json.dumps(header, separators=(",", ":")).encode()
-        payload = memoryview(payload).cast("B")  # a numpy array's buffer counts items, not bytes
-        self.proc.stdin.writelines([LENGTH.pack(len(head) + 1 + payload.nbytes), head, b"\n", payload])
+        self.proc.stdin.writelines(frame_parts(header, payload))
 
     async def drain(self) -> None:
         if self.alive:
@@ -155,20 +153,16 @@ class RtcWorker:
             log.warning("%s did not close session %s: %s", self.name, sid, e)
 
     async def _read(self) -> None:
-        out = self.proc.stdout
         why = None
         try:
             while True:
-                try:
-                    prefix = await out.readexactly(LENGTH.size)
-                    body = await out.readexactly(LENGTH.unpack(prefix)[0])
-                except asyncio.IncompleteReadError as e:
-                    why = "" if not e.partial else "a reply cut short"
+                message = await read_message_async(self.proc.stdout)
+                if message is None:
+                    why = ""
                     break
-                split = body.index(b"\n")
-                header = json.loads(body[:split])
+                header, payload = message
                 try:
-                    self._handle(header, memoryview(body)[split + 1:])
+                    self._handle(header, payload)
                 except Exception as e:  # noqa: BLE001 - a session's handler failed: that session's business
                     log.warning("%s, session %s: %s failed: %s", self.name, header.get("sid"), header.get("type"), e)
         except Exception as e:  # a broken reply: the worker cannot be trusted any more

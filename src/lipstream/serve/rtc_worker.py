@@ -28,7 +28,6 @@ stdin ends the worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import signal
@@ -41,10 +40,10 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription, rtp
 from aiortc.mediastreams import MediaStreamError
 
-from lipstream.encode_worker import LENGTH, one_line
+from lipstream.encode_worker import frame_parts, one_line, read_message_async
+from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.serve.rtc import VIDEO_CLOCK
 
-AUDIO_RATE = 48_000
-VIDEO_CLOCK = 90_000
 QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
 OPUS_FRAME = 960  # 20 ms at 48 kHz
 
@@ -188,8 +187,7 @@ class Worker:
         self.opening: dict[str, asyncio.Task] = {}
 
     def reply(self, header: dict, payload: bytes = b"") -> None:
-        head = json.dumps(header, separators=(",", ":")).encode()
-        self.out.writelines([LENGTH.pack(len(head) + 1 + len(payload)), head, b"\n", payload])
+        self.out.writelines(frame_parts(header, payload))
 
     def handle(self, h: dict, payload: memoryview) -> None:
         kind, sid = h.get("type"), h.get("sid", "")
@@ -260,14 +258,16 @@ async def serve(stdin, stdout) -> None:
     try:
         while True:
             try:
-                prefix = await reader.readexactly(LENGTH.size)
-                body = await reader.readexactly(LENGTH.unpack(prefix)[0])
-            except asyncio.IncompleteReadError:
-                break  # the server closed our stdin (or is gone)
+                message = await read_message_async(reader)
+            except EOFError:
+                break  # the server is gone mid-message
+            except ValueError as e:  # a header that is not JSON (its whole message was read): said, go on
+                worker.reply({"type": "error", "sid": "", "message": one_line(e)})
+                continue
+            if message is None:
+                break  # the server closed our stdin
             try:
-                split = body.index(b"\n")
-                header = json.loads(body[:split])
-                worker.handle(header, memoryview(body)[split + 1:])
+                worker.handle(*message)
             except Exception as e:  # one bad message: said, and the others go on
                 worker.reply({"type": "error", "sid": "", "message": one_line(e)})
     finally:
