@@ -180,3 +180,17 @@ def test_random_weights_alone_just_work_on_a_cpu(tmp_path):
                   "-o", tmp_path / "out.mp4", "--random-weights", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "uncompiled engine: tiny random networks on cpu" in r.stderr and (tmp_path / "out.mp4").is_file()
+
+
+def test_an_unexpected_exception_in_a_command_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    """A bug inside a command (here: weights verify raising RuntimeError) ends in one error line naming
+    the exception and status 1: no traceback, and none from the CLI's own error handling."""
+    import lipstream.models.verify
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something inside broke\nsecond line")
+
+    monkeypatch.setattr(lipstream.models.verify, "verify", broken)
+    assert main(["weights", "verify", "--models", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RuntimeError: something inside broke" in err[0] and "LIPSTREAM_LOG" in err[0], err

@@ -8,6 +8,7 @@ windows) is the same at 25 fps on a GPU.
 from __future__ import annotations
 
 import asyncio
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -451,6 +452,52 @@ def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_m
     assert all(b.pts > a.pts for a, b in zip(video, video[1:]))
     assert [p.pts for p in audio] == [960 * k for k in range(len(audio))]  # no gap where frames were given up
     assert len(audio) >= 8 * AUDIO_RATE // 2 // 960
+
+
+def test_speech_frames_ready_after_their_utterance_played_keep_their_account(tiny_models, avatars):
+    """A speech frame that comes back from the steps after its whole utterance has played (and left the
+    session's timeline) is late, and still has its push times: the per-stage account that GET
+    /v1/sessions/{id} serves holds it. On a slow machine every speech frame is such a one (a 2-core CI's
+    serve-bench row had none accounted for). Here the step stalls (a slow device) while the utterance plays."""
+    live = _engine(tiny_models, avatars[:1], playout_delay_s=1.0, idle_cache_gib=1.0)
+    gate = threading.Event()
+    step = live.engine.render_rows
+
+    def slow_step(*args, **kwargs):  # idle frames come from the kept loop: every step now is speech
+        out = step(*args, **kwargs)
+        gate.wait(30)
+        return out
+
+    async def run():
+        s = live.open_session(0, fps=FPS)
+        try:
+            await _read(s, 1)
+            live.engine.render_rows = slow_step
+            s.push_audio(speech_like(1.0, 16_000, seed=12), 16_000)
+            s.end_utterance()
+            items = []
+            async for item in s:
+                items.append(item)
+                if isinstance(item, SpeechEvent) and item.kind == "finished":
+                    break
+            gate.set()
+            for _ in range(200):  # the stalled frames reach the session now, after they played
+                if s.stats.arrived_after_play and len(s.timings) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            return s, items
+        finally:
+            gate.set()
+            live.close_session(s)
+
+    try:
+        session, items = asyncio.run(run())
+    finally:
+        live.close()
+    speech = [f for f in _frames(items) if f.utterance is not None]
+    assert len(speech) == 2 and all(f.late for f in speech)
+    timings = session.timings_ms()
+    assert len(timings["render"]) >= 2 and max(timings["slack"]) < 0, (session.stats, timings)
 
 
 def test_admission_refuses_a_session_that_would_overload(streaming):

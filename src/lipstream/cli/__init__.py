@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+import typer
+
 # each registers its commands on `app`, in the order `lipstream --help` lists them
 from lipstream.cli import render  # isort: skip
 from lipstream.cli import serve  # isort: skip
@@ -19,6 +21,7 @@ from lipstream.cli.common import app, click, err, load_models, process_age, warn
 from lipstream.errors import LipStreamError
 from lipstream.preflight import UsageError, random_size_for
 
+log = logging.getLogger(__name__)
 __all__ = ["app", "bench", "entry", "load_models", "main", "process_age", "random_size_for", "render", "serve",
            "warn_random_weights", "weights"]
 
@@ -43,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     except LipStreamError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 1
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         code = 130
+    except Exception as e:  # noqa: BLE001 - a bug, not a user's mistake: one line, the traceback on request
+        log.debug("unexpected error", exc_info=True)
+        text = str(e).strip().splitlines()
+        err.print(f"[bold red]error:[/] unexpected {type(e).__name__}" + (f": {text[0]}" if text else "")
+                  + " (a bug in LipStream: LIPSTREAM_LOG=DEBUG shows the traceback)", highlight=False, soft_wrap=True)
+        return 1
     if code == 130:
         err.print("interrupted: stopped, no output written", highlight=False)
     return code if isinstance(code, int) else 0

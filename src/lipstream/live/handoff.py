@@ -57,13 +57,12 @@ class FrameHandoff:
             if c.generation != self.generation or self.closed or c.frame < self._out_next:
                 release()
                 return
-            if c.utterance is not None:
-                u = self._utterance(c.utterance)
-                if u is not None:
-                    local = c.frame - u.start_frame
-                    frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * self.fps.denominator) // self.fps.numerator)
-                    last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
-                    frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
+            u = c.speech
+            if u is not None:
+                local = c.frame - u.start_frame
+                frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * self.fps.denominator) // self.fps.numerator)
+                last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
+                frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
             frame.planned_at, frame.rendered_at = c.planned_at, now
             old = self._rendered.get(c.frame)
             if old is not None and old[2] is not None:

@@ -11,6 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     from lipstream.live.encode import EncodedPacket
     from lipstream.live.session import Session
+    from lipstream.live.utterance import Utterance
 
 
 @dataclass
@@ -74,6 +75,9 @@ class Candidate:
     generation: int
     underrun: bool = False  # rendered before all of its audio arrived (the missing part reads silence)
     planned_at: float = 0.0
+    # the utterance itself (None when idle): a frame that comes back after its utterance has played out
+    # and left the session's timeline still has its audio and its push times (late frames' account)
+    speech: Utterance | None = None
 
 
 @dataclass

@@ -271,7 +271,8 @@ class Session(FrameHandoff):
                 for g in range(max(self.next_frame, self._out_next), self.play_frame):
                     u = self._utterance_at(g)
                     self._rendered.setdefault(g, (Candidate(self, g, self.deadline(g), [], self._loop_frame(g),
-                                                            None if u is None else u.id, self.generation), None, None))
+                                                            None if u is None else u.id, self.generation, speech=u),
+                                                  None, None))
                     self.stats.skipped += 1
                 self.next_frame = self.play_frame
                 kick = self._start_drain()
@@ -294,7 +295,7 @@ class Session(FrameHandoff):
                     rows = [self.table.row(self.slot, u.base + k) if 0 <= k < known else self.table.zero
                             for k in range(first, first + WINDOW_STEPS)]
                 out.append(Candidate(self, f, deadline, rows, self._loop_frame(f), None if u is None else u.id,
-                                     self.generation, underrun, now))
+                                     self.generation, underrun, now, u))
                 f += 1
         if kick:
             self._submit(self._drain)
@@ -428,7 +429,7 @@ class Session(FrameHandoff):
 
     def _frame_audio(self, c: Candidate) -> np.ndarray:
         """The audio that plays (and is encoded) with frame c, as known now; what is missing is lost (counted)."""
-        u = self._utterance(c.utterance) if c.utterance is not None else None
+        u = c.speech
         local = c.frame - u.start_frame if u is not None else c.frame
         if u is not None and not u.ended:
             b = ((local + 1) * AUDIO_RATE * self.fps.denominator) // self.fps.numerator
@@ -436,9 +437,6 @@ class Session(FrameHandoff):
                 a = (local * AUDIO_RATE * self.fps.denominator) // self.fps.numerator
                 self.stats.audio_late_samples += b - max(a, u.n48)
         return self._audio48(u, local)
-
-    def _utterance(self, uid: int) -> Utterance | None:
-        return next((u for u in self._utterances if u.id == uid), None)
 
     def _retire(self, frame: int) -> None:
         """Forget utterances that have played out entirely before `frame`."""
