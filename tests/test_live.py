@@ -26,7 +26,7 @@ from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, S
 from lipstream.live.features import encode_windows, streamed_features
 from lipstream.live.items import Candidate
 from lipstream.live.scheduler import Scheduler
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.rates import AUDIO_RATE
 from lipstream.render import render_program
 from lipstream.script import Program, Scene, Shot
 

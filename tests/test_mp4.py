@@ -14,7 +14,8 @@ import av
 import numpy as np
 import pytest
 
-from lipstream.media.mp4 import AUDIO_RATE, MP4Writer, dts_delay
+from lipstream.media.mp4 import MP4Writer, dts_delay
+from lipstream.rates import AUDIO_RATE
 
 W, H, FPS, FRAMES = 192, 128, Fraction(25), 75
 

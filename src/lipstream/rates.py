@@ -1,9 +1,11 @@
-"""Exact frame rates. Kept free of torch: the CLI checks `--fps` with it before loading anything."""
+"""Exact frame rates, and the one audio rate of every output. Kept free of torch: the CLI checks `--fps` with
+it before loading anything, and the worker processes import it."""
 
 from __future__ import annotations
 
 from fractions import Fraction
 
+AUDIO_RATE = 48_000  # what every output carries: AAC in files, Opus (and PCM to WebRTC) live
 NTSC_RATES = (Fraction(24000, 1001), Fraction(30000, 1001), Fraction(60000, 1001))
 
 

@@ -37,7 +37,8 @@ from lipstream.errors import InputError, LipStreamError
 from lipstream.interrupts import DeferredInterrupt
 from lipstream.preflight import check_output_path, default_encoders, resolve_avatar
 from lipstream.media import mp4 as media_mp4
-from lipstream.media.mp4 import AUDIO_RATE, MP4Writer
+from lipstream.media.mp4 import MP4Writer
+from lipstream.rates import AUDIO_RATE
 from lipstream.models.config import SAMPLE_RATE
 from lipstream.script import Program
 

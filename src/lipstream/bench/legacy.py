@@ -27,7 +27,7 @@ from lipstream.avatar.colour import yuv_to_rgb_affine
 from lipstream.audio.features import whisper_features
 from lipstream.audio.windows import audio_windows_loop
 from lipstream.io import atomic_path
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.rates import AUDIO_RATE
 from lipstream.models import MuseTalk
 from lipstream.models.config import VAE_SCALING_FACTOR
 from lipstream.render import load_speech, resolve_avatar

@@ -20,7 +20,7 @@ from lipstream.bench import figures, legacy, scenarios
 from lipstream.engine import CPUBlendEngine, Engine, RGBEngine
 from lipstream.engine.runner import FAST_COMPILE
 from lipstream.models import MuseTalk
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.rates import AUDIO_RATE
 from lipstream.render import load_speech, render_program, resolve_avatar
 
 PRESET = "ultrafast"  # x264 preset of the fast rows (the legacy rows keep upstream's veryfast-like settings)

@@ -17,7 +17,7 @@ from fractions import Fraction
 import av
 
 from lipstream.fixtures.stream import gradient_i420
-from lipstream.session_encoder import SessionEncoder
+from lipstream.media.session_encoder import SessionEncoder
 
 
 def _aiortc(mime: str, frames: list, fps: int) -> tuple[float, float]:

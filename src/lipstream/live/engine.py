@@ -28,7 +28,7 @@ import torch
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.engine import Engine
-from lipstream.live.encode_pool import EncodePool
+from lipstream.media.encode_pool import EncodePool
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions, preset
 from lipstream.live.scheduler import UNDERRUN_SLACK_S, AdmissionError, OfflineJob, Scheduler, StepPlan, admission

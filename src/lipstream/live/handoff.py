@@ -23,11 +23,12 @@ import numpy as np
 
 from lipstream.live.features import MARGIN
 from lipstream.live.items import Candidate, LiveFrame
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.rates import AUDIO_RATE
 from lipstream.models.config import SAMPLE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
 
 if TYPE_CHECKING:
-    from lipstream.live.encode import EncodedPacket, PoolEncoder
+    from lipstream.media.encode_pool import PooledEncoder
+    from lipstream.media.session_encoder import EncodedPacket
 
 log = logging.getLogger(__name__)
 NO_AUDIO = np.zeros(0, np.float32)
@@ -46,7 +47,7 @@ class FrameHandoff:
         self._draining = True
         return True
 
-    def attach_encoder(self, encoder: PoolEncoder) -> None:
+    def attach_encoder(self, encoder: PooledEncoder) -> None:
         self.encoder = encoder
 
     def deliver(self, c: Candidate, view: np.ndarray, now: float, release: Callable[[], None]) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from lipstream.live.encode import EncodedPacket
+    from lipstream.media.session_encoder import EncodedPacket
     from lipstream.live.session import Session
     from lipstream.live.utterance import Utterance
 

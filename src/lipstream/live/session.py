@@ -33,13 +33,14 @@ from lipstream.live.handoff import FALL_BEHIND_S, TIMING_STAGES, FrameHandoff
 from lipstream.live.items import Candidate, LiveFrame, SessionStats, SpeechEvent
 from lipstream.live.options import LiveOptions
 from lipstream.live.utterance import Utterance
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.rates import AUDIO_RATE
 from lipstream.models.config import FEATURE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
 
 TIMINGS_KEPT = 6000  # speech frames' timings a session keeps (4 minutes at 25 fps)
 
 if TYPE_CHECKING:
-    from lipstream.live.encode import EncodedPacket, PoolEncoder
+    from lipstream.media.encode_pool import PooledEncoder
+    from lipstream.media.session_encoder import EncodedPacket
     from lipstream.live.features import FeatureTable
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Session(FrameHandoff):
         self.id, self.slot, self.avatar, self.fps, self.size = sid, slot, avatar_slot, Fraction(fps), size
         self.avatar_fps, self.loop_frames, self.start_frame = Fraction(avatar_fps), num_loop_frames, start_frame
         self.o, self.table = options, table
-        self.encoder: PoolEncoder | None = None  # attach_encoder(): H.264 + audio in an encode process
+        self.encoder: PooledEncoder | None = None  # attach_encoder(): H.264 + audio in an encode process
         self._wake_engine, self._submit, self._clock = wake, submit, clock
         self.t0 = clock()
         self.stats = SessionStats()

@@ -1,4 +1,4 @@
-"""Media out: H.264 + AAC muxed in one pass, in-process (PyAV)."""
+"""Media out: every encoder (the MP4 file writer, live sessions' encoders) and the worker processes they run in."""
 
 from lipstream.media.mp4 import MP4Writer
 

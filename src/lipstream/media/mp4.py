@@ -37,9 +37,9 @@ import av
 import numpy as np
 
 from lipstream.io import atomic_path
-from lipstream.x264_worker import GLOBAL_HEADER, default_threads, encode_segment, x264_context
+from lipstream.media.segments import GLOBAL_HEADER, default_threads, encode_segment, x264_context
+from lipstream.rates import AUDIO_RATE
 
-AUDIO_RATE = 48_000
 AAC_FRAME = 1024
 # Segment lengths: short first, then the last one repeated. x264 hands out packets only when a
 # segment is flushed: a 2-frame first segment measured 0.12-0.19 s to the first packet, 4 frames 0.20-0.23 s.

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lipstream.live import LiveFrame, Session, SpeechEvent
-from lipstream.media.mp4 import AUDIO_RATE
-from lipstream.serve.rtc import VIDEO_CLOCK, Peer, PeerHandlers, RtcGateway
+from lipstream.rates import AUDIO_RATE
+from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway
 
 log = logging.getLogger(__name__)
 STALE_S = 0.1  # encoded video this far behind its playout time is dropped (and an IDR asked for)
@@ -70,7 +70,7 @@ class LiveSession:
     owner: str
     avatar: str
     session: Session
-    peer: Peer | None = None
+    peer: RemotePeer | None = None
     events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(256))
     tasks: list[asyncio.Task] = field(default_factory=list)
     encoded: bool = False  # the session's own H.264 packets go out (else raw frames, aiortc encodes VP8)

@@ -1,8 +1,8 @@
 """The server's WebRTC workers: aiortc in processes of their own, off the engine's GIL.
 
-Each live session's peer connection lives in one worker (lipstream.serve.rtc_worker, the wire format
-is there); the server sends it the session's media as the session plays it and gets back the
-answer, keyframe requests, the connection's failure and the client's own microphone samples.
+Each live session's peer connection lives in one worker (lipstream.serve.rtc_worker lists the messages,
+lipstream.media.wire frames them); the server sends it the session's media as the session plays it and
+gets back the answer, keyframe requests, the connection's failure and the client's own microphone samples.
 Sessions go to the worker with the fewest; a worker that dies fails its sessions (the server closes
 them) and a new one is started for the next session.
 """
@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
-import lipstream
-from lipstream.encode_worker import frame_parts, read_message_async
+from lipstream.media.processes import start_worker_async
+from lipstream.media.wire import frame_parts, read_message_async
 
 log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 30.0  # an answer (ICE gathering included) or a close
@@ -42,10 +40,10 @@ class PeerHandlers:
     mic: Callable[[np.ndarray, int], None]  # the client's own audio track: float32 mono, its rate
 
 
-class Peer:
-    """The server's side of one session's peer connection: its media out, through its worker."""
+class RemotePeer:
+    """The server's handle of one session's peer connection, which lives in a worker: its media goes there."""
 
-    def __init__(self, worker: RtcWorker, sid: str, handlers: PeerHandlers):
+    def __init__(self, worker: RtcWorkerProcess, sid: str, handlers: PeerHandlers):
         self.worker, self.sid, self.handlers = worker, sid, handlers
 
     def video(self, data: bytes, pts: int, dts: int, time_base: Fraction, key: bool) -> None:
@@ -73,13 +71,13 @@ class Peer:
         await self.worker.close_peer(self.sid)
 
 
-class RtcWorker:
-    """One worker process: its pipes, its reader task and the sessions it holds."""
+class RtcWorkerProcess:
+    """The server's handle of one WebRTC worker process: its pipes, its reader task and the sessions it holds."""
 
     def __init__(self, index: int):
         self.index = index
         self.proc: asyncio.subprocess.Process | None = None
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, RemotePeer] = {}
         self.replies: dict[tuple[str, str], asyncio.Future] = {}  # (sid, "answer" | "closed" | "pong") -> reply
         self.failure: str | None = None
         self.info: dict = {}  # its pong: pid, whether torch is imported
@@ -89,13 +87,8 @@ class RtcWorker:
     def name(self) -> str:
         return f"rtc worker {self.index} (pid {self.proc.pid if self.proc else '-'})"
 
-    async def start(self) -> RtcWorker:
-        env = dict(os.environ)
-        root = str(Path(lipstream.__file__).resolve().parent.parent)  # the worker imports lipstream as we did
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "lipstream.serve.rtc_worker",
-                                                         stdin=asyncio.subprocess.PIPE,
-                                                         stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 26)
+    async def start(self) -> RtcWorkerProcess:
+        self.proc = await start_worker_async("lipstream.serve.rtc_worker")
         self._reader = asyncio.ensure_future(self._read())
         # its imports done before the server is ready (they would take a first session's CPU)
         try:
@@ -132,9 +125,9 @@ class RtcWorker:
             self.replies.pop((sid, reply), None)
 
     async def open_peer(self, sid: str, sdp: str, encoded: bool, audio_zero: float,
-                        handlers: PeerHandlers) -> tuple[Peer, str]:
+                        handlers: PeerHandlers) -> tuple[RemotePeer, str]:
         """The session's peer connection in this worker, and its SDP answer (ValueError: a bad offer)."""
-        peer = self.peers[sid] = Peer(self, sid, handlers)
+        peer = self.peers[sid] = RemotePeer(self, sid, handlers)
         try:
             h = await self._call(sid, "answer", {"type": "open", "sid": sid, "sdp": sdp, "encoded": encoded,
                                                  "audio_zero": audio_zero})
@@ -225,21 +218,21 @@ class RtcGateway:
 
     def __init__(self, workers: int):
         self.size = workers
-        self.workers: list[RtcWorker] = []
+        self.workers: list[RtcWorkerProcess] = []
         self._lock: asyncio.Lock | None = None
 
     async def start(self) -> RtcGateway:
         self._lock = asyncio.Lock()
-        self.workers = [await RtcWorker(i).start() for i in range(self.size)]
+        self.workers = [await RtcWorkerProcess(i).start() for i in range(self.size)]
         return self
 
-    async def pick(self) -> RtcWorker:
+    async def pick(self) -> RtcWorkerProcess:
         """The live worker with the fewest sessions; a dead one is replaced first."""
         async with self._lock:
             for i, w in enumerate(self.workers):
                 if not w.alive and not w.peers:
                     await w.close()
-                    self.workers[i] = await RtcWorker(w.index).start()
+                    self.workers[i] = await RtcWorkerProcess(w.index).start()
             alive = [w for w in self.workers if w.alive]
             if not alive:
                 raise RuntimeError("no WebRTC worker is running")

@@ -6,8 +6,8 @@ H200 at 23 sessions a 3 ms streaming-Whisper call took ~270 ms, traced or not; d
 Here it has a process of its own, and the server sends it what each session plays, at playout.
 
 `python -m lipstream.serve.rtc_worker` reads messages on stdin and answers on stdout, framed as the
-encode workers' are (lipstream.encode_worker: struct '<I' length, JSON header line, payload). Imports
-only the stdlib, numpy, PyAV and aiortc: no torch.
+encode workers' are (lipstream.media.wire: struct '<I' length, JSON header line, payload); serve/rtc.py
+is the server's side. Imports only the stdlib, numpy, PyAV, aiortc and lipstream.media: no torch.
 
   server -> worker                                             worker -> server
   open {sid, sdp, encoded, audio_zero}                         answer {sid, sdp} | error {sid, message}
@@ -40,8 +40,8 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription, rtp
 from aiortc.mediastreams import MediaStreamError
 
-from lipstream.encode_worker import frame_parts, one_line, read_message_async
-from lipstream.media.mp4 import AUDIO_RATE
+from lipstream.media.wire import frame_parts, one_line, read_message_async
+from lipstream.rates import AUDIO_RATE
 from lipstream.serve.rtc import VIDEO_CLOCK
 
 QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
@@ -59,7 +59,7 @@ def audio_level_dbov(frame: av.AudioFrame) -> int:
 rtp.compute_audio_level_dbov = audio_level_dbov  # aiortc's sender calls it through the module
 
 
-class Track(MediaStreamTrack):
+class PacedTrack(MediaStreamTrack):
     """Frames (or encoded packets) as the server sent them; `due(frame)` (time.monotonic()) holds each back
     until its playout time. A reader that falls behind loses the oldest; for encoded video that breaks the
     decoder's reference chain, so the track drops up to the next IDR and asks for one (`on_gap`)."""
@@ -104,14 +104,14 @@ class Track(MediaStreamTrack):
         return frame
 
 
-class Peer:
-    """One session's peer connection and its two tracks."""
+class PeerConnection:
+    """One session's aiortc peer connection and its two paced tracks."""
 
-    def __init__(self, worker: Worker, sid: str, encoded: bool, audio_zero: float):
+    def __init__(self, worker: RtcWorker, sid: str, encoded: bool, audio_zero: float):
         self.worker, self.sid = worker, sid
         self.pc = RTCPeerConnection()
-        self.video = Track("video")
-        self.audio = Track("audio", due=lambda frame: audio_zero + frame.pts / AUDIO_RATE)
+        self.video = PacedTrack("video")
+        self.audio = PacedTrack("audio", due=lambda frame: audio_zero + frame.pts / AUDIO_RATE)
         if encoded:
             self.video.on_gap = self.ask_keyframe
         self.pcm, self.pcm_at = np.zeros(0, np.int16), 0  # audio not sent yet, and the sample it starts at
@@ -178,12 +178,12 @@ class Peer:
         await self.pc.close()
 
 
-class Worker:
-    """The peers of one worker process and the handling of each message."""
+class RtcWorker:
+    """The peer connections of one WebRTC worker process, and the handling of each message."""
 
     def __init__(self, out: asyncio.WriteTransport):
         self.out = out
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, PeerConnection] = {}
         self.opening: dict[str, asyncio.Task] = {}
 
     def reply(self, header: dict, payload: bytes = b"") -> None:
@@ -222,7 +222,7 @@ class Worker:
             self.reply({"type": "error", "sid": sid, "message": f"unknown message {kind!r}"})
 
     async def open(self, sid: str, h: dict) -> None:
-        peer = self.peers[sid] = Peer(self, sid, h["encoded"], h["audio_zero"])
+        peer = self.peers[sid] = PeerConnection(self, sid, h["encoded"], h["audio_zero"])
         try:
             sdp = await peer.answer(h["sdp"], h["encoded"])
         except Exception as e:  # a bad offer: the server answers 422 with this
@@ -254,7 +254,7 @@ async def serve(stdin, stdout) -> None:
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdin)
     out, _ = await loop.connect_write_pipe(asyncio.Protocol, stdout)
-    worker = Worker(out)
+    worker = RtcWorker(out)
     try:
         while True:
             try:

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import lipstream
-from lipstream.encode_worker import pack, read_message
-from lipstream.live import encode_pool
-from lipstream.live.encode import EncodedPacket, EncodePool, PoolEncoder, SessionEncoder
+from lipstream.media import encode_pool
+from lipstream.media.encode_pool import EncodePool
+from lipstream.media.session_encoder import EncodedPacket, SessionEncoder
+from lipstream.media.wire import pack, read_message
 from lipstream.fixtures.stream import gradient_i420, nal_types, sine48
 
 RATE = 48_000
@@ -367,7 +368,7 @@ def test_a_raising_callback_does_not_stop_the_reader():
 
 def test_worker_speaks_the_protocol_without_torch(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-    worker = subprocess.Popen([sys.executable, "-m", "lipstream.encode_worker"], stdin=subprocess.PIPE,
+    worker = subprocess.Popen([sys.executable, "-m", "lipstream.media.encode_worker"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=env)
 
     def ask(header: dict, payload: bytes = b"", reply: bool = True):
@@ -404,18 +405,17 @@ def test_worker_speaks_the_protocol_without_torch(tmp_path):
         worker.wait()
 
 
-def test_pool_module_does_not_import_torch():
-    """encode_pool lives in lipstream.live (whose __init__ imports torch): the module itself must not."""
-    code = ("import importlib.util, sys; "
-            f"spec = importlib.util.spec_from_file_location('pool', {encode_pool.__file__!r}); "
-            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
-            "import lipstream.encode_worker; print(json.dumps('torch' in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)),
-                         check=True).stdout
+def test_media_imports_no_torch():
+    """Every module of lipstream.media runs in worker processes (encode workers, WebRTC workers, segment
+    encoders) that must start in a blink: none of them may import torch, nor anything that does."""
+    import pkgutil
+
+    import lipstream.media
+
+    modules = [f"lipstream.media.{m.name}" for m in pkgutil.iter_modules(lipstream.media.__path__)]
+    assert {"lipstream.media.encode_pool", "lipstream.media.encode_worker", "lipstream.media.wire"} <= set(modules)
+    code = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; " \
+           "import lipstream.serve.rtc_worker; print(json.dumps('torch' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))).stdout
     assert json.loads(out) is False
-
-
-def test_pool_encoder_is_the_public_type(pooled):
-    sessions, _, _ = pooled
-    assert all(isinstance(s, PoolEncoder) for s in sessions)

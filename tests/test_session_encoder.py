@@ -9,7 +9,7 @@ import av
 import numpy as np
 import pytest
 
-from lipstream.live.encode import EncodedPacket, SessionEncoder
+from lipstream.media.session_encoder import EncodedPacket, SessionEncoder
 from lipstream.fixtures.stream import gradient_i420, nal_types, sine48
 
 RATE = 48_000

@@ -2,34 +2,33 @@
 
 Encoding in the engine process costs ~0.8 ms of GIL a frame (PyAV objects, bytes); at hundreds of frames a
 second the encoder threads, dropping and retaking the GIL all the time, starve the core thread and the asyncio
-loop (a GIL convoy). Here each session's SessionEncoder lives in a worker process (encode_worker.py says the
-wire format); a submit costs one copy into a shared-memory slot, one small header and one write, and one reader
-thread per worker (blocked in reads, off the GIL) hands the packets back. Torch-free, like the worker.
+loop (a GIL convoy). Here each session's SessionEncoder lives in a worker process (encode_worker.py lists its
+messages, wire.py frames them); a submit costs one copy into a shared-memory slot, one small header and one
+write, and one reader thread per worker (blocked in reads, off the GIL) hands the packets back. Torch-free,
+like the worker.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import mmap
 import os
 import queue
 import secrets
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from fractions import Fraction
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-import lipstream
-from lipstream.encode_worker import LENGTH, one_line, read_message
-from lipstream.session_encoder import EncodedPacket
+from lipstream.media.processes import start_worker
+from lipstream.media.session_encoder import EncodedPacket
+from lipstream.media.wire import frame_parts, one_line, read_message, read_packets, write_all
+from lipstream.rates import AUDIO_RATE
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,6 @@ SLOT_WAIT_S = 5.0  # a submit waits this long for a free frame slot
 OPEN_WAIT_S = 20.0  # open waits this long for 'opened' (a fresh worker imports PyAV first)
 CLOSE_WAIT_S = 5.0  # close waits this long for the final packets
 EXIT_WAIT_S = 5.0  # pool.close waits this long for the workers to end, then kills them
-AUDIO_RATE = 48_000
 
 OnPackets = Callable[[int, list[EncodedPacket]], None]
 OnError = Callable[[int, str], None]
@@ -78,29 +76,16 @@ def _reserve(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a file system that cannot reserve: the pages come with the first writes
 
 
-def _write_all(fd: int, parts: list) -> None:
-    """One writev (a blocking pipe takes it whole; the loop covers a short write anyway)."""
-    while parts:
-        n = os.writev(fd, parts)
-        while parts and n >= len(parts[0]):
-            n -= len(parts.pop(0))
-        if n:
-            parts[0] = memoryview(parts[0])[n:]
-
-
-class _Worker:
-    """One worker process: its stdin (one writer at a time), its reader thread and the sessions it holds."""
+class EncodeWorkerProcess:
+    """The parent's handle of one encode worker: its stdin (one writer at a time), its reader thread and the
+    sessions it holds."""
 
     def __init__(self, index: int):
         self.index = index
-        env = dict(os.environ)
-        root = str(Path(lipstream.__file__).resolve().parent.parent)  # the worker imports lipstream as we did
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "lipstream.encode_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = start_worker("lipstream.media.encode_worker")
         self.pid = self.proc.pid
         self.name = f"encode worker {index} (pid {self.pid})"
-        self.sessions: dict[int, PoolEncoder] = {}
+        self.sessions: dict[int, PooledEncoder] = {}
         self.failure: str | None = None  # set once the process is gone
         self._fd = self.proc.stdin.fileno()
         self._write = threading.Lock()
@@ -111,15 +96,12 @@ class _Worker:
 
     def send(self, header: dict, payload: bytes | memoryview = b"") -> None:
         """One message; RuntimeError (one line) if the worker is gone."""
-        head = json.dumps(header, separators=(",", ":")).encode()
-        parts = [LENGTH.pack(len(head) + 1 + len(payload)) + head + b"\n"]
-        if len(payload):
-            parts.append(payload)
+        parts = frame_parts(header, payload)
         with self._write:
             if self.failure is not None or self._stdin_closed:
                 raise RuntimeError(self.failure or f"{self.name}: the encode pool is closed")
             try:
-                _write_all(self._fd, parts)
+                write_all(self._fd, parts)
             except OSError as e:
                 self.proc.kill()  # a message may be cut short: the stream is lost, the reader reports the death
                 raise RuntimeError(f"{self.name}: {e.strerror or e}") from None
@@ -166,8 +148,8 @@ class _Worker:
             session._fail(self.failure, report=not self._closing)
 
 
-class PoolEncoder:
-    """One session's encoder inside a worker process. Frames are encoded in submit order.
+class PooledEncoder:
+    """One session's SessionEncoder, inside a worker process of the pool. Frames are encoded in submit order.
 
     Every submit gets one on_packets(pts, packets) call, later, on the worker's reader thread, in submit order
     (packets = [] if the frame failed: on_error says why, just before), until the worker dies: then on_error
@@ -195,7 +177,7 @@ class PoolEncoder:
         self._final: list[EncodedPacket] = []
         self._audio_extradata: bytes | None = None
         self.audio_frame_size: int | None = None  # 960 (Opus), 1024 (AAC), None without audio
-        self._worker: _Worker | None = None
+        self._worker: EncodeWorkerProcess | None = None
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -285,13 +267,7 @@ class PoolEncoder:
         return slot
 
     def _packets(self, listed: list, payload: memoryview) -> list[EncodedPacket]:
-        out, at = [], 0
-        for kind, pts, dts, keyframe, size in listed:
-            video = kind == "v"
-            out.append(EncodedPacket("video" if video else "audio", bytes(payload[at:at + size]), pts, dts,
-                                     self._video_tb if video else self._audio_tb, keyframe))
-            at += size
-        return out
+        return read_packets(listed, payload, self._video_tb, self._audio_tb)
 
     def _reply(self, h: dict, payload: memoryview) -> None:
         kind = h["type"]
@@ -363,8 +339,8 @@ class EncodePool:
         if processes < 1:
             raise ValueError(f"processes: {processes}; at least 1")
         self._lock = threading.Lock()
-        self._workers = [_Worker(i) for i in range(processes)]
-        self._retired: list[_Worker] = []  # dead workers replaced by fresh ones, joined at close
+        self._workers = [EncodeWorkerProcess(i) for i in range(processes)]
+        self._retired: list[EncodeWorkerProcess] = []  # dead workers replaced by fresh ones, joined at close
         self._next_sid = 0
         self._closed = False
 
@@ -374,7 +350,7 @@ class EncodePool:
 
     def open(self, width: int, height: int, fps: Fraction, *, audio: str = "opus", preset: str = "ultrafast",
              crf: int = 23, gop_frames: int | None = None, matrix: str = "bt601", slots: int = 8,
-             on_packets: OnPackets, on_error: OnError | None = None) -> PoolEncoder:
+             on_packets: OnPackets, on_error: OnError | None = None) -> PooledEncoder:
         """A session on the least busy worker (SessionEncoder's settings; `slots` frames may be in flight).
         on_error(sid, message): a frame failed (the session goes on) or the worker died (the session is over)."""
         if width <= 0 or height <= 0 or width % 2 or height % 2:
@@ -391,7 +367,7 @@ class EncodePool:
                 raise RuntimeError("the encode pool is closed")
             sid, self._next_sid = self._next_sid, self._next_sid + 1
         path, mapped = _slot_file(sid, slots * height * 3 // 2 * width)
-        session = PoolEncoder(sid, width, height, fps, slots, mapped, on_packets, on_error)
+        session = PooledEncoder(sid, width, height, fps, slots, mapped, on_packets, on_error)
         try:
             with self._lock:
                 worker = session._worker = self._least_busy()
@@ -414,12 +390,12 @@ class EncodePool:
         session._state = "open"
         return session
 
-    def _least_busy(self) -> _Worker:
+    def _least_busy(self) -> EncodeWorkerProcess:
         """The worker with the fewest sessions; a dead one is replaced first (its sessions have failed)."""
         for i, w in enumerate(self._workers):
             if w.failure is not None:
                 self._retired.append(w)
-                self._workers[i] = _Worker(i)
+                self._workers[i] = EncodeWorkerProcess(i)
         return min(self._workers, key=lambda w: len(w.sessions))
 
     def close(self) -> None:

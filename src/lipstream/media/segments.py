@@ -1,4 +1,4 @@
-"""Encode one closed-GOP H.264 segment: the job of a parallel encoder (thread or process).
+"""One closed-GOP H.264 segment: the job of each of MP4Writer's parallel x264 encoders (threads or processes).
 
 Kept free of torch and the rest of LipStream so a spawned encoder process starts in a blink
 (it imports only PyAV and numpy).

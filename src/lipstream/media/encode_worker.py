@@ -1,11 +1,11 @@
 """An encode worker process: live sessions' SessionEncoders, off the engine process's GIL.
 
-`python -m lipstream.encode_worker` reads messages on stdin and answers on stdout, strictly in arrival order.
-Frames come through a shared-memory file per session (the parent writes a slot, the worker encodes from it);
-packets come back in the replies. Imports only the stdlib, numpy, PyAV and session_encoder: no torch, so a
-worker starts in a blink and costs ~60 MB, not a GPU context.
+`python -m lipstream.media.encode_worker` reads messages on stdin and answers on stdout, strictly in arrival
+order (media/encode_pool.py is the parent's side). Frames come through a shared-memory file per session (the
+parent writes a slot, the worker encodes from it); packets come back in the replies. Imports only the stdlib,
+numpy, PyAV and lipstream.media: no torch, so a worker starts in a blink and costs ~60 MB, not a GPU context.
 
-Wire format, both ways: struct '<I' body length, then the body: a JSON header (utf-8, one line), b"\\n", payload.
+Messages are framed as lipstream.media.wire frames them (length, JSON header line, payload):
 
   parent -> worker                                              worker -> parent
   open {sid, width, height, fps: [num, den], audio, preset,     opened {sid, audio_frame_size}, payload =
@@ -24,77 +24,21 @@ Anything else that fails (an unknown sid, an open or restart that raises) answer
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import signal
-import struct
 import sys
 from fractions import Fraction
 from typing import BinaryIO
 
 import numpy as np
 
-from lipstream.session_encoder import EncodedPacket, SessionEncoder
-
-LENGTH = struct.Struct("<I")
-
-
-def frame_parts(header: dict, payload: bytes | memoryview = b"") -> list:
-    """One framed message as the buffers to write (writelines, writev): the payload is not copied."""
-    head = json.dumps(header, separators=(",", ":")).encode()
-    payload = memoryview(payload).cast("B")  # a numpy array's buffer counts items, not bytes
-    return [LENGTH.pack(len(head) + 1 + payload.nbytes), head, b"\n", payload]
+from lipstream.media.session_encoder import SessionEncoder
+from lipstream.media.wire import one_line, pack, packets_message, read_message
 
 
-def pack(header: dict, payload: bytes = b"") -> bytes:
-    """One framed message (the worker's replies; the parent writes its frames with writev instead)."""
-    return b"".join(frame_parts(header, payload))
-
-
-def read_message(stream: BinaryIO) -> tuple[dict, memoryview] | None:
-    """The next message's header and payload; None at a clean EOF (EOFError if a message is cut short)."""
-    prefix = stream.read(LENGTH.size)
-    if not prefix:
-        return None
-    if len(prefix) < LENGTH.size:
-        raise EOFError("stream ended inside a message's length")
-    (size,) = LENGTH.unpack(prefix)
-    body = stream.read(size)
-    if len(body) < size:
-        raise EOFError(f"stream ended inside a message ({len(body)} of {size} bytes)")
-    split = body.index(b"\n")
-    return json.loads(body[:split]), memoryview(body)[split + 1:]
-
-
-async def read_message_async(reader) -> tuple[dict, memoryview] | None:
-    """read_message on an asyncio.StreamReader (serve/rtc.py and its workers)."""
-    import asyncio
-
-    try:
-        prefix = await reader.readexactly(LENGTH.size)
-        body = await reader.readexactly(LENGTH.unpack(prefix)[0])
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise EOFError(f"stream ended inside a message ({len(e.partial)} bytes of it)") from None
-    split = body.index(b"\n")
-    return json.loads(body[:split]), memoryview(body)[split + 1:]
-
-
-def packets_header(packets: list[EncodedPacket]) -> tuple[list[list], bytes]:
-    """Packets as the reply's list of [kind, pts, dts, keyframe, size] and their data, concatenated."""
-    return ([["v" if p.kind == "video" else "a", p.pts, p.dts, p.keyframe, len(p.data)] for p in packets],
-            b"".join(p.data for p in packets))
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-class _Session:
-    """One session's encoder and its view of the parent's frame slots."""
+class WorkerSession:
+    """One session's encoder, and its view of the frame slots the parent writes."""
 
     def __init__(self, h: dict):
         width, height, slots = h["width"], h["height"], h["slots"]
@@ -113,18 +57,18 @@ class _Session:
         self._map.close()
 
 
-class Worker:
-    """The sessions of one worker process and the handling of each message."""
+class EncodeWorker:
+    """The sessions of one encode worker process, and the handling of each message."""
 
     def __init__(self, out: BinaryIO):
         self.out = out
-        self.sessions: dict[int, _Session] = {}
+        self.sessions: dict[int, WorkerSession] = {}
 
     def reply(self, header: dict, payload: bytes = b"") -> None:
         self.out.write(pack(header, payload))
         self.out.flush()
 
-    def session(self, sid: int) -> _Session:
+    def session(self, sid: int) -> WorkerSession:
         if sid not in self.sessions:
             raise LookupError(f"unknown session {sid}")
         return self.sessions[sid]
@@ -153,12 +97,12 @@ class Worker:
     def open(self, sid: int, h: dict) -> None:
         if sid in self.sessions:
             raise ValueError(f"session {sid} is already open")
-        session = self.sessions[sid] = _Session(h)
+        session = self.sessions[sid] = WorkerSession(h)
         enc = session.encoder
         self.reply({"type": "opened", "sid": sid, "audio_frame_size": getattr(enc, "audio_frame_size", None)},
                    enc.audio_extradata or b"")
 
-    def frame(self, session: _Session, h: dict, payload: memoryview) -> None:
+    def frame(self, session: WorkerSession, h: dict, payload: memoryview) -> None:
         """Video, then audio; one 'packets' reply whatever happens, with 'error' if either part failed (the
         other part's packets still go out: a bad audio slice must not cost the frame)."""
         enc, slot, out, errors = session.encoder, h["slot"], [], []
@@ -174,7 +118,7 @@ class Worker:
                 out += enc.encode_audio(np.frombuffer(payload, np.float32))
             except Exception as e:  # noqa: BLE001
                 errors.append(f"audio: {one_line(e)}")
-        listed, data = packets_header(out)
+        listed, data = packets_message(out)
         reply = {"type": "packets", "sid": h["sid"], "pts": h["pts"], "slot": slot, "packets": listed}
         if errors:
             reply["error"] = f"frame {h['pts']}: " + "; ".join(errors)
@@ -183,7 +127,7 @@ class Worker:
     def close(self, sid: int) -> None:
         session = self.sessions.pop(sid)
         try:
-            listed, data = packets_header(session.encoder.flush())
+            listed, data = packets_message(session.encoder.flush())
         finally:
             session.release()
         self.reply({"type": "closed", "sid": sid, "packets": listed}, data)
@@ -194,7 +138,7 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb")  # the replies get a private copy of stdout ...
     os.dup2(2, 1)  # ... and fd 1 becomes stderr, so a stray print (or a C library's) cannot break the stream
     sys.stdout = sys.stderr
-    worker = Worker(out)
+    worker = EncodeWorker(out)
     stdin = sys.stdin.buffer
     try:
         while (message := read_message(stdin)) is not None:

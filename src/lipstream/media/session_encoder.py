@@ -2,7 +2,7 @@
 
 One `SessionEncoder` per viewer session: libx264 (zerolatency, no B-frames, Annex-B with SPS/PPS repeated at
 every keyframe, so a packetiser needs no out-of-band parameter sets) and Opus or AAC. Kept free of torch and
-the rest of LipStream, like x264_worker, so an encode worker process (encode_worker.py) imports it without torch.
+the rest of LipStream, so an encode worker process (encode_worker.py) imports it without torch.
 """
 
 from __future__ import annotations
