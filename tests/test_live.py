@@ -24,7 +24,7 @@ from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.fixtures.stream import nal_types
 from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import encode_windows, streamed_features
-from lipstream.live.items import Candidate
+from lipstream.live.request import Candidate
 from lipstream.live.scheduler import Scheduler
 from lipstream.rates import AUDIO_RATE
 from lipstream.render import render_program
@@ -74,7 +74,7 @@ async def _read(session, frames: int) -> list:
     out = []
     async for item in session:
         out.append(item)
-        if isinstance(item, LiveFrame) and item.pts >= frames - 1:
+        if isinstance(item, LiveFrame) and item.frame >= frames - 1:
             break
     return out
 
@@ -195,7 +195,7 @@ def test_three_sessions_of_three_sizes_at_once(streaming):
     sizes = [(320, 180), (480, 270), (384, 216)]
     for s, items, (w, h) in zip(sessions, results, sizes):
         frames = _frames(items)
-        assert [f.pts for f in frames] == list(range(8))
+        assert [f.frame for f in frames] == list(range(8))
         assert all(f.i420.shape == (h * 3 // 2, w) for f in frames)
         assert not any(f.late for f in frames), s.stats
         assert not frames[0].i420.flags.writeable  # the session's own read-only copy
@@ -251,9 +251,9 @@ def test_session_equals_offline_render_where_features_agree(exact, avatars, tiny
     frames = _frames(items)
     spoken = [f for f in frames if f.utterance is not None]
     assert len(spoken) == 4 and not any(f.late for f in frames), session.stats
-    f0 = spoken[0].pts
+    f0 = spoken[0].frame
     started = next(i for i in items if isinstance(i, SpeechEvent) and i.kind == "started")
-    assert started.pts == f0
+    assert started.frame == f0
     wav = write_audio(tmp_path / "u.wav", speech, 16_000)
     program = Program([Scene(wav, [Shot(0.0, "b")], start_frame=f0 * 5)], avatars_dir=avatars[1].parent)
     render_program(program, tmp_path / "u.mp4", tiny_models, fps=FPS, writer=_Capture, progress=False,
@@ -283,7 +283,7 @@ def test_idle_frames_leave_everything_outside_the_face_untouched(streaming):
     w, h = avatar.size
     for f in frames:
         assert f.utterance is None and not f.late and not f.audio.any()
-        index = f.pts * 5 % avatar.cycle
+        index = f.frame * 5 % avatar.cycle
         loop = index if index < avatar.num_frames else avatar.cycle - index
         source = avatar.frames[loop].numpy()
         keep = untouched(h, w, [avatar.boxes[loop].tolist()])
@@ -309,7 +309,7 @@ def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models,
     finally:
         kept.close()
     want = asyncio.run(idle(streaming))
-    assert [f.pts for f in got] == [f.pts for f in want] == [0, 1, 2]
+    assert [f.frame for f in got] == [f.frame for f in want] == [0, 1, 2]
     for g, w in zip(got, want):
         assert not g.late and not g.i420.flags.writeable
         assert np.abs(g.i420.astype(int) - w.i420.astype(int)).max() <= 1
@@ -330,7 +330,7 @@ def test_with_a_kept_idle_loop_speech_starts_at_the_next_frame_boundary(tiny_mod
         try:
             async def speak():
                 for phase in (0.13, 0.61, 0.37, 0.89):  # of a frame, after a frame's media time
-                    media = s.t0 + float(s.media_frame(time.monotonic()) / fps)
+                    media = s.t0 + float(s.clock.media_frame(time.monotonic()) / fps)
                     await asyncio.sleep(max(0.0, media - time.monotonic()) + phase / float(fps))
                     pushed.append(time.monotonic())
                     s.push_audio(speech, 16_000)
@@ -339,7 +339,7 @@ def test_with_a_kept_idle_loop_speech_starts_at_the_next_frame_boundary(tiny_mod
             speaker = asyncio.ensure_future(speak())
             async for item in s:
                 if isinstance(item, SpeechEvent) and item.kind == "started":
-                    started.append(item.pts)
+                    started.append(item.frame)
                 if speaker.done() and len(started) == len(pushed):
                     break
             await speaker
@@ -367,7 +367,7 @@ def test_an_end_that_comes_after_the_speech_ran_dry_still_finishes(streaming):
             items, ended = [], False
             async for item in s:
                 items.append(item)
-                if isinstance(item, LiveFrame) and not ended and item.pts >= 3:
+                if isinstance(item, LiveFrame) and not ended and item.frame >= 3:
                     s.end_utterance()  # well after the speech's last frame played
                     ended = True
                 if isinstance(item, SpeechEvent) and item.kind == "finished" or len(items) > 40:
@@ -391,21 +391,21 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
             items = []
             async for item in s:
                 items.append(item)
-                if isinstance(item, LiveFrame) and item.utterance is not None and item.pts >= 0:
+                if isinstance(item, LiveFrame) and item.utterance is not None and item.frame >= 0:
                     if sum(isinstance(i, LiveFrame) and i.utterance is not None for i in items) == 2:
                         s.clear()
-                        cleared_at = item.pts
+                        cleared_at = item.frame
                 if any(isinstance(i, SpeechEvent) and i.kind == "interrupted" for i in items):
-                    if isinstance(item, LiveFrame) and item.pts >= cleared_at + 8:
+                    if isinstance(item, LiveFrame) and item.frame >= cleared_at + 8:
                         break  # packets of a frame encoded after it played come with a later frame
             return items, cleared_at
         finally:
             streaming.close_session(s)
 
     items, cleared_at = asyncio.run(run())
-    after = [f for f in _frames(items) if f.pts > cleared_at]
+    after = [f for f in _frames(items) if f.frame > cleared_at]
     assert after and all(f.utterance is None for f in after)
-    assert after[0].pts == cleared_at + 1  # the very next frame is idle
+    assert after[0].frame == cleared_at + 1  # the very next frame is idle
     event = next(i for i in items if isinstance(i, SpeechEvent) and i.kind == "interrupted")
     assert event.position_s == pytest.approx(1.0)
     # speech encoded ahead was thrown away: the stream goes on with an IDR at the first frame encoded
@@ -420,7 +420,7 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
     assert first_after.pts <= cleared_at + 3
     assert first_after.keyframe and 5 in nal_types(first_after.data)
     assert all(b.pts > a.pts for a, b in zip(audio, audio[1:]))
-    assert audio[-1].pts + 960 >= frames[-1].pts * AUDIO_RATE // 2  # the audio reached the last frame
+    assert audio[-1].pts + 960 >= frames[-1].frame * AUDIO_RATE // 2  # the audio reached the last frame
 
 
 
@@ -445,7 +445,7 @@ def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_m
     finally:
         live.close()
     frames = _frames(items)
-    assert [f.pts for f in frames] == list(range(10))
+    assert [f.frame for f in frames] == list(range(10))
     assert session.stats.skipped >= 2 and any(f.late for f in frames)
     video = [p for f in frames for p in f.packets if p.kind == "video"]
     audio = [p for f in frames for p in f.packets if p.kind == "audio"]
@@ -513,7 +513,7 @@ def test_admission_refuses_a_session_that_would_overload(streaming):
         streaming.capacity_fps = keep
         for s in opened:
             streaming.close_session(s)
-    with pytest.raises(ValueError, match="avatar: slot 9"):
+    with pytest.raises(ValueError, match="avatar: index 9"):
         streaming.open_session(9)
     s = streaming.open_session(0, fps=FPS)
     with pytest.raises(ValueError, match="rate: 100 Hz"):
@@ -535,7 +535,7 @@ def test_a_session_that_stops_reading_stalls_no_other(streaming):
     items, later, stats = asyncio.run(run())
     assert not any(f.late for f in _frames(items))
     first = _frames(later)[0]
-    assert first.pts >= 4 and stats.dropped_unread >= 4  # it skipped to the present, and counted what it lost
+    assert first.frame >= 4 and stats.dropped_unread >= 4  # it skipped to the present, and counted what it lost
 
 
 def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
@@ -571,7 +571,7 @@ def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streamin
     assert not any(f.late for f in frames)
     video = [p for f in frames for p in f.packets if p.kind == "video"]
     audio = [p for f in frames for p in f.packets if p.kind == "audio"]
-    assert [p.pts for p in video] == [f.pts for f in frames] and all(p.dts == p.pts for p in video)
+    assert [p.pts for p in video] == [f.frame for f in frames] and all(p.dts == p.pts for p in video)
     assert video[0].keyframe
     decoder = av.CodecContext.create("h264", "r")
     decoded = [fr for p in video for fr in decoder.decode(av.Packet(p.data))] + list(decoder.decode(None))
@@ -604,7 +604,7 @@ def test_many_sessions_share_full_batches(tiny_models, avatars):
     finally:
         live.close()
     assert all(not any(f.late for f in _frames(r)) and len(_frames(r)) == 4 for r in results), \
-        [[(f.pts, f.late) for f in _frames(r)] for r in results]
+        [[(f.frame, f.late) for f in _frames(r)] for r in results]
     assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes
 
 
@@ -637,32 +637,39 @@ def test_out_of_phase_pushes_share_whisper_runs(tiny_models, avatars):
 
 
 class _Frames:
-    """A session as the scheduler sees it: frames it could render now, and what the core took."""
+    """A session as the scheduler sees it: its request (frames it could render now, what the core took),
+    its playout (nothing played yet) and its hand-off (nothing given up here)."""
 
-    avatar, id = 0, 0
+    avatar, id, fps = 0, 0, 25
 
     def __init__(self, deadlines: list[float]):
         self.deadlines, self.taken = deadlines, []
+        self.request, self.playout, self.handoff = self, self, self
+        self.play_frame = self.next_frame = 0
 
-    def candidates(self, now, limit, margin, idle_cached=False):
-        return [Candidate(self, f, d, [], 0, 0, 0) for f, d in enumerate(self.deadlines[:limit])]
+    def candidates(self, now, limit, margin, played, idle_cached=False):
+        return [Candidate(0, f, d, [], 0, 0, None, 0) for f, d in enumerate(self.deadlines[:limit])], []
 
     def take(self, taken, skipped):
         self.taken += [c.frame for c in taken]
 
+    def skip(self, given_up):
+        assert not given_up
+
 
 def test_a_step_with_room_waits_while_its_frames_have_slack():
     """Fuller steps under load: frames are held back while each keeps more than fill_slack_s."""
-    scheduler = Scheduler(max_batch=4)
+    scheduler = Scheduler(max_batch=4, fill_slack_s=0.2)
+    scheduler.observe_step(0.02)
     roomy = _Frames([0.5, 0.54])
-    plan = scheduler.plan([roomy], now=0.0, step_s=0.02, fill_slack_s=0.2)
+    plan = scheduler.plan([roomy], now=0.0)
     assert plan.deferred and not plan.live and roomy.taken == []  # nothing taken: planned again later
-    plan = scheduler.plan([roomy], now=0.35, step_s=0.02, fill_slack_s=0.2)
+    plan = scheduler.plan([roomy], now=0.35)
     assert not plan.deferred and [c.frame for c in plan.live] == [0, 1] == roomy.taken  # its slack ran out
     full = _Frames([0.5, 0.54, 0.58, 0.62, 0.66])
-    plan = scheduler.plan([full], now=0.0, step_s=0.02, fill_slack_s=0.2)
+    plan = scheduler.plan([full], now=0.0)
     assert [c.frame for c in plan.live] == [0, 1, 2, 3]  # a full step goes at once
-    assert not scheduler.plan([_Frames([0.5])], now=0.0, step_s=0.02).deferred  # 0: never held
+    assert not Scheduler(max_batch=4).plan([_Frames([0.5])], now=0.0).deferred  # 0: never held
 
 
 def test_live_bench_rows_on_two_cores(streaming, tmp_path):

@@ -554,7 +554,7 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
 
     fps, clock = Fraction(25), 90_000
     sent = [[10.0 + 0.02 * c for c in range(50)]]  # a 1 s utterance, 20 ms chunks sent from t = 10 s
-    events = [{"kind": "started", "utterance": 0, "pts": 100}, {"kind": "finished", "utterance": 0, "pts": 125}]
+    events = [{"kind": "started", "utterance": 0, "frame": 100}, {"kind": "finished", "utterance": 0, "frame": 125}]
     video = {f * 3600: 10.3 + (f - 100) * 0.04 for f in range(90, 140)}  # each frame 300 ms after its audio
     lat = latencies(sent, events, video, clock, fps)
     assert len(lat) == 25 and np.allclose(lat, 0.3)

@@ -69,7 +69,7 @@ async def _read(session, until: float, frames: list) -> None:
     async for item in session:
         if isinstance(item, LiveFrame):
             parts = item.stages_s()
-            frames.append((item.pts, item.late, item.latency_s, item.utterance is not None, item.played_at,
+            frames.append((item.frame, item.late, item.latency_s, item.utterance is not None, item.played_at,
                            len(item.packets), parts))
             if item.played_at > until:
                 return

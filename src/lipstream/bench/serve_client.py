@@ -118,10 +118,10 @@ def latencies(sent: list[list[float]], events: list[dict], video: dict[int, floa
               fps: Fraction, chunk_s: float = 0.02) -> list[float]:
     """Per speech frame (seconds): its arrival minus the send time of the audio at its start."""
     started = [e for e in events if e.get("kind") == "started"]
-    ended = {e["utterance"]: e["pts"] for e in events if e.get("kind") in ("finished", "interrupted")}
+    ended = {e["utterance"]: e["frame"] for e in events if e.get("kind") in ("finished", "interrupted")}
     out = []
     for times, e in zip(sent, started):  # utterances start in the order they were sent
-        first, last = e["pts"], ended.get(e["utterance"], e["pts"] + int(len(times) * chunk_s * fps))
+        first, last = e["frame"], ended.get(e["utterance"], e["frame"] + int(len(times) * chunk_s * fps))
         for frame in range(first, last):
             chunk = int((frame - first) / fps / chunk_s + 1e-9)
             arrived = video.get(int(frame * clock / fps))  # the server's own rounding

@@ -45,25 +45,26 @@ class WindowJob:
 
     audio: np.ndarray
     first: int  # the window's first step in its utterance (negative: before the speech, zeros)
-    peak_slot: int  # the utterance's running log-mel peak lives at this index
+    peak: int  # the utterance's running log-mel peak lives at this index of FeatureTable.peaks
     reset_peak: bool  # the utterance's first window
     rows: list[int]  # table rows of the window's hop steps
 
 
 class FeatureTable:
-    """Every session's recent features on the device: a ring of `ring` rows per session slot,
-    one zero row (steps outside an utterance read it) and the 10 rows of the idle window."""
+    """Every session's recent features on the device: a ring of `ring_steps` rows per session (`rings`
+    of them), one zero row (steps outside an utterance read it) and the 10 rows of the idle window."""
 
-    def __init__(self, slots: int, ring: int, device: torch.device, dtype: torch.dtype):
-        self.ring = ring
-        self.table = torch.zeros(slots * ring + 1 + WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM, device=device, dtype=dtype)
-        self.zero = slots * ring
+    def __init__(self, rings: int, ring_steps: int, device: torch.device, dtype: torch.dtype):
+        self.ring_steps = ring_steps
+        self.table = torch.zeros(rings * ring_steps + 1 + WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM, device=device,
+                                 dtype=dtype)
+        self.zero = rings * ring_steps
         self.idle = list(range(self.zero + 1, self.zero + 1 + WINDOW_STEPS))
-        self.peaks = torch.full((slots + 1,), -10.0, device=device)  # one per slot, and a spare for padding
-        self.spare = slots
+        self.peaks = torch.full((rings + 1,), -10.0, device=device)  # one per ring, and a spare for padding
+        self.spare = rings
 
-    def row(self, slot: int, step: int) -> int:
-        return slot * self.ring + step % self.ring
+    def row(self, ring: int, step: int) -> int:
+        return ring * self.ring_steps + step % self.ring_steps
 
 
 class StreamingWhisper:
@@ -152,12 +153,12 @@ class StreamingWhisper:
         if self._events[k] is not None:
             self._events[k].record()
         up = self._ints.upload
-        slots = up([j.peak_slot for j in jobs])
-        resets = [j.peak_slot for j in jobs if j.reset_peak]
+        peaks = up([j.peak for j in jobs])
+        resets = [j.peak for j in jobs if j.reset_peak]
         if resets:
             self.table.peaks[up(resets)] = -10.0
         first = up([j.first for j in jobs])
-        states = self._call(b)(audio, self.table.peaks, slots, first)  # [b, W, 5, 384]
+        states = self._call(b)(audio, self.table.peaks, peaks, first)  # [b, W, 5, 384]
         new = states[:n, self.context:self.context + self.hop].reshape(-1, HIDDEN_STATES, AUDIO_DIM)
         real = [r for j in jobs[:n] for r in j.rows]
         if real:
@@ -184,12 +185,12 @@ class WindowFeatures(torch.nn.Module):
         self.register_buffer("filters", filters, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
 
-    def forward(self, audio: torch.Tensor, peaks: torch.Tensor, slots: torch.Tensor,
+    def forward(self, audio: torch.Tensor, peaks: torch.Tensor, index: torch.Tensor,
                 first: torch.Tensor) -> torch.Tensor:
         stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=self.window, center=False, return_complex=True)
         mel = torch.clamp(self.filters @ stft[..., :-1].abs().square(), min=1e-10).log10()  # [b, 80, 2W]
-        peaks.scatter_reduce_(0, slots, mel.amax(dim=(1, 2)), "amax")
-        mel = (torch.maximum(mel, peaks[slots][:, None, None] - 8.0) + 4.0) / 4.0
+        peaks.scatter_reduce_(0, index, mel.amax(dim=(1, 2)), "amax")
+        mel = (torch.maximum(mel, peaks[index][:, None, None] - 8.0) + 4.0) / 4.0
         positions = (first[:, None] + self.offsets) % FEATURES_PER_SEGMENT
         return encode_windows(self.encoder, mel.to(self.dtype), positions)
 

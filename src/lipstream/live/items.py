@@ -1,17 +1,24 @@
-"""What flows through a live session: frames and events out, render candidates to the core, counters."""
+"""What a live session hands out (frames, speech events, counters) and the clock its parts share."""
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lipstream.rates import AUDIO_RATE
+
 if TYPE_CHECKING:
     from lipstream.media.session_encoder import EncodedPacket
-    from lipstream.live.session import Session
-    from lipstream.live.utterance import Utterance
+
+
+def _pts_deprecated(owner: str) -> None:
+    warnings.warn(f"{owner}.pts is deprecated: it is the frame index, now {owner}.frame (pts is kept for one "
+                  "release)", DeprecationWarning, stacklevel=3)
 
 
 @dataclass
@@ -19,7 +26,7 @@ class LiveFrame:
     """A frame at its playout time. `i420` [H*3/2, W] uint8 and `audio` (48 kHz mono float32) are the
     session's own copies (read-only), never views into engine buffers."""
 
-    pts: int  # frame index in the session: time pts / fps
+    frame: int  # the frame's index in the session: it plays at frame / fps on the session's clock
     fps: Fraction
     i420: np.ndarray
     audio: np.ndarray
@@ -36,8 +43,13 @@ class LiveFrame:
     played_at: float = 0.0
 
     @property
+    def pts(self) -> int:
+        _pts_deprecated("LiveFrame")
+        return self.frame
+
+    @property
     def time_s(self) -> float:
-        return float(self.pts / self.fps)
+        return float(self.frame / self.fps)
 
     def stages_s(self) -> tuple[float, float, float, float] | None:
         """Where a speech frame's latency went (s): its window's audio arriving, waiting for the core
@@ -57,31 +69,20 @@ class LiveFrame:
 class SpeechEvent:
     kind: str  # "started", "finished" or "interrupted": at playout, not at push
     utterance: int
-    pts: int  # the frame it happens at
+    frame: int  # the frame it happens at
     position_s: float  # how much of the utterance had played
     at: float  # time.monotonic()
 
-
-@dataclass
-class Candidate:
-    """A frame the core may render now: where its audio window and its picture come from."""
-
-    session: Session
-    frame: int
-    deadline: float
-    rows: list[int]  # 10 feature-table rows
-    loop_frame: int
-    utterance: int | None
-    generation: int
-    underrun: bool = False  # rendered before all of its audio arrived (the missing part reads silence)
-    planned_at: float = 0.0
-    # the utterance itself (None when idle): a frame that comes back after its utterance has played out
-    # and left the session's timeline still has its audio and its push times (late frames' account)
-    speech: Utterance | None = None
+    @property
+    def pts(self) -> int:
+        _pts_deprecated("SpeechEvent")
+        return self.frame
 
 
 @dataclass
 class SessionStats:
+    """A session's counters, each kept by the part of the session that counts it (Session.stats)."""
+
     rendered: int = 0
     played: int = 0
     late: int = 0  # played as the previous picture: not ready at the deadline
@@ -91,3 +92,32 @@ class SessionStats:
     underruns: int = 0  # rendered before its audio had all arrived
     dropped_unread: int = 0  # never read: the consumer fell behind
     audio_late_samples: int = 0  # pushed after its frames had played (lost)
+
+
+TIMING_STAGES = ("audio", "features", "render", "encode", "slack")  # Session.timings: where a speech frame's time went
+
+
+@dataclass(frozen=True)
+class SessionClock:
+    """A session's timeline, the same for all its parts: frame f plays at `t0 + delay + f / fps`."""
+
+    t0: float  # time.monotonic() at the session's start
+    delay_s: float  # the playout delay: speech pushed at t plays at t + delay
+    fps: Fraction
+
+    def deadline(self, frame: int) -> float:
+        return self.t0 + self.delay_s + float(frame / self.fps)
+
+    def media_frame(self, now: float) -> int:
+        """The first frame whose media time is not before `now` (where speech pushed now begins)."""
+        return math.ceil((now - self.t0) * self.fps - 1e-9)
+
+    def playing_frame(self, now: float) -> int:
+        """The frame whose playout time `now` is in."""
+        return math.floor((now - self.t0 - self.delay_s) * self.fps)
+
+    def samples48(self, local: int) -> tuple[int, int]:
+        """The 48 kHz samples [a, b) of frame `local` of an utterance (or of the session)."""
+        fps = self.fps
+        return ((local * AUDIO_RATE * fps.denominator) // fps.numerator,
+                ((local + 1) * AUDIO_RATE * fps.denominator) // fps.numerator)

@@ -6,10 +6,14 @@ are given up (the session repeats its previous picture and counts it), so an ove
 drops frames instead of falling further and further behind. Offline work fills what is left
 of the batch, at lower priority. Admission keeps the sessions' frame rates under the engine's
 measured capacity.
+
+Its state is its own, changed on the core thread (and under the engine's lock by render_offline):
+the offline jobs queued, what a step costs (per bucket, measured at start, and recently).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Container
 from concurrent.futures import Future
@@ -18,10 +22,11 @@ from fractions import Fraction
 
 import torch
 
-from lipstream.live.session import Candidate, Session
-
+from lipstream.live.request import Candidate
+from lipstream.live.session import Session
 
 UNDERRUN_SLACK_S = 0.02  # the copy back and the encode, after the step
+FILL_POLL_S = 0.003  # a held-back step is planned again this soon (or at the next push)
 
 
 class AdmissionError(RuntimeError):
@@ -30,9 +35,9 @@ class AdmissionError(RuntimeError):
 
 @dataclass
 class OfflineJob:
-    """Frames of an offline render: avatar slot, loop frames, their windows [n, 50, 384] on the device."""
+    """Frames of an offline render: the avatar's index, loop frames, their windows [n, 50, 384] on the device."""
 
-    slot: int
+    avatar: int
     frames: list[int]
     windows: torch.Tensor
     future: Future = field(default_factory=Future)
@@ -47,18 +52,48 @@ class StepPlan:
     skipped: list[Candidate]
     cached: list[Candidate] = field(default_factory=list)  # idle frames whose picture is already on the host
     deferred: bool = False  # frames were held back to fill the step
+    sessions: dict[int, Session] = field(default_factory=dict)  # the candidates' sessions, by id
 
     def __len__(self) -> int:
         return len(self.live) + len(self.offline)
 
 
 class Scheduler:
-    def __init__(self, max_batch: int):
+    def __init__(self, max_batch: int, fill_slack_s: float = 0.0):
         self.max_batch = max_batch
+        self.fill_slack_s = fill_slack_s
         self.offline: deque[OfflineJob] = deque()
+        self.step_s: dict[int, float] = {}  # what a step of each bucket took at start (LiveEngine measures)
+        self._recent: float | None = None  # device time of recent steps
 
-    def plan(self, sessions: list[Session], now: float, step_s: float, idle_cached: Container[int] = (),
-             fill_slack_s: float = 0.0) -> StepPlan:
+    # --- what a step costs -----------------------------------------------------------------------
+
+    def observe_step(self, seconds: float) -> None:
+        self._recent = seconds if self._recent is None else 0.8 * self._recent + 0.2 * seconds
+
+    def step_estimate(self) -> float:
+        """What the next step will take on the device: recent steps' (small at low load, full under load)."""
+        if self._recent is not None:
+            return self._recent
+        return self.step_s[min(self.step_s)] if self.step_s else 0.05
+
+    def capacity_fps(self) -> float:
+        """The most frames a second the steps can make (the best bucket's rate)."""
+        return max(b / s for b, s in self.step_s.items())
+
+    # --- offline work ----------------------------------------------------------------------------
+
+    def add_offline(self, job: OfflineJob) -> None:
+        self.offline.append(job)
+
+    def fail_offline(self, error: BaseException) -> None:
+        for job in self.offline:
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    # --- planning --------------------------------------------------------------------------------
+
+    def plan(self, sessions: list[Session], now: float, idle_cached: Container[int] = ()) -> StepPlan:
         """The next step: due live frames by deadline, then offline frames in the room left.
 
         A step with room left is held back (an empty plan, `deferred`) while every frame it would
@@ -68,37 +103,40 @@ class Scheduler:
         Idle frames of the avatars in `idle_cached` need no step (their pictures are kept): they
         are handed out at their media time and take no room in the batch.
 
-        `step_s`: what a step takes on the device now (the core measures it). A speech frame whose
-        audio is not all in is rendered anyway once its deadline is that close (with silence for
-        the missing audio); a frame whose deadline has passed is skipped.
+        A speech frame whose audio is not all in is rendered anyway once its deadline is a step
+        (step_estimate) away (with silence for the missing audio); a frame whose deadline has
+        passed is skipped.
         """
+        margin = self.step_estimate() + UNDERRUN_SLACK_S
         frames: list[Candidate] = []
         skipped: list[Candidate] = []
         per_session = []
         for s in sessions:
-            mine = s.candidates(now, self.max_batch, margin=step_s + UNDERRUN_SLACK_S,
-                                idle_cached=s.avatar in idle_cached)
+            cached = s.avatar in idle_cached
+            mine, given_up = s.request.candidates(now, self.max_batch, margin, s.playout.play_frame, cached)
+            if given_up:  # played before the core reached them: their audio still goes to the encoder
+                s.handoff.skip(given_up)
             per_session.append((s, mine))
             for c in mine:
                 if c.deadline < now:
                     skipped.append(c)
-                elif not (c.utterance is None and s.avatar in idle_cached):
+                elif not (c.utterance is None and cached):
                     frames.append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
         live = frames[:self.max_batch]
-        deferred = (fill_slack_s > 0 and 0 < len(live) < self.max_batch and not self.offline
-                    and live[0].deadline - now > fill_slack_s)
+        deferred = (self.fill_slack_s > 0 and 0 < len(live) < self.max_batch and not self.offline
+                    and live[0].deadline - now > self.fill_slack_s)
         if deferred:
             live = []
         # a kept idle frame is handed out only after every frame of its session before it
         chosen = {id(c) for c in live}
-        cached: list[Candidate] = []
+        cached_frames: list[Candidate] = []
         for s, mine in per_session:
             for c in mine:
                 if c.deadline < now or id(c) in chosen:
                     continue
                 if c.utterance is None and s.avatar in idle_cached:
-                    cached.append(c)
+                    cached_frames.append(c)
                 else:
                     break
         offline: list[tuple[OfflineJob, int]] = []
@@ -110,21 +148,36 @@ class Scheduler:
                 room -= 1
         while self.offline and self.offline[0].done == len(self.offline[0].frames):
             self.offline.popleft()
-        by_session: dict[int, tuple[Session, list[Candidate], list[Candidate]]] = {}
-        for c in live + cached:
-            by_session.setdefault(c.session.id, (c.session, [], []))[1].append(c)
+        by_id = {s.id: s for s in sessions}
+        taken: dict[int, tuple[list[Candidate], list[Candidate]]] = {}
+        for c in live + cached_frames:
+            taken.setdefault(c.session, ([], []))[0].append(c)
         for c in skipped:
-            by_session.setdefault(c.session.id, (c.session, [], []))[2].append(c)
-        for s, taken, gone in by_session.values():
-            s.take(taken, gone)
-        return StepPlan(live, offline, skipped, cached, deferred)
+            taken.setdefault(c.session, ([], []))[1].append(c)
+        for sid, (mine, gone) in taken.items():
+            by_id[sid].request.take(mine, gone)
+            if gone:
+                by_id[sid].handoff.skip(gone)
+        return StepPlan(live, offline, skipped, cached_frames, deferred, by_id)
+
+    def idle_wait(self, sessions: list[Session], now: float, idle_cached: Container[int] = ()) -> float:
+        """Until the next idle frame falls due (a push wakes the core earlier), rounded up to a tick
+        of half the idle lead, so the idle frames of sessions opened moments apart share a step."""
+        margin = self.step_estimate() + UNDERRUN_SLACK_S  # what plan() passes the sessions
+        due = [s.request.idle_due(max(s.request.next_frame, s.playout.play_frame), margin, s.avatar in idle_cached)
+               for s in sessions]
+        if not due:
+            return 0.01
+        tick = max(0.002, min(margin, min(float(1 / s.fps) for s in sessions)) / 2)
+        wake = math.ceil(min(due) / tick) * tick
+        return max(0.0005, min(0.05, wake - now))
 
 
 def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None, utilisation: float,
-              free_slots: int) -> str | None:
+              free: int) -> str | None:
     """Why a session at `fps` cannot be admitted now, or None if it can."""
-    if free_slots <= 0:
-        return f"all {len(sessions)} session slots are in use (LiveOptions.max_sessions)"
+    if free <= 0:
+        return f"all {len(sessions)} session places are in use (LiveOptions.max_sessions)"
     if capacity_fps is None:
         return None
     load = sum(float(s.fps) for s in sessions)

@@ -13,7 +13,12 @@ from lipstream.models.config import SAMPLE_RATE, SAMPLES_PER_FEATURE
 
 
 class Utterance:
-    """One stretch of speech: its audio, where it sits on the timeline, how far its features are."""
+    """One stretch of speech: its audio, where it sits on the timeline, how far its features are.
+
+    Part of a session's SpeechRequest and changed only under its lock: the audio and `ended` by the caller's
+    pushes, `final` and `windows` (the features' progress) by the core. Its frames keep a reference, so an
+    utterance that has played out and left the request still gives them their audio and push times.
+    """
 
     def __init__(self, uid: int, start_frame: int, base: int, rate: int):
         self.id, self.start_frame, self.base = uid, start_frame, base
@@ -26,7 +31,6 @@ class Utterance:
         self.ended = False
         self.final = 0  # feature steps in the table
         self.windows = 0  # windows encoded (the first resets the log-mel peak)
-        self.frames_played = 0
 
     def append(self, pcm: np.ndarray, now: float) -> None:
         self._add16(self.to16.push(pcm))
@@ -56,6 +60,14 @@ class Utterance:
 
     def frames(self, fps: Fraction) -> int | None:
         return num_frames(self.n16, fps) if self.ended else None
+
+    def samples48(self, a: int, b: int) -> np.ndarray:
+        """Its 48 kHz samples [a, b), zeros past what has been pushed (a copy)."""
+        out = np.zeros(b - a, np.float32)
+        hi = min(b, self.n48)
+        if hi > a:
+            out[:hi - a] = self.audio48[a:hi]
+        return out
 
     def pushed_at(self, sample16: int) -> float | None:
         for n, t in self.pushes:

@@ -88,15 +88,16 @@ class LiveSession:
                     if self.encoded:
                         self._put_packets(item)
                     else:
-                        peer.frame(item.i420, int(item.pts * VIDEO_CLOCK / fps))
-                    start = (item.pts * AUDIO_RATE * fps.denominator) // fps.numerator
+                        peer.frame(item.i420, int(item.frame * VIDEO_CLOCK / fps))
+                    start = (item.frame * AUDIO_RATE * fps.denominator) // fps.numerator
                     peer.audio((np.clip(item.audio, -1, 1) * 32767).astype(np.int16), start)
                     await peer.drain()
                 elif isinstance(item, SpeechEvent):
                     if self.events.full():
                         self.events.get_nowait()
                     self.events.put_nowait({"type": "speech", "kind": item.kind, "utterance": item.utterance,
-                                            "pts": item.pts, "position_s": round(item.position_s, 3)})
+                                            "frame": item.frame, "position_s": round(item.position_s, 3),
+                                            "pts": item.frame})  # "pts": the old name, for one release
         finally:
             peer.end()
 
@@ -146,7 +147,7 @@ class LiveSessions:
         try:
             worker = await self.gateway.pick()
             live.peer, answer = await worker.open_peer(live.id, h264_offer or offer_sdp, encoded,
-                                                       session.t0 + session.o.playout_delay_s, handlers)
+                                                       session.clock.deadline(0), handlers)
             live.tasks.append(asyncio.ensure_future(live.pump()))
         except BaseException:
             await self.close(live.id)
