@@ -1,4 +1,4 @@
-"""GPU core and fidelity of engine variants, in one GPU call: `python benchmarks/core_variants.py --out DIR`.
+"""GPU core fps and fidelity of Engine variants, in one GPU call (issue 5: "core 625 fps at 45.9 dB / exact 527 fps").
 
 Each variant is `upsample:rows[:row[:stats]]` (Engine's `upsample`, `decode_rows`, `decode_row`
 and `decode_stats`), for example `plain:full`, `phases:full`, `transpose:mask:6:near`. For each:
@@ -9,27 +9,125 @@ face boxes against the eager fp32 reference engine on 64 frames. The same avatar
 speed_targets.py. Every variant rewrites DIR/core_variants.json and .md, so a time limit keeps what
 finished; variants past `--budget` seconds are skipped. With `--models DIR --avatar AVATAR` it
 checks the approximate variants (the mask-rows decode) against your own weights and presenter.
+
+Rerun (a CUDA GPU, the `lipstream` package installed, e.g. `pip install -e .`):
+
+    python3 benchmarks/core_variants.py --track .bench/anchor.track.json --out DIR \
+        --variants transpose:auto,transpose:full,plain:full        # the defaults, exact, no fusion
+    python3 benchmarks/core_variants.py --models MODELS --avatar AVATAR --out DIR   # your weights
+    python3 benchmarks/core_variants.py --smoke --out DIR           # CPU, tiny networks: checks the script
+
+`--track` is the face track of the generated 1080p anchor loop (see speed_targets.py's docstring
+for how to make it); without it the loop is tracked here with dlib.
+Reported in docs/BENCHMARKS.md, "Speed, fifth session (issue 5): all targets met on the H200"
+(commits 322a32f and a83bbd7; docs/results/core_variants_*).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-import speed_targets as st  # noqa: E402
-from lipstream.engine import Engine, ReferenceEngine  # noqa: E402
-from lipstream.models import load_musetalk  # noqa: E402
+from lipstream.avatar import compile_avatar, load_avatar, ping_pong
+from lipstream.engine import Engine, FrameRequest, ReferenceEngine
+from lipstream.fixtures.avatar import action_loop
+from lipstream.models import load_musetalk
 
 DEFAULT = "transpose:auto,transpose:full,plain:full"  # the defaults, the exact decode, no fusion
+
+# From speed_targets.py (the same avatar, requests, core timing and PSNR as its runs).
+BATCH = 32
+TARGETS = {"core_fps": 600, "psnr_db": 40}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def common_arguments(ap: argparse.ArgumentParser, budget: float) -> argparse.ArgumentParser:
+    """The options every issue-5 GPU script takes."""
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--track", type=Path, help="the face track of the bench loop (see speed_targets.py's docstring)")
+    ap.add_argument("--budget", type=float, default=budget, help="seconds; optional steps are skipped past it")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
+    return ap
+
+
+def run_header(smoke: bool) -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), "device": "cpu" if smoke else torch.cuda.get_device_name(0),
+            "commit": os.environ.get("LIPSTREAM_COMMIT", "unknown"), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+
+
+def bench_avatar(m, work: Path, track: Path | None) -> Path:
+    """The 1080p anchor loop, compiled (with a precomputed face track when given): its folder."""
+    loop = work / "anchor.mp4"
+    action_loop(loop, width=1920, height=1080, seconds=10.0, fps=25, seed=0)  # what the track file follows
+    compile_avatar(loop, work / "avatars", m.vae, m.fingerprints["vae"], track_file=track, force=True,
+                   progress=False)
+    return work / "avatars" / "anchor"
+
+
+def engine_options(spec: str) -> dict:
+    """`upsample:rows[:row[:stats]]` (for example `phases:mask:6:near`) -> Engine keyword arguments."""
+    upsample, rows, *rest = spec.split(":")
+    options = {"upsample": upsample, "decode_rows": rows}
+    if rest:
+        options["decode_row"] = int(rest[0])
+    if len(rest) > 1:
+        options["decode_stats"] = rest[1]
+    return options
+
+
+def requests_for(engine: Engine, avatar_dir: Path, frames: int) -> list[FrameRequest]:
+    engine.clear_avatars()
+    slot = engine.add_avatar(load_avatar(avatar_dir, engine.device))
+    n = engine.avatars[slot].num_frames
+    windows = torch.randn(frames, 50, 384, device=engine.device, generator=torch.Generator(engine.device).manual_seed(0))
+    return [FrameRequest(slot, ping_pong(i, n), windows[i]) for i in range(frames)]
+
+
+def core_fps(engine: Engine, avatar_dir: Path, frames: int = 512, repeats: int = 3) -> tuple[float, list[float]]:
+    """(startup s: compile + capture + first batch, [fps per repeat])."""
+    t = time.perf_counter()
+    requests = requests_for(engine, avatar_dir, frames)
+    engine.warm_up()
+    engine.render(requests[:BATCH])
+    sync()
+    startup = time.perf_counter() - t
+    fps = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for start in range(0, frames, BATCH):
+            engine.render(requests[start:start + BATCH])
+        sync()
+        fps.append(frames / (time.perf_counter() - t))
+    return startup, fps
+
+
+def box_psnr(engine: Engine, reference: ReferenceEngine, avatar_dir: Path, frames: int = 64) -> dict:
+    """Luma PSNR inside the face boxes, engine vs the reference engine, on the same requests."""
+    req = requests_for(engine, avatar_dir, frames)
+    fast = torch.cat([engine.render(req[s:s + BATCH]).clone() for s in range(0, frames, BATCH)])
+    ref_req = requests_for(reference, avatar_dir, frames)
+    ref = torch.cat([reference.render(ref_req[s:s + 16]) for s in range(0, frames, 16)])
+    avatar = engine.avatars[0]
+    h = avatar.size[1]
+    values = []
+    for i, r in enumerate(req):
+        x1, y1, x2, y2 = avatar.boxes[r.frame].tolist()
+        d = fast[i, :h][y1:y2, x1:x2].double() - ref[i, :h][y1:y2, x1:x2].double()
+        values.append(10 * math.log10(255 ** 2 / max(float((d ** 2).mean()), 1e-10)))
+    return {"min": min(values), "mean": statistics.fmean(values)}
 
 
 def markdown(report: dict) -> str:
@@ -47,24 +145,23 @@ def markdown(report: dict) -> str:
         p = r.get("psnr", {})
         lines.append(f"| `{spec}` | {', '.join(f'{v:.0f}' for v in r['fps'])} | {r['fps_median']:.0f} | "
                      f"{p.get('min', float('nan')):.1f} | {p.get('mean', float('nan')):.1f} | {r['startup_s']:.0f} |")
-    lines.append(f"\nTargets: core >= {st.TARGETS['core_fps']} fps at PSNR >= {st.TARGETS['psnr_db']} dB.")
+    lines.append(f"\nTargets: core >= {TARGETS['core_fps']} fps at PSNR >= {TARGETS['psnr_db']} dB.")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = st.common_arguments(argparse.ArgumentParser(), budget=540)
+    ap = common_arguments(argparse.ArgumentParser(), budget=540)
     ap.add_argument("--variants", default=DEFAULT, help="comma-separated upsample:rows[:row[:stats]]")
     ap.add_argument("--models", type=Path, help="real MuseTalk weights (default: full-size random ones)")
     ap.add_argument("--avatar", type=Path, help="a compiled avatar folder (default: the generated 1080p anchor)")
     args = ap.parse_args()
-    st.SMOKE = args.smoke
     device, size, compile = ("cpu", "tiny", "off") if args.smoke else ("cuda", "full", "all")
     frames = 64 if args.smoke else 512
     t_start = time.perf_counter()
     out, work = args.out, Path("/tmp/lipstream-variants")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {**st.run_header(args.smoke), "weights": str(args.models or "random"), "variants": {}}
+    report: dict = {**run_header(args.smoke), "weights": str(args.models or "random"), "variants": {}}
 
     def save() -> None:
         report["elapsed_s"] = time.perf_counter() - t_start
@@ -73,7 +170,7 @@ def main() -> None:
 
     weights = {"random_weights": args.models is None, "size": size, "seed": 0, "warn": False}
     m = load_musetalk(args.models, device=device, **weights)
-    avatar_dir = args.avatar or st.bench_avatar(m, work, args.track)
+    avatar_dir = args.avatar or bench_avatar(m, work, args.track)
     ref_models = load_musetalk(args.models, device=device, dtype=torch.float32, **weights)
     reference = ReferenceEngine(ref_models)
     for spec in args.variants.split(","):
@@ -84,13 +181,13 @@ def main() -> None:
         engine = None
         try:
             t = time.perf_counter()
-            engine = Engine(m, st.BATCH, buckets=(8, st.BATCH), compile=compile, **st.engine_options(spec))
+            engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, **engine_options(spec))
             built = time.perf_counter() - t
-            startup, fps = st.core_fps(engine, avatar_dir, frames, repeats=1 if args.smoke else 3)
+            startup, fps = core_fps(engine, avatar_dir, frames, repeats=1 if args.smoke else 3)
             row = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}
             report["variants"][spec] = row
             save()
-            row["psnr"] = st.box_psnr(engine, reference, avatar_dir)
+            row["psnr"] = box_psnr(engine, reference, avatar_dir)
         except Exception as e:  # one variant failing must not lose the others
             report["variants"][spec] = {"error": f"{type(e).__name__}: {e}"}
         print(spec, report["variants"][spec], flush=True)

@@ -1,6 +1,16 @@
 #!/bin/bash
-# Device call (the `run` tool, repo root; carry .whl with av, diffusers, py_spy and .whl/serve/*):
-# lipstream serve on the H200 + serve-bench (aiortc clients in their own processes).
+# The `lipstream serve` load test on an H200: start-up to /readyz 200 (cold and warm), then
+# serve-bench rows (N aiortc clients in their own processes speak over the session's WebSocket,
+# a render job beside them): audio sent -> the frame's last RTP packet at the client, frames late,
+# server stages, GPU use, py-spy of the server's threads; SIGTERM time.
+# Rerun: a device call in the repo root (the `run` tool: $OUT comes back; carry .whl with av,
+# diffusers, py_spy and .whl/serve/*), as the 67399c9 call that docs/BENCHMARKS.md reports:
+#   STAGE=diag NS=none NOWARM= DELAYS=180,200 NJ=1,4,8,12,16,20 [PROF=1 PROF_AT=S] COMMIT=<sha> \
+#     bash benchmarks/serve_h200.sh
+# Reported in docs/BENCHMARKS.md, "`lipstream serve` under load on the H200 (issue 15, third
+# session)" (67399c9, STAGE=diag) and "(issue 15, second session)" (cecdb67 STAGE=all, 688d595 and
+# 1205dc1 STAGE=diag); docs/results/serve_bench_h200_*, serve_h200_*_pyspy_idle.txt. The lipstream
+# package is imported from src/ through PYTHONPATH (the device has no installed copy).
 # STAGE=cold: install, build 4 avatars 1280x720@25, cold server start (ready time), a smoke row, stop.
 # STAGE=bench: warm server start (ready time), serve-bench rows $NS with a render job, py-spy on the server.
 # STAGE=all: cold (with rows $NS0 at the default playout delay), then a warm start at PLAYOUT2 ms with rows $NS, py-spy.
@@ -47,8 +57,37 @@ stop_server() {
 gil_profile() {  # py-spy of the GIL's holder, PROF_AT s on, in the background
   [ -n "${PROF:-}" ] && (sleep ${PROF_AT:-60}; timeout 30 /tmp/site/bin/py-spy record --pid $SPID --nonblocking --gil --threads -f raw -r 50 -d 12 -o $OUT/gil.txt > $OUT/pyspy.log 2>&1) &
 }
+pyspy_summary() {  # py-spy raw output (--gil or --idle): samples per thread group, top self/inclusive frames per group
+  python3 - "$1" <<'PY'
+import collections, re, sys
+lines = open(sys.argv[1]).read().splitlines()
+groups = collections.Counter(); incl = collections.defaultdict(collections.Counter); selfc = collections.defaultdict(collections.Counter)
+for l in lines:
+    try:
+        stack, n = l.rsplit(' ', 1); n = int(n)
+    except ValueError:
+        continue
+    frames = stack.split(';')
+    name = re.sub(r'\(\d+\)', '', frames[0])
+    name = re.sub(r'_\d+$', '', name.split(':')[-1].strip())
+    if 'MainThread' in frames[0]:  # live-bench's own thread
+        name = 'main:bench' if any('run_sessions' in f for f in frames) else 'main:other'
+    groups[name] += n
+    seen = set()
+    for f in frames[1:]:
+        k = f.split(' (')[0] + ' ' + f.rsplit('/', 1)[-1].rstrip(')')
+        k2 = f.split(' (')[0]
+        if k2 not in seen:
+            incl[name][k2] += n; seen.add(k2)
+    selfc[name][frames[-1].split(' (')[0] + ' ' + frames[-1].rsplit('/', 1)[-1].rstrip(')')] += n
+print('samples per thread group:', dict(groups.most_common()))
+for g, _ in groups.most_common(6):
+    print(f'\n== {g}: inclusive'); [print(f'  {n:6d} {k}') for k, n in incl[g].most_common(25)]
+    print(f'== {g}: self'); [print(f'  {n:6d} {k}') for k, n in selfc[g].most_common(15)]
+PY
+}
 gil_summary() {
-  [ -f $OUT/gil.txt ] && python3 benchmarks/gil_summary.py $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
+  [ -f $OUT/gil.txt ] && pyspy_summary $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
   tail -3 $OUT/pyspy.log 2>/dev/null
 }
 run_tests() {  # limit in s: the media, live and serve modules on Python 3.12 with the newest wheels
@@ -83,7 +122,7 @@ diag)
   timeout ${BENCHJ_T:-90} python3 -m lipstream.cli serve-bench --sessions ${NJ:-16} --seconds 12 ${NOWARM---no-warmup} --render-audio $W/job.wav --server-pid $SPID ${DELAYS:+--playout-delay-ms $DELAYS} -o $OUT/sb_job 2>&1 | grep -v "^report" | tail -4
   kill $GPID
   stop_server
-  [ -f $OUT/idle.txt ] && python3 benchmarks/gil_summary.py $OUT/idle.txt > $OUT/idle_summary.txt && rm -f $OUT/idle.txt $OUT/pyspy.log
+  [ -f $OUT/idle.txt ] && pyspy_summary $OUT/idle.txt > $OUT/idle_summary.txt && rm -f $OUT/idle.txt $OUT/pyspy.log
   rm -f $OUT/sb_*/serve_bench.md  # few files come back: the reports are rebuilt from the JSON
   left=$(( ${TOTAL_T:-570} - ($(date +%s) - T0) ))
   echo "tests: $left s left"

@@ -1,4 +1,4 @@
-"""Issue 5's targets in one GPU call: `python benchmarks/speed_targets.py --track T --out DIR`.
+"""Issue 5's targets in one GPU call: startup, GPU core fps and PSNR, the monologue end to end.
 
 1. Startup: networks built, then compile + graph capture, cold (and, at the end, warm-cache in a
    fresh process).
@@ -9,6 +9,23 @@
    three timed ones per configuration; first-packet variants (2-frame first segment, a lower GIL
    switch interval).
 Every step rewrites DIR/targets.json and DIR/targets.md, so a time limit keeps what finished.
+
+Rerun (a CUDA GPU, the `lipstream` package installed, e.g. `pip install -e .`):
+
+    python3 benchmarks/speed_targets.py --track .bench/anchor.track.json --out DIR
+    python3 benchmarks/speed_targets.py --track .bench/anchor.track.json --out DIR --monologue-only \
+        [--engine transpose:auto]                                 # the monologue only
+    python3 benchmarks/speed_targets.py --smoke --out DIR       # CPU, tiny networks: checks the script
+
+`--track` is a face track of the generated 1080p anchor loop (`action_loop(..., width=1920,
+height=1080, seconds=10.0, fps=25, seed=0)`, deterministic); without it the loop is tracked here
+with dlib, whose model must then be on the machine. The runs in docs/BENCHMARKS.md used one made
+on a CPU by the retired avatar_bench.py (see "Finished studies" there); `lipstream compile
+anchor.mp4 -o DIR --random-weights --save-track .bench` on that loop writes one with the same
+tracker and format.
+Reported in docs/BENCHMARKS.md, "Speed, fifth session (issue 5): all targets met on the H200"
+(commit e779966) and "Speed, third session (issue 5): end to end and first packet met, core not"
+(commits 11a42cb, 0992574); docs/results/speed_targets_*.
 """
 
 from __future__ import annotations
@@ -24,18 +41,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from lipstream.avatar import compile_avatar, load_avatar, ping_pong  # noqa: E402
-from lipstream.engine import Engine, FrameRequest, ReferenceEngine  # noqa: E402
-from lipstream.fixtures import speech_like, write_audio  # noqa: E402
-from lipstream.fixtures.avatar import action_loop  # noqa: E402
-from lipstream.media import mp4  # noqa: E402
-from lipstream.models import load_musetalk  # noqa: E402
-from lipstream.render import render_program  # noqa: E402
-from lipstream.script import single_scene  # noqa: E402
+from lipstream.avatar import compile_avatar, load_avatar, ping_pong
+from lipstream.engine import Engine, FrameRequest, ReferenceEngine
+from lipstream.fixtures import speech_like, write_audio
+from lipstream.fixtures.avatar import action_loop
+from lipstream.media import mp4
+from lipstream.models import load_musetalk
+from lipstream.render import render_program
+from lipstream.script import single_scene
 
 BATCH = 32
 SMOKE = False  # --smoke: CPU, tiny networks, short runs, no compile (checks this script, measures nothing)
@@ -57,7 +72,6 @@ def reset_peak() -> None:
 
 WARM_COMPILE = """
 import sys, time, torch
-sys.path.insert(0, "src")
 from lipstream.engine import Engine
 from lipstream.models import load_musetalk
 m = load_musetalk(random_weights=True, size="full", device="cuda", seed=0, warn=False)
@@ -71,7 +85,7 @@ print(time.perf_counter() - t)
 def common_arguments(ap: argparse.ArgumentParser, budget: float) -> argparse.ArgumentParser:
     """The options every issue-5 GPU script takes."""
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    ap.add_argument("--track", type=Path, help="the face track of the bench loop (benchmarks/avatar_bench.py track)")
+    ap.add_argument("--track", type=Path, help="the face track of the bench loop (see this script's docstring)")
     ap.add_argument("--budget", type=float, default=budget, help="seconds; optional steps are skipped past it")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
     return ap

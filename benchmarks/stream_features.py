@@ -9,6 +9,13 @@ L2 error of the features and of every frame's 50x384 window, and the PSNR of the
 
 Random weights (no real checkpoint here): the numbers say how far the streaming window moves a
 Whisper of this architecture, not how a trained one's mouth shapes change.
+
+Rerun (CPU, the `lipstream` package installed, e.g. `pip install -e .`):
+
+    python3 benchmarks/stream_features.py --out DIR --seconds 8 --faces 6     # 16 min on 2 cores
+
+Reported in docs/BENCHMARKS.md (commit 0f52c60), "Live engine on the H200, first session (issue 14)", its
+"Streaming features against offline" table (docs/results/stream_features_full_random.json).
 """
 
 from __future__ import annotations

@@ -12,6 +12,16 @@ output is decoded and checked: frame count, strictly rising DTS, audio and video
 
 `--track-truth` compiles the avatar from the fixture's own landmarks (no dlib model needed).
 Writes DIR/user_render.json and prints a markdown table.
+
+Rerun (a CUDA GPU, the `lipstream` package installed, e.g. `pip install -e .`: each run is a
+`python -m lipstream` process):
+
+    python3 benchmarks/user_render.py --out DIR --track-truth --runs 2
+
+Reported in docs/BENCHMARKS.md, "Cold start (issue 13): what a user waits for, and why the goals
+are not met yet" (commit 20be3f4, that command; docs/results/user_render_20be3f4.json) and "What a
+user runs (issue 12): the default `lipstream render` on the H200" (commit 5e46f73, the script as
+it was then, `--out DIR`; docs/results/user_render_5e46f73.json).
 """
 
 from __future__ import annotations
