@@ -45,7 +45,7 @@ class Service:
         self.live = LiveEngine(models, live_options, compile=compile)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
         self.sessions = None  # the app's LiveSessions (serve/live.py), set by create_app
         self.ready = False
