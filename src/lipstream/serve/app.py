@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import shutil
 import time
 from contextlib import asynccontextmanager
@@ -31,13 +30,13 @@ from lipstream.serve.options import AVATAR_NAME
 from lipstream.serve.rtc import default_workers
 from lipstream.serve.service import Service, owner_of
 from lipstream.serve.store import Job
+from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
+                                     refused_by_length, save_upload)
 
 log = logging.getLogger("lipstream.serve")
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_AFTER_S = 5
 SSE_POLL_S = 0.1
-VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
-AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
 STATIC = Path(__file__).with_name("static")
 PAGE_CSP = "default-src 'self'"  # the page loads nothing from elsewhere (its WebSocket is same-origin too)
 
@@ -58,7 +57,7 @@ def create_app(service: Service) -> FastAPI:
     @app.middleware("http")
     async def count(request: Request, call_next):
         t = time.perf_counter()
-        response = _too_big(request, service.o.max_upload_mb) or await call_next(request)
+        response = refused_by_length(request, service.o.max_upload_mb) or await call_next(request)
         if request.url.path == "/" or request.url.path.startswith("/static/"):
             response.headers["Cache-Control"] = "no-cache"  # revalidated: an upgraded server's page shows at once
         route = request.scope.get("route")
@@ -107,11 +106,6 @@ def create_app(service: Service) -> FastAPI:
             raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def new_upload_folder() -> Path:
-        folder = service.uploads_dir / secrets.token_hex(8)
-        folder.mkdir(parents=True)
-        return folder
-
     def own_job(job_id: str, who: str) -> Job:
         job = service.store.get(job_id, who if keys else None)
         if job is None:
@@ -156,11 +150,11 @@ def create_app(service: Service) -> FastAPI:
         if suffix not in AUDIO_SUFFIXES:
             raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
         check_cap(who)
-        folder = new_upload_folder()
+        folder = new_upload_folder(service.uploads_dir)
         path = folder / f"audio{suffix}"
         try:
-            await _save(audio, path, service.o.max_upload_mb)
-            seconds = await asyncio.to_thread(_duration, path)
+            await save_upload(audio, path, service.o.max_upload_mb)
+            seconds = await asyncio.to_thread(audio_seconds, path)
             if seconds > service.o.max_audio_s:
                 raise HTTPException(413, f"audio: {seconds:.0f} s; at most {service.o.max_audio_s:g} s is allowed")
         except BaseException:
@@ -182,13 +176,13 @@ def create_app(service: Service) -> FastAPI:
         names = [Path(a.filename or "").name for a in audio]
         if len(set(names)) != len(names) or any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
             raise HTTPException(422, f"audio: distinct files ending in one of {sorted(AUDIO_SUFFIXES)} are allowed")
-        folder = new_upload_folder()
+        folder = new_upload_folder(service.uploads_dir)
         try:
-            await _save(script, folder / "script.yaml", service.o.max_upload_mb)
+            await save_upload(script, folder / "script.yaml", service.o.max_upload_mb)
             total = 0.0
             for upload, name in zip(audio, names):
-                await _save(upload, folder / name, service.o.max_upload_mb)
-                total += await asyncio.to_thread(_duration, folder / name)
+                await save_upload(upload, folder / name, service.o.max_upload_mb)
+                total += await asyncio.to_thread(audio_seconds, folder / name)
             try:
                 program = load_script(folder / "script.yaml")
             except LipStreamError as e:
@@ -223,9 +217,9 @@ def create_app(service: Service) -> FastAPI:
         if suffix not in VIDEO_SUFFIXES:
             raise HTTPException(422, f"video: a file ending in one of {sorted(VIDEO_SUFFIXES)} is allowed")
         check_cap(who)
-        folder = new_upload_folder()
+        folder = new_upload_folder(service.uploads_dir)
         try:
-            await _save(video, folder / f"{name}{suffix}", service.o.max_upload_mb)  # the file's stem names it
+            await save_upload(video, folder / f"{name}{suffix}", service.o.max_upload_mb)  # the file's stem names it
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -390,46 +384,3 @@ def create_app(service: Service) -> FastAPI:
 
     return app
 
-
-def _too_big(request: Request, max_mb: float) -> Response | None:
-    """Uploads are refused by their Content-Length, before a byte of the body is read."""
-    if request.method != "POST" or not request.url.path.startswith("/v1/jobs"):
-        return None
-    length = request.headers.get("content-length")
-    if length is None:
-        return JSONResponse({"detail": "uploads need a Content-Length"}, 411)
-    if not length.isdigit() or int(length) > max_mb * 2**20 + 64 * 1024:  # the form's own bytes
-        return JSONResponse({"detail": f"upload over {max_mb:g} MB; at most that is allowed"}, 413)
-    return None
-
-
-async def _save(upload: UploadFile, path: Path, max_mb: float) -> None:
-    """Copy the upload to `path` (a temporary name first), 413 past the limit."""
-    limit = int(max_mb * 2**20)
-    part = path.with_name(path.name + ".part")
-    size = 0
-    with open(part, "wb") as f:
-        while chunk := await upload.read(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                raise HTTPException(413, f"audio: over {max_mb:g} MB; at most that is allowed")
-            f.write(chunk)
-    part.rename(path)
-
-
-def _duration(path: Path) -> float:
-    """Seconds of the first audio stream; 422 if there is none or it cannot be read."""
-    import av
-
-    try:
-        with av.open(str(path)) as container:
-            stream = next((s for s in container.streams if s.type == "audio"), None)
-            if stream is None:
-                raise HTTPException(422, "audio: the file has no audio stream")
-            if stream.duration is not None and stream.time_base is not None:
-                return float(stream.duration * stream.time_base)
-            if container.duration is not None:
-                return container.duration / 1_000_000
-            return sum(f.samples for f in container.decode(stream)) / (stream.rate or 1)
-    except av.FFmpegError as e:
-        raise HTTPException(422, f"audio: not a readable audio file ({str(e).splitlines()[0]})") from None
