@@ -6,7 +6,6 @@ requests: render jobs run through the live engine's offline lane, after the live
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 
@@ -20,11 +19,6 @@ from lipstream.serve.options import AVATAR_NAME, ServeOptions
 from lipstream.serve.store import JobStore
 
 log = logging.getLogger(__name__)
-
-
-def owner_of(key: str | None) -> str:
-    """What the store keeps of a key: a hash, never the key."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 class Service:
