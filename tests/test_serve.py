@@ -598,3 +598,23 @@ def test_prefer_h264_puts_constrained_baseline_first_and_leaves_other_offers_alo
     assert out[:3] == offer.split("\r\n")[:3]  # the audio section as it was
     vp8_only = "\r\n".join(line for line in offer.split("\r\n") if "H264" not in line and "fmtp:10" not in line)
     assert prefer_h264(vp8_only) is None
+
+
+def test_every_route_of_the_api_is_mounted():
+    """create_app includes every router (serve/routes_*.py): the API's paths and methods, the page, the
+    speech WebSocket; a router left out would only show where a test happens to call one of its routes."""
+    from types import SimpleNamespace
+
+    from lipstream.serve.app import create_app
+    from lipstream.serve.options import ServeOptions
+
+    app = create_app(SimpleNamespace(o=ServeOptions(Path("avatars"), Path("data"), rtc_workers=1)))
+    paths = {path: set(ops) for path, ops in app.openapi()["paths"].items()}
+    assert paths == {"/healthz": {"get"}, "/readyz": {"get"}, "/metrics": {"get"}, "/v1/avatars": {"get"},
+                     "/v1/jobs": {"get"}, "/v1/jobs/render": {"post"}, "/v1/jobs/broadcast": {"post"},
+                     "/v1/jobs/compile": {"post"}, "/v1/jobs/{job_id}": {"get", "delete"},
+                     "/v1/jobs/{job_id}/events": {"get"}, "/v1/jobs/{job_id}/result": {"get"},
+                     "/v1/sessions": {"get", "post"}, "/v1/sessions/{sid}": {"get", "delete"}}
+    assert app.url_path_for("page") == "/"
+    assert app.url_path_for("speech", sid="abc") == "/v1/sessions/abc/speech"
+    assert app.url_path_for("static", path="app.js") == "/static/app.js"

@@ -1,1 +1,1 @@
-"""`lipstream serve`: render jobs on a GPU next to live sessions, behind one FastAPI service."""
+"""`lipstream serve`: the HTTP API (FastAPI) with its job store and runner, live WebRTC sessions and metrics."""

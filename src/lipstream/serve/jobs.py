@@ -14,15 +14,18 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lipstream.live.offline import JobCancelled, OfflineLane
 from lipstream.preflight import machine_defaults
 from lipstream.script import single_scene
 
 if TYPE_CHECKING:
-    from lipstream.serve.service import Service
-    from lipstream.serve.store import Job
+    from lipstream.live import LiveEngine
+    from lipstream.models import MuseTalk
+    from lipstream.serve.metrics import Metrics
+    from lipstream.serve.options import ServeOptions
+    from lipstream.serve.store import Job, JobStore
 
 log = logging.getLogger(__name__)
 KINDS = ("render", "broadcast", "compile")
@@ -34,9 +37,23 @@ class JobStopped(JobCancelled):
     """The server is shutting down: the job goes back to the queue."""
 
 
+class JobHost(Protocol):
+    """What the runner uses of the server it runs in (serve/service.py's Service is one): declared
+    here so that the runner does not import the Service that starts it."""
+
+    o: ServeOptions
+    models: MuseTalk
+    live: LiveEngine
+    store: JobStore
+    metrics: Metrics
+    results_dir: Path
+
+    def add_avatar(self, name: str) -> int: ...
+
+
 class JobRunner:
-    def __init__(self, service: Service):
-        self.s = service
+    def __init__(self, host: JobHost):
+        self.s = host
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
+RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
 
 
 def is_loopback(host: str) -> bool:

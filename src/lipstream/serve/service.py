@@ -6,7 +6,6 @@ requests: render jobs run through the live engine's offline lane, after the live
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 
@@ -20,11 +19,6 @@ from lipstream.serve.options import AVATAR_NAME, ServeOptions
 from lipstream.serve.store import JobStore
 
 log = logging.getLogger(__name__)
-
-
-def owner_of(key: str | None) -> str:
-    """What the store keeps of a key: a hash, never the key."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 class Service:
@@ -45,7 +39,7 @@ class Service:
         self.live = LiveEngine(models, live_options, compile=compile)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
         self.sessions = None  # the app's LiveSessions (serve/live.py), set by create_app
         self.ready = False

@@ -1,0 +1,196 @@
+"""/v1/jobs: render, broadcast and compile jobs submitted with their uploads, listed, cancelled,
+followed as server-sent events, and their results. The runner (serve/jobs.py) does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, UploadFile
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from lipstream.serve.auth import Caller, caller, caller_or_token
+from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S
+from lipstream.serve.routes_avatars import known_avatar, resident_avatars
+from lipstream.serve.service import Service
+from lipstream.serve.state import get_service
+from lipstream.serve.store import Job
+from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
+                                     save_upload)
+
+TERMINAL = ("done", "failed", "cancelled")
+SSE_POLL_S = 0.1
+
+router = APIRouter()
+
+
+def job_json(job: Job) -> dict:
+    out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
+           "error": job.error, "created_at": job.created_at, "started_at": job.started_at,
+           "finished_at": job.finished_at, "avatar": job.params.get("avatar")}
+    if job.status == "done":
+        out["result"] = f"/v1/jobs/{job.id}/result"
+    return out
+
+
+def check_cap(service: Service, who: Caller) -> None:
+    if service.store.active(who.owner) >= service.o.jobs_per_key:
+        raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def own_job(service: Service, job_id: str, who: Caller) -> Job:
+    job = service.store.get(job_id, who.scope)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id}")
+    return job
+
+
+def submitted(service: Service, who: Caller, kind: str, params: dict) -> dict:
+    """The job stored, the runner woken."""
+    job = service.store.submit(who.owner, kind, params)
+    service.runner.wake()
+    return job_json(job)
+
+
+@router.post("/v1/jobs/render", status_code=202)
+async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
+                        who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+    """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4."""
+    known_avatar(service, avatar)
+    suffix = Path(audio.filename or "").suffix.lower()
+    if suffix not in AUDIO_SUFFIXES:
+        raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
+    check_cap(service, who)
+    folder = new_upload_folder(service.uploads_dir)
+    path = folder / f"audio{suffix}"
+    try:
+        await save_upload(audio, path, service.o.max_upload_mb)
+        seconds = await asyncio.to_thread(audio_seconds, path)
+        if seconds > service.o.max_audio_s:
+            raise HTTPException(413, f"audio: {seconds:.0f} s; at most {service.o.max_audio_s:g} s is allowed")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return submitted(service, who, "render", {"avatar": avatar, "audio": os.path.relpath(path, service.o.data_dir),
+                                              "audio_s": round(seconds, 3)})
+
+
+@router.post("/v1/jobs/broadcast", status_code=202)
+async def submit_broadcast(request: Request, script: UploadFile = File(...), audio: list[UploadFile] = File(...),
+                           who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+    """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names."""
+    from lipstream.errors import LipStreamError
+    from lipstream.script import load_script
+
+    check_cap(service, who)
+    names = [Path(a.filename or "").name for a in audio]
+    if len(set(names)) != len(names) or any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
+        raise HTTPException(422, f"audio: distinct files ending in one of {sorted(AUDIO_SUFFIXES)} are allowed")
+    folder = new_upload_folder(service.uploads_dir)
+    try:
+        await save_upload(script, folder / "script.yaml", service.o.max_upload_mb)
+        total = 0.0
+        for upload, name in zip(audio, names):
+            await save_upload(upload, folder / name, service.o.max_upload_mb)
+            total += await asyncio.to_thread(audio_seconds, folder / name)
+        try:
+            program = load_script(folder / "script.yaml")
+        except LipStreamError as e:
+            raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
+        if program.avatars_dir is not None:
+            raise HTTPException(422, "script: 'avatars:' is the server's (--avatars), not the script's")
+        for k, scene in enumerate(program.scenes):
+            if scene.audio.resolve().parent != folder.resolve() or not scene.audio.is_file():
+                raise HTTPException(422, f"script: scene {k + 1}'s audio must be one of the files sent: {names}")
+            for shot in scene.shots:
+                known_avatar(service, shot.avatar)
+        if total > service.o.max_audio_s:
+            raise HTTPException(413, f"audio: {total:.0f} s in all; at most {service.o.max_audio_s:g} s is allowed")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return submitted(service, who, "broadcast", {"script": os.path.relpath(folder / "script.yaml", service.o.data_dir),
+                                                 "audio_s": round(total, 3)})
+
+
+@router.post("/v1/jobs/compile", status_code=202)
+async def submit_compile(request: Request, name: str = Form(...), video: UploadFile = File(...),
+                         who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+    """A new avatar from an uploaded action loop (a video of the presenter): resident once compiled."""
+    if not AVATAR_NAME.fullmatch(name):
+        raise HTTPException(422, "name: letters, digits, '_', '.' and '-' are allowed")
+    if name in service.avatars or (service.o.avatars_dir / name).exists():
+        raise HTTPException(409, f"avatar {name!r} exists already")
+    suffix = Path(video.filename or "").suffix.lower()
+    if suffix not in VIDEO_SUFFIXES:
+        raise HTTPException(422, f"video: a file ending in one of {sorted(VIDEO_SUFFIXES)} is allowed")
+    check_cap(service, who)
+    folder = new_upload_folder(service.uploads_dir)
+    try:
+        await save_upload(video, folder / f"{name}{suffix}", service.o.max_upload_mb)  # the file's stem names it
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return submitted(service, who, "compile", {"name": name, "video": os.path.relpath(folder / f"{name}{suffix}",
+                                                                                      service.o.data_dir)})
+
+
+@router.get("/v1/jobs")
+def list_jobs(who: Caller = Depends(caller), limit: int = 100, service: Service = Depends(get_service)) -> list[dict]:
+    return [job_json(j) for j in service.store.list(who.scope, limit=max(1, min(limit, 1000)))]
+
+
+@router.get("/v1/jobs/{job_id}")
+def get_job(job_id: str, who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+    return job_json(own_job(service, job_id, who))
+
+
+@router.delete("/v1/jobs/{job_id}")
+def cancel_job(job_id: str, who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+    own_job(service, job_id, who)
+    return job_json(service.store.cancel(job_id))
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(job_id: str, who: Caller = Depends(caller_or_token),
+                     service: Service = Depends(get_service)) -> StreamingResponse:
+    """Server-sent events: the job as JSON each time it changes, until it is done, failed or cancelled."""
+    own_job(service, job_id, who)
+    store = service.store
+
+    async def events():
+        seen, beat = None, time.monotonic()
+        while True:
+            version = store.version(job_id)
+            if version != seen:
+                seen = version
+                job = store.get(job_id)
+                yield f"event: job\ndata: {json.dumps(job_json(job))}\n\n"
+                if job.status in TERMINAL:
+                    return
+            elif time.monotonic() - beat > 15:
+                beat = time.monotonic()
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(SSE_POLL_S)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/v1/jobs/{job_id}/result")
+def job_result(job_id: str, who: Caller = Depends(caller_or_token),
+               service: Service = Depends(get_service)) -> Response:
+    """The MP4 (HTTP Range works: players seek in it); a compile job's avatar, as /v1/avatars lists it."""
+    job = own_job(service, job_id, who)
+    if job.status != "done" or not job.result:
+        raise HTTPException(409, f"job {job_id} is {job.status}: no result yet")
+    if job.kind == "compile":
+        return JSONResponse(next(a for a in resident_avatars(service) if a["name"] == job.params["name"]))
+    path = service.o.data_dir / job.result
+    if not path.is_file():
+        raise HTTPException(410, f"job {job_id}: its result is gone")
+    return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")

@@ -1,0 +1,63 @@
+"""Uploads, bounded: refused by Content-Length before a byte is read, cut off past the limit while
+copied, audio measured once stored. Each upload gets a folder of its own under the data folder."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from fastapi import HTTPException, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
+AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
+
+
+def refused_by_length(request: Request, max_mb: float) -> Response | None:
+    """Uploads are refused by their Content-Length, before a byte of the body is read."""
+    if request.method != "POST" or not request.url.path.startswith("/v1/jobs"):
+        return None
+    length = request.headers.get("content-length")
+    if length is None:
+        return JSONResponse({"detail": "uploads need a Content-Length"}, 411)
+    if not length.isdigit() or int(length) > max_mb * 2**20 + 64 * 1024:  # the form's own bytes
+        return JSONResponse({"detail": f"upload over {max_mb:g} MB; at most that is allowed"}, 413)
+    return None
+
+
+def new_upload_folder(uploads_dir: Path) -> Path:
+    folder = uploads_dir / secrets.token_hex(8)
+    folder.mkdir(parents=True)
+    return folder
+
+
+async def save_upload(upload: UploadFile, path: Path, max_mb: float) -> None:
+    """Copy the upload to `path` (a temporary name first), 413 past the limit."""
+    limit = int(max_mb * 2**20)
+    part = path.with_name(path.name + ".part")
+    size = 0
+    with open(part, "wb") as f:
+        while chunk := await upload.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"audio: over {max_mb:g} MB; at most that is allowed")
+            f.write(chunk)
+    part.rename(path)
+
+
+def audio_seconds(path: Path) -> float:
+    """Seconds of the first audio stream; 422 if there is none or it cannot be read."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None:
+                raise HTTPException(422, "audio: the file has no audio stream")
+            if stream.duration is not None and stream.time_base is not None:
+                return float(stream.duration * stream.time_base)
+            if container.duration is not None:
+                return container.duration / 1_000_000
+            return sum(f.samples for f in container.decode(stream)) / (stream.rate or 1)
+    except av.FFmpegError as e:
+        raise HTTPException(422, f"audio: not a readable audio file ({str(e).splitlines()[0]})") from None
