@@ -54,7 +54,7 @@ def main() -> None:
     torch.manual_seed(0)
     m = load_musetalk(random_weights=True, size=args.size, device="cpu", seed=0, warn=False)
     audio = speech_like(args.seconds, 16_000, seed=11)
-    offline = whisper_features(torch.from_numpy(audio), m.whisper, m.feature_extractor)
+    offline = whisper_features(torch.from_numpy(audio), m)
     frames = max(1, round(args.seconds * 25))
     ref_windows = audio_windows(offline, 25, frames)
     picks = np.linspace(0, frames - 1, args.faces).round().astype(int)

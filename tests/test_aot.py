@@ -19,10 +19,11 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import load_avatar
-from lipstream.engine import Engine, FrameRequest
+from lipstream.engine import CompiledEngine, Engine, FrameRequest, make_engine
 from lipstream.engine import aot, aot_build
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.models import preset
+from lipstream.models import model_config
+from lipstream.options import EngineOptions
 
 CPU = torch.device("cpu")
 SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
@@ -53,20 +54,22 @@ def _frames(engine: Engine, avatar_dir, windows: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", ["auto", "full"])
 def test_compiled_frames_match_the_modules(built_cache, tiny_models, presenter, rows):
-    compiled = aot.load_compiled(preset("tiny"), SOURCE, CPU, root=built_cache)
+    compiled = aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=built_cache)
     windows = torch.randn(7, 50, 384, generator=torch.Generator().manual_seed(5))
-    fast = _frames(Engine(compiled, 4, decode_rows=rows), presenter, windows)
-    plain = _frames(Engine(tiny_models, 4, decode_rows=rows), presenter, windows)
+    engine = make_engine(compiled, EngineOptions(batch=4, decode_rows=rows))
+    assert isinstance(engine, CompiledEngine)  # the compiled packages' own engine, chosen by type
+    fast = _frames(engine, presenter, windows)
+    plain = _frames(Engine(tiny_models, EngineOptions(batch=4, decode_rows=rows)), presenter, windows)
     assert fast.shape == plain.shape and fast.dtype == torch.uint8
     assert (fast.int() - plain.int()).abs().max() <= 1  # the same maths, fused differently
     assert compiled.fingerprints == tiny_models.fingerprints  # the avatar's VAE check still holds
 
 
 def test_compiled_whisper_matches_the_encoder(built_cache, tiny_models):
-    compiled = aot.load_compiled(preset("tiny"), SOURCE, CPU, root=built_cache)
+    compiled = aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=built_cache)
     audio = torch.from_numpy(speech_like(31.0, 16000))  # two segments
-    fast = whisper_features(audio, compiled.whisper, compiled.feature_extractor)
-    plain = whisper_features(audio, tiny_models.whisper, tiny_models.feature_extractor)
+    fast = whisper_features(audio, compiled)
+    plain = whisper_features(audio, tiny_models)
     assert fast.shape == plain.shape == (31 * 50, 5, 384)
     torch.testing.assert_close(fast, plain, atol=2e-4, rtol=1e-4)
 
@@ -74,20 +77,20 @@ def test_compiled_whisper_matches_the_encoder(built_cache, tiny_models):
 def test_keys_follow_what_the_code_depends_on():
     info = aot.device_info(CPU)
     options = aot.StepOptions(dtype="float32")
-    key = aot.package_key("crop", preset("tiny"), options, info)
-    assert key == aot.package_key("crop", preset("tiny"), options, dict(info))  # stable
+    key = aot.package_key("crop", model_config("tiny"), options, info)
+    assert key == aot.package_key("crop", model_config("tiny"), options, dict(info))  # stable
     assert key.startswith("crop-")
-    changed = [aot.package_key("full", preset("tiny"), options, info),
-               aot.package_key("crop", preset("full"), options, info),
-               aot.package_key("crop", preset("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info),
-               aot.package_key("crop", preset("tiny"), aot.StepOptions(dtype="float16"), info),
-               aot.package_key("crop", preset("tiny"), options, {**info, "torch": "2.99.0"})]
+    changed = [aot.package_key("full", model_config("tiny"), options, info),
+               aot.package_key("crop", model_config("full"), options, info),
+               aot.package_key("crop", model_config("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info),
+               aot.package_key("crop", model_config("tiny"), aot.StepOptions(dtype="float16"), info),
+               aot.package_key("crop", model_config("tiny"), options, {**info, "torch": "2.99.0"})]
     assert len({key, *changed}) == 1 + len(changed)
     # The Whisper package does not depend on the UNet or on the decode options.
-    assert aot.package_key("whisper", preset("tiny"), options, info) == \
-        aot.package_key("whisper", preset("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info)
+    assert aot.package_key("whisper", model_config("tiny"), options, info) == \
+        aot.package_key("whisper", model_config("tiny"), aot.StepOptions(dtype="float32", decode_row=6), info)
     with pytest.raises(ValueError, match="kind"):
-        aot.package_key("unet", preset("tiny"), options, info)
+        aot.package_key("unet", model_config("tiny"), options, info)
 
 
 def test_weights_key_follows_the_files(tmp_path):
@@ -105,19 +108,19 @@ def test_weights_key_follows_the_files(tmp_path):
 def test_another_torch_is_not_built(cache, monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
     with pytest.raises(aot.NotBuilt, match="no compiled crop, full, whisper"):
-        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+        aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
 
 
 def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_models, caplog):
     folder = next((cache / "aot" / "packages").glob("whisper-*"))
     (folder / aot.PACKAGE_FILE).write_bytes(b"not a package")
     with caplog.at_level(logging.WARNING, logger="lipstream.engine.aot"), pytest.raises(aot.NotBuilt):
-        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+        aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
     assert "does not load" in caplog.text and "lipstream warmup" in caplog.text
     assert not folder.exists()
     statuses = {b.kind: b.status for b in aot_build.build_all(tiny_models, SOURCE, root=cache)}
     assert statuses == {"crop": "cached", "full": "cached", "whisper": "built", "weights": "cached"}
-    aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+    aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
 
 
 def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, tiny_models, monkeypatch):
@@ -135,7 +138,7 @@ def test_a_loader_that_crashes_marks_the_machine_and_renders_stop_trying(cache, 
     assert set(again.values()) == {"failed"}  # marked: nothing is tried or written again
     assert not list((cache / "aot" / "weights").glob("*"))
     with pytest.raises(aot.NotBuilt, match="does not work on this machine.*signal 11") as info:
-        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+        aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
     assert not info.value.buildable  # the render's note does not suggest a warmup that cannot help
     monkeypatch.undo()
     statuses = {b.kind: b.status for b in aot_build.build_all(tiny_models, SOURCE, root=cache, force=True,
@@ -148,7 +151,7 @@ def test_corrupt_weights_are_removed_with_a_warning(cache, caplog):
     path = next((cache / "aot" / "weights").glob("*.safetensors"))
     path.write_bytes(path.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING, logger="lipstream.engine.aot"), pytest.raises(aot.NotBuilt):
-        aot.load_compiled(preset("tiny"), SOURCE, CPU, root=cache)
+        aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
     assert "weights" in caplog.text and not path.exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import av
+import pytest
 
 from lipstream.bench.run import run
 
@@ -15,8 +16,9 @@ def test_bench_smoke(tiny_models, tmp_path):
     ablation = ["fast -cuda graphs", "fast -gpu blending", "fast -gathered windows", "fast -in-process encode",
                 "fast -yuv path", "fast -parallel encode", "fast -upsample fusion", "fast -mask-rows decode"]
     assert set(rows) == {(s, m) for s in "AB" for m in ["legacy", "fast", *ablation]}
-    for s in "AB":
-        assert all(rows[(s, m)]["frames"] == rows[(s, "fast")]["frames"] and rows[(s, m)]["fps"] > 0 for m in ablation)
+    for (scenario, mode), row in rows.items():  # each row's rate is its own frames over its own wall time
+        assert row["frames"] == rows[(scenario, "fast")]["frames"], (scenario, mode)
+        assert row["fps"] == pytest.approx(row["frames"] / row["wall_s"]) and 0 < row["wall_s"] < 600, (scenario, mode)
     for scenario, frames in (("A", 15), ("B", 39)):  # 3 x 0.2 s at 25 fps; 1.29 s at 30 fps
         legacy, fast = rows[(scenario, "legacy")], rows[(scenario, "fast")]
         assert legacy["frames"] == fast["frames"] == frames
@@ -25,7 +27,9 @@ def test_bench_smoke(tiny_models, tmp_path):
         assert rows[(scenario, "fast -yuv path")]["psnr_db"] > 30
         assert abs(rows[(scenario, "fast -upsample fusion")]["psnr_db"] - fast["psnr_db"]) < 0.5  # exact maths
         assert rows[(scenario, "fast -mask-rows decode")]["psnr_db"] > 30
-        assert fast["speedup"] > 0 and legacy["speedup"] == 1.0
+        # the speed-up is the legacy row's wall time over the row's own, for every mode
+        assert legacy["speedup"] == 1.0 and all(rows[(scenario, m)]["speedup"] == pytest.approx(
+            legacy["wall_s"] / rows[(scenario, m)]["wall_s"]) for m in ["fast", *ablation])
         assert fast["psnr_db"] > 30 and legacy["psnr_db"] > 25  # random-noise faces at crf 18 vs lossless
         for mode in ("legacy", "fast"):
             with av.open(str(tmp_path / f"{scenario}-{mode}.mp4")) as c:

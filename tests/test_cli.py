@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,11 +29,16 @@ def lipstream(*args, env=None):
 
 
 def test_help_lists_only_working_commands():
+    """The commands --help lists are exactly these, and each one answers its own --help."""
     r = lipstream("--help")
     assert r.returncode == 0
-    for cmd in ("compile", "render", "broadcast", "warmup", "bench", "features", "weights", "live-bench", "serve",
-                "serve-bench"):
-        assert cmd in r.stdout
+    panel = r.stdout[r.stdout.index("Commands"):]
+    listed = re.findall(r"^│ (\S+) {2,}\S", panel, re.M)
+    assert sorted(listed) == sorted(["compile", "render", "broadcast", "warmup", "bench", "features", "weights",
+                                     "live-bench", "serve", "serve-bench"]), listed
+    for cmd in listed:
+        help_ = lipstream(cmd, "--help")
+        assert help_.returncode == 0 and "Usage: lipstream " + cmd in help_.stdout, (cmd, help_.stderr)
 
 
 def test_serve_refuses_bad_options_in_one_line(tmp_path):
@@ -41,7 +47,7 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path):
     cases = [(["--avatars", tmp_path / "none"], "--avatars"),
              (["--avatars", tmp_path / "avatars", "--host", "0.0.0.0"], "--host 0.0.0.0"),
              (["--avatars", tmp_path / "avatars", "--api-key", "short"], "--api-key"),
-             (["--avatars", tmp_path / "avatars", "--preset", "fast"], "--preset 'fast'"),
+             (["--avatars", tmp_path / "avatars", "--live-preset", "fast"], "--live-preset 'fast'"),
              (["--avatars", tmp_path / "avatars", "--playout-delay-ms", "10"], "--playout-delay-ms 10"),
              (["--avatars", tmp_path / "avatars", "--switch-interval-ms", "50"], "--switch-interval-ms 50"),
              (["--avatars", tmp_path / "avatars", "--rtc-workers", "0"], "--rtc-workers 0")]

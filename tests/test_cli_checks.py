@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from lipstream import preflight
 from lipstream.cli import random_size_for
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "
@@ -55,7 +54,7 @@ RENDER = ["render", "--avatar", "anna", "--audio", "speech.wav", "-o", "out.mp4"
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    (["--preset", "superfast2"], ["--preset 'superfast2'", "ultrafast", "veryslow"]),
+    (["--x264-preset", "superfast2"], ["--x264-preset 'superfast2'", "ultrafast", "veryslow"]),
     (["--fps", "abc"], ["--fps 'abc'", "29.97"]),
     (["--fps", "-5"], ["--fps '-5'", "above 0"]),
     (["--fps", "0"], ["--fps '0'", "above 0"]),
@@ -128,7 +127,24 @@ def test_random_size_follows_the_avatar_then_the_device():
     assert random_size_for("full", "cpu", {"vae": {"random": "tiny"}}) == "full"
 
 
-def test_the_early_checks_know_the_engines_choices():
-    from lipstream.engine.decode import DECODE_ROWS
-
-    assert set(preflight.DECODE_ROWS) == set(DECODE_ROWS)
+def test_old_spellings_still_work_and_say_they_are_deprecated(desk):
+    """Renamed options keep their old spelling for one release: a warning line names the new one, and the
+    value goes where the new spelling's would (here into the early checks, whose error names the new flag)."""
+    code, stdout, stderr = run_cli(RENDER + ["--preset", "superfast2"], desk)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 2, stderr
+    assert "--preset is deprecated" in lines[0] and "--x264-preset" in lines[0]
+    assert lines[1].startswith("error:") and "--x264-preset 'superfast2'" in lines[1]
+    code, _, stderr = run_cli(RENDER + ["--preset", "veryfast", "--x264-preset", "fast"], desk)
+    assert code == 2 and "give --x264-preset only" in stderr, stderr
+    # serve: --preset was the live preset, --compile took off|vae|all|auto
+    code, stdout, stderr = run_cli(["serve", "--avatars", "nowhere", "--preset", "accurate", "--compile", "off",
+                                    "--random-weights"], desk)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 3, stderr
+    assert "--compile off is deprecated" in lines[0] and "--no-compile" in lines[0]
+    assert "--preset is deprecated" in lines[1] and "--live-preset" in lines[1]
+    assert lines[2].startswith("error:") and "--avatars" in lines[2]
+    assert "torch-not-imported" in stdout
+    code, _, stderr = run_cli(["serve", "--avatars", "nowhere", "--compile=sometimes", "--random-weights"], desk)
+    assert code == 2 and "--compile 'sometimes'" in stderr, stderr

@@ -329,7 +329,7 @@ def test_bad_input_and_failing_frames():
         with pytest.raises(ValueError, match="audio"):
             pool.open(64, 64, Fraction(25), audio="mp3", on_packets=r.on_packets)
         with pytest.raises(RuntimeError, match="preset"):  # SessionEncoder's own error, from the worker
-            pool.open(64, 64, Fraction(25), preset="nonsense", on_packets=r.on_packets)
+            pool.open(64, 64, Fraction(25), x264_preset="nonsense", on_packets=r.on_packets)
         s = pool.open(64, 64, Fraction(25), audio="aac", on_packets=r.on_packets, on_error=r.on_error)
         with pytest.raises(ValueError, match=r"expected uint8 I420 of shape \(96, 64\), got float32 \(96, 64\)"):
             s.submit(0, np.zeros((96, 64), np.float32), None)
@@ -380,7 +380,7 @@ def test_worker_speaks_the_protocol_without_torch(tmp_path):
         slots = tmp_path / "slots"
         slots.write_bytes(gradient_i420(0, 64, 64).tobytes() + gradient_i420(1, 64, 64).tobytes())
         h, extradata = ask({"type": "open", "sid": 7, "width": 64, "height": 64, "fps": [25, 1], "audio": "opus",
-                            "preset": "ultrafast", "crf": 23, "gop_frames": 10, "matrix": "bt601",
+                            "x264_preset": "ultrafast", "crf": 23, "gop_frames": 10, "matrix": "bt601",
                             "path": str(slots), "slots": 2})
         assert h == {"type": "opened", "sid": 7, "audio_frame_size": 960} and bytes(extradata).startswith(b"OpusHead")
         h, data = ask({"type": "frame", "sid": 7, "pts": 0, "slot": 1, "key": False}, sine48(0, 960).tobytes())

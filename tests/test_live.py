@@ -18,6 +18,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import StreamResampler, resample
+from lipstream.engine import Engine
 from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
@@ -27,7 +28,8 @@ from lipstream.live.features import encode_windows, streamed_features
 from lipstream.live.request import Candidate
 from lipstream.live.scheduler import Scheduler
 from lipstream.rates import AUDIO_RATE
-from lipstream.render import render_program
+from lipstream.options import EngineOptions, RenderOptions
+from lipstream.render import prepare, write
 from lipstream.script import Program, Scene, Shot
 
 FPS = Fraction(2)
@@ -121,7 +123,7 @@ def test_encoder_on_fewer_steps_is_the_same_layers(tiny_models):
 
 def test_streaming_features_approach_offline_with_context(tiny_models):
     audio = speech_like(4.0, 16_000, seed=3)
-    offline = whisper_features(torch.from_numpy(audio), tiny_models.whisper, tiny_models.feature_extractor)
+    offline = whisper_features(torch.from_numpy(audio), tiny_models)
     errors = {}
     for context in (0, 25, 100):
         streamed = streamed_features(tiny_models, audio, context, hop=2, lookahead=4)
@@ -214,7 +216,8 @@ class _Capture:
     audio: np.ndarray | None = None
 
     def __init__(self, output, width, height, fps, audio, **kw):
-        self.first_packet_at = None
+        self.first_packet_at = self.first_submit_at = None
+        self.disk_bytes_written = 0
         _Capture.captured, _Capture.audio = [], audio
 
     @property
@@ -256,8 +259,9 @@ def test_session_equals_offline_render_where_features_agree(exact, avatars, tiny
     assert started.frame == f0
     wav = write_audio(tmp_path / "u.wav", speech, 16_000)
     program = Program([Scene(wav, [Shot(0.0, "b")], start_frame=f0 * 5)], avatars_dir=avatars[1].parent)
-    render_program(program, tmp_path / "u.mp4", tiny_models, fps=FPS, writer=_Capture, progress=False,
-                   resident=False, batch_size=4)
+    options = RenderOptions(EngineOptions(batch=4), fps=FPS, resident=False, progress=False).for_machine("cpu", 2)
+    write(prepare(program, tiny_models, Engine(tiny_models, options.engine), options), tmp_path / "u.mp4", options,
+          writer=_Capture)
     offline = _Capture.captured
     assert len(offline) == len(spoken)
     for got, want in zip(spoken, offline):
@@ -545,7 +549,7 @@ def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
     windows = torch.randn(5, 50, 384)
     frames = [0, 1, 2, 3, 1]
     got = streaming.render_offline(0, frames, windows).result(timeout=60)
-    private = Engine(streaming.m, 8, buckets=(8,))  # the core thread owns the live one
+    private = Engine(streaming.m, EngineOptions(batch=8))  # the core thread owns the live one
     private.add_avatar(streaming.engine.avatars[0])
     want = private.render([FrameRequest(0, f, w) for f, w in zip(frames, windows)]).numpy()
     assert got.shape == want.shape

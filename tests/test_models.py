@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lipstream.errors import WeightsError
-from lipstream.models import PositionalEncoding, load_musetalk, preset
+from lipstream.models import PositionalEncoding, load_musetalk, model_config
 from lipstream.models.build import build_unet, build_vae, build_whisper_encoder
 from lipstream.models.checkpoint import read_state_dict, rename_old_vae_attention
 from lipstream.models.config import UNET_FULL, VAE_FULL, WHISPER_FULL
@@ -69,7 +69,7 @@ def test_random_weights_are_seeded_and_announced(caplog):
 def test_checkpoint_round_trip_is_exact(tiny_checkpoint, tiny_models):
     for rel in UPSTREAM_FILES:
         assert (tiny_checkpoint / rel).is_file(), rel
-    assert json.loads((tiny_checkpoint / "musetalkV15/musetalk.json").read_text()) == preset("tiny").unet
+    assert json.loads((tiny_checkpoint / "musetalkV15/musetalk.json").read_text()) == model_config("tiny").unet
     loaded = load_musetalk(tiny_checkpoint, device="cpu")
     assert not loaded.random_weights
     assert loaded.fingerprints == tiny_models.fingerprints

@@ -37,7 +37,7 @@ def moving_frames(n: int, seed: int = 0) -> list[np.ndarray]:
 def write(path: Path, frames: list[np.ndarray], preset: str, encoders: int, processes: bool = False,
           crf: int = 18) -> None:
     audio = np.sin(np.arange(int(len(frames) / FPS * AUDIO_RATE)) * 0.05).astype(np.float32) * 0.3
-    with MP4Writer(path, W, H, FPS, audio, crf=crf, preset=preset, encoders=encoders, processes=processes,
+    with MP4Writer(path, W, H, FPS, audio, crf=crf, x264_preset=preset, encoders=encoders, processes=processes,
                    total_frames=len(frames)) as writer:
         for f in frames:
             writer.write(f)
@@ -100,7 +100,7 @@ def test_an_aborted_segment_write_leaves_nothing(tmp_path):
     frames = moving_frames(40, seed=2)
     audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
     with pytest.raises(KeyboardInterrupt):
-        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, preset="medium", encoders=2, total_frames=80) as w:
+        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, x264_preset="medium", encoders=2, total_frames=80) as w:
             for f in frames:
                 w.write(f)
             raise KeyboardInterrupt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -22,8 +23,11 @@ from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
+from lipstream.engine import Engine
+from lipstream.media.mp4 import MP4Writer
 from lipstream.models import load_musetalk
-from lipstream.render import render_program
+from lipstream.options import ENGINE_PRESETS, RenderOptions
+from lipstream.render import prepare, render_program, write
 from lipstream.script import load_script, single_scene
 
 W, H, FPS = 640, 360, 10
@@ -66,9 +70,14 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
                          ids=["one-encoder", "3-segment-threads", "2-segment-processes"])
 def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders, processes):
     out = tmp_path / "talk.mp4"
-    report = render_program(single_scene("anna", studio / "long.wav", start_frame=3), out, tiny_models,
-                            avatars_dir=studio / "avatars", crf=0, encoders=encoders, encoder_processes=processes,
-                            progress=False)
+    options = RenderOptions(avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
+    if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render.write's own writer)
+        options = options.for_machine("cpu", 2)
+        plan = prepare(single_scene("anna", studio / "long.wav", start_frame=3), tiny_models, Engine(tiny_models),
+                       options)
+        report = write(plan, out, options, writer=functools.partial(MP4Writer, processes=True))
+    else:
+        report = render_program(single_scene("anna", studio / "long.wav", start_frame=3), out, tiny_models, options)
     frames, info = decode(out)
     assert len(frames) == report.frames == math.ceil(2.0 * FPS)
     assert abs(len(frames) - round(2.0 * FPS)) <= 1
@@ -90,8 +99,8 @@ def test_loops_at_another_fps_step_by_time(studio, tiny_models, tmp_path):
     from fractions import Fraction
 
     out = tmp_path / "fps20.mp4"
-    render_program(single_scene("cleo", studio / "a.wav"), out, tiny_models, avatars_dir=studio / "avatars",
-                   fps=Fraction(20), crf=0, progress=False)
+    render_program(single_scene("cleo", studio / "a.wav"), out, tiny_models,
+                   RenderOptions(avatars_dir=studio / "avatars", fps=Fraction(20), crf=0, progress=False))
     frames, info = decode(out)
     assert info["fps"] == 20 and len(frames) == 16
     avatars = {"cleo": load_avatar(studio / "avatars" / "cleo")}
@@ -110,8 +119,9 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def test_fast_path_matches_reference(studio, tiny_models, tmp_path):
     fast, ref = tmp_path / "fast.mp4", tmp_path / "ref.mp4"
     program = single_scene("ben", studio / "b.wav")
-    render_program(program, fast, tiny_models, avatars_dir=studio / "avatars", crf=0, progress=False)
-    render_program(program, ref, tiny_models, avatars_dir=studio / "avatars", crf=0, reference=True, progress=False)
+    render_program(program, fast, tiny_models, RenderOptions(avatars_dir=studio / "avatars", crf=0, progress=False))
+    render_program(program, ref, tiny_models, RenderOptions(ENGINE_PRESETS["reference"], avatars_dir=studio / "avatars",
+                                                            crf=0, progress=False))
     (fa, _), (fb, _) = decode(fast), decode(ref)
     avatar = load_avatar(studio / "avatars" / "ben")
     assert len(fa) == len(fb) == math.ceil(1.1 * FPS)
@@ -148,7 +158,7 @@ scenes:
   - {avatar: cleo, audio: c.wav}
 """)
     out = tmp_path / "show.mp4"
-    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    render_program(load_script(script), out, tiny_models, RenderOptions(crf=0, progress=False))
     frames, info = decode(out)
     assert len(frames) == math.ceil(2.6 * FPS) and abs(info["audio_s"] - 2.6) < 0.03
     avatars = {n: load_avatar(studio / "avatars" / n) for n in ("anna", "ben", "cleo")}
@@ -166,7 +176,7 @@ scenes:
   - {avatar: ben, audio: b.wav, transition: {crossfade: 4}}
 """)
     out = tmp_path / "fade.mp4"
-    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    render_program(load_script(script), out, tiny_models, RenderOptions(crf=0, progress=False))
     frames, _ = decode(out)
     anna, ben = load_avatar(studio / "avatars" / "anna"), load_avatar(studio / "avatars" / "ben")
     for j in range(8, 12):  # the first 4 frames of scene 2
@@ -189,7 +199,7 @@ scenes:
     cameras: [{at: 0, avatar: cleo}, {at: 0.5, avatar: anna}]
 """)
     out = tmp_path / "cams.mp4"
-    render_program(load_script(script), out, tiny_models, crf=0, progress=False)
+    render_program(load_script(script), out, tiny_models, RenderOptions(crf=0, progress=False))
     frames, _ = decode(out)
     avatars = {n: load_avatar(studio / "avatars" / n) for n in ("anna", "cleo")}
     assert [which_avatar(f, avatars, j) for j, f in enumerate(frames)] == ["cleo"] * 5 + ["anna"] * 6
@@ -223,7 +233,8 @@ def test_bad_inputs_leave_no_file(studio, tiny_models, tmp_path, case):
     else:
         out, match = tmp_path, "is a folder"
     with pytest.raises(InputError, match=match):
-        render_program(single_scene(avatar, audio), out, tiny_models, avatars_dir=studio / "avatars", progress=False)
+        render_program(single_scene(avatar, audio), out, tiny_models,
+                       RenderOptions(avatars_dir=studio / "avatars", progress=False))
     assert not [p for p in tmp_path.rglob("*") if p.suffix in (".mp4", ".part")]
 
 
@@ -289,8 +300,8 @@ def test_ctrl_c_stops_cleanly(studio, tmp_path):
 
 def test_output_tags_the_colour_matrix(studio, tiny_models, tmp_path):
     out = tmp_path / "tag.mp4"
-    render_program(single_scene("cleo", studio / "c.wav"), out, tiny_models, avatars_dir=studio / "avatars",
-                   progress=False)
+    render_program(single_scene("cleo", studio / "c.wav"), out, tiny_models,
+                   RenderOptions(avatars_dir=studio / "avatars", progress=False))
     _, info = decode(out)
     assert info["colorspace"] == 6  # bt601 (smpte170m), what the loop's YUV means
 
@@ -299,7 +310,7 @@ def test_models_must_match_the_avatar_vae(studio, tmp_path):
     other = load_musetalk(random_weights=True, size="tiny", seed=7, warn=False)
     with pytest.raises(InputError, match="another VAE"):
         render_program(single_scene("anna", studio / "a.wav"), tmp_path / "x.mp4", other,
-                       avatars_dir=studio / "avatars", progress=False)
+                       RenderOptions(avatars_dir=studio / "avatars", progress=False))
     assert not list(tmp_path.iterdir())
     torch.manual_seed(0)
 
@@ -314,7 +325,7 @@ def test_a_second_render_reuses_the_resident_avatar(studio, tiny_models, tmp_pat
     outputs = []
     for name in ("one.mp4", "two.mp4"):
         outputs.append(tmp_path / name)
-        render_program(program, outputs[-1], tiny_models, avatars_dir=studio / "avatars", progress=False)
+        render_program(program, outputs[-1], tiny_models, RenderOptions(avatars_dir=studio / "avatars", progress=False))
     assert len(resident._RESIDENT) == 1
     kept = next(iter(resident._RESIDENT.values()))
     first, _ = decode(outputs[0])

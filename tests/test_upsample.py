@@ -9,9 +9,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
-from lipstream.engine.upsample import UPSAMPLE_MODES, FusedUpsample, fuse_upsamplers
+from lipstream.engine.upsample import FUSED_MODES, FusedUpsample, fuse_upsamplers
+from lipstream.options import UPSAMPLE_MODES, EngineOptions
 
-FUSED = UPSAMPLE_MODES[1:]
+FUSED = FUSED_MODES
 
 
 @pytest.mark.parametrize("mode", FUSED)
@@ -60,20 +61,20 @@ def test_engine_with_fused_upsamplers_renders_the_same_frames(tiny_models, prese
     windows = torch.randn(6, 50, 384, generator=torch.Generator().manual_seed(3))
     out = {}
     for mode in UPSAMPLE_MODES:
-        engine = Engine(tiny_models, 4, upsample=mode)
+        engine = Engine(tiny_models, EngineOptions(batch=4, upsample=mode))
         slot = engine.add_avatar(load_avatar(presenter))
         out[mode] = engine.render([FrameRequest(slot, i % avatar.num_frames, windows[i]) for i in range(6)]).int()
     for mode in FUSED:
         assert (out[mode] - out["plain"]).abs().max() <= 1  # uint8 rounding of the same numbers
     assert all(type(m).__name__ != "FusedUpsample" for m in tiny_models.unet.modules())
     with pytest.raises(ValueError, match="upsample"):
-        Engine(tiny_models, 4, upsample="bilinear")
+        Engine(tiny_models, EngineOptions(batch=4, upsample="bilinear"))
 
 
 def test_engines_on_the_same_networks_share_one_fused_copy(tiny_models):
     """So torch.compile's per-module cache serves every engine (no second trace and compile)."""
-    a, b = (Engine(tiny_models, 4, upsample="phases", decode_rows="auto") for _ in range(2))
+    a, b = (Engine(tiny_models, EngineOptions(batch=4, upsample="phases", decode_rows="auto")) for _ in range(2))
     for cropped in (False, True):
         assert a._steps[cropped].unet is b._steps[cropped].unet
         assert a._steps[cropped].decoder is b._steps[cropped].decoder
-    assert Engine(tiny_models, 4, upsample="transpose")._steps[False].unet is not a._steps[False].unet
+    assert Engine(tiny_models, EngineOptions(batch=4, upsample="transpose"))._steps[False].unet is not a._steps[False].unet

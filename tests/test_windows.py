@@ -210,7 +210,7 @@ def speech(request, tiny_models):
     seconds = request.param
     n = int(round(seconds * 16000))
     audio = np.random.default_rng(int(seconds * 10)).standard_normal(n).astype(np.float32) * 0.1
-    return n, whisper_features(audio, tiny_models.whisper, tiny_models.feature_extractor)
+    return n, whisper_features(audio, tiny_models)
 
 
 @pytest.mark.parametrize("fps", [25, 30, 29.97])

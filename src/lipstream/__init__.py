@@ -1,4 +1,4 @@
-"""LipStream: MuseTalk v1.5 lip-sync, end to end on the GPU, streaming."""
+"""LipStream: MuseTalk v1.5 lip-sync for AI presenters on the GPU; a package per stage (docs/ARCHITECTURE.md)."""
 
 from lipstream.errors import LipStreamError
 

@@ -8,19 +8,15 @@ every mistake below is reported in a fraction of a second, as one line.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
 from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.options import DECODE_ROWS, ENGINE_PRESETS, MAX_BATCH, X264_PRESETS, EngineOptions, RenderOptions
 from lipstream.rates import as_fps
 
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")
-DECODE_ROWS = ("auto", "full", "mask")  # engine/decode.py's choices, named here so the check imports no torch
 RANDOM_SIZES = ("auto", "full", "tiny")
 MAX_FPS = 240
-MAX_BATCH = 256
 MAX_ENCODERS = 64
 AVATAR_META = "avatar.json"
 
@@ -62,50 +58,28 @@ def device_option(value: str) -> None:
     raise UsageError(f"--device {value!r}: expected auto, cpu, cuda or cuda:N")
 
 
-@dataclass(frozen=True)
-class RenderOptions:
-    """The render and broadcast options a user types, checked."""
-
-    fps: Fraction | None = None
-    crf: int = 18
-    preset: str | None = None  # None: chosen for the machine (machine_defaults)
-    batch: int | None = None
-    encoders: int | None = None
-    decode_rows: str = "auto"
-    start_frame: int = 0
-    device: str = "auto"
-    random_size: str = "auto"
-
-    def check(self) -> None:
-        in_range("--crf", self.crf, 0, 51, "an x264 quality")
-        if self.preset is not None:
-            one_of("--preset", self.preset, X264_PRESETS)
-        if self.batch is not None:
-            in_range("--batch", self.batch, 1, MAX_BATCH, "frames per batch")
-        if self.encoders is not None:
-            in_range("--encoders", self.encoders, 1, MAX_ENCODERS, "a number of encoders")
-        one_of("--decode-rows", self.decode_rows, DECODE_ROWS)
-        in_range("--start-frame", self.start_frame, 0, 10**9, "a loop frame")
-        device_option(self.device)
-        one_of("--random-size", self.random_size, RANDOM_SIZES)
+def render_options(fps: str | None, crf: int, x264_preset: str | None, batch: int | None, encoders: int | None,
+                   decode_rows: str, reference: bool = False) -> RenderOptions:
+    """The render and broadcast flags a user typed, each checked (one line naming the flag), as the options
+    render_program takes; what is left open (None) is chosen for the machine when it renders."""
+    in_range("--crf", crf, 0, 51, "an x264 quality")
+    if x264_preset is not None:
+        one_of("--x264-preset", x264_preset, X264_PRESETS)
+    if batch is not None:
+        in_range("--batch", batch, 1, MAX_BATCH, "frames per batch")
+    if encoders is not None:
+        in_range("--encoders", encoders, 1, MAX_ENCODERS, "a number of encoders")
+    one_of("--decode-rows", decode_rows, DECODE_ROWS)
+    # the reference path: the plain eager fp32 maths, whatever the flags for the fast one say
+    engine = ENGINE_PRESETS["reference"].replace(batch=batch) if reference else \
+        EngineOptions(batch=batch, decode_rows=decode_rows)
+    return RenderOptions(engine, fps=fps_option(fps), crf=crf, x264_preset=x264_preset, encoders=encoders)
 
 
-def default_encoders(cores: int) -> int:
-    """Parallel x264 segment encoders: one per 2 cores, at most 8; one below 8 cores, where a single
-    encoder with every thread is best (docs/BENCHMARKS.md)."""
-    return min(8, cores // 2) if cores >= 8 else 1
-
-
-def machine_defaults(device_type: str, cores: int) -> dict[str, object]:
-    """The batch, x264 preset and encoder count a render uses where the user set none.
-
-    On a GPU the engine outruns x264 (625 fps core on the H200 against about 300 fps of 1080p
-    veryfast on 16 cores), so the encoder gets the fastest preset and the engine large batches;
-    on a CPU the networks are the bottleneck and veryfast (smaller files) costs nothing that shows.
-    """
-    gpu = device_type == "cuda"
-    return {"batch": 32 if gpu else 16, "preset": "ultrafast" if gpu else "veryfast",
-            "encoders": default_encoders(cores)}
+def machine_options(device: str, random_size: str) -> None:
+    """--device and --random-size, checked."""
+    device_option(device)
+    one_of("--random-size", random_size, RANDOM_SIZES)
 
 
 def random_size_for(choice: str, device: str, avatar_meta: dict | None = None) -> str:

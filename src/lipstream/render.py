@@ -1,12 +1,14 @@
 """Offline rendering: a program of scenes -> one H.264/AAC MP4, with nothing written in between.
 
-A producer thread schedules frames and runs the engine (GPU work); the main thread encodes and
-muxes. They meet in a bounded queue, so memory stays flat and both sides stay busy.
+`render_program` is two steps. `prepare` decodes the speech, computes its features and windows,
+makes the avatars resident on the engine and plans every output frame (which avatar frame, which
+audio window, which crossfade). `write` runs the plan: a producer thread runs the engine (GPU
+work) and the main thread encodes and muxes; they meet in a bounded queue, so memory stays flat
+and both sides stay busy. The benchmark's ablations call the two steps with their own pieces
+(another window builder, another writer); nothing else does.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import functools
 import math
@@ -18,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-import cv2
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -27,26 +29,48 @@ from tqdm import tqdm
 from lipstream.audio.decode import load_mono
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import resample
-from lipstream.audio.windows import audio_windows, audio_windows_loop
+from lipstream.audio.windows import audio_windows
 from lipstream.avatar import Avatar, load_avatar, ping_pong
 from lipstream.avatar.cache import read_meta
 from lipstream.avatar.resident import resident_avatar
-from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.engine.blend import crossfade
+from lipstream.engine.build import make_engine
+from lipstream.engine.interface import FrameEngine, FrameRequest
 from lipstream.errors import InputError, LipStreamError
 from lipstream.interrupts import DeferredInterrupt
-from lipstream.preflight import check_output_path, default_encoders, resolve_avatar
-from lipstream.media import mp4 as media_mp4
 from lipstream.media.mp4 import MP4Writer
-from lipstream.rates import AUDIO_RATE
 from lipstream.models.config import SAMPLE_RATE
+from lipstream.options import RenderOptions
+from lipstream.preflight import check_output_path, resolve_avatar
+from lipstream.rates import AUDIO_RATE
 from lipstream.script import Program
 
 if TYPE_CHECKING:
+    from lipstream.engine.aot import CompiledNetworks
     from lipstream.models import MuseTalk
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
-FIRST_BATCH = 8  # the first batch is small: the first encoded frame comes out sooner
+
+Windows = Callable[[torch.Tensor, Fraction, int], torch.Tensor]  # features, fps, frames -> [frames, 50, 384]
+
+
+class VideoWriter(Protocol):
+    """What `write` hands frames to (MP4Writer; the benchmark's ablations bring others)."""
+
+    frames: int  # written so far
+    first_packet_at: float | None  # perf_counter() when the first video packet was muxed
+    first_submit_at: float | None  # perf_counter() when the first frames went to an encoder
+    disk_bytes_written: int  # temporary files on the way (MP4Writer: none)
+
+    def __enter__(self) -> VideoWriter: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+    def write(self, planes: np.ndarray) -> None:
+        """One [H*3/2, W] uint8 I420 frame, copied (or encoded) before it returns."""
+
+    def poll(self) -> None:
+        """Mux whatever is ready (called while waiting for frames)."""
 
 
 @dataclass
@@ -74,13 +98,27 @@ class RenderReport:
         return self.frames / self.wall_s if self.wall_s else 0.0
 
 
+@dataclass
+class RenderPlan:
+    """Everything a render needs besides the frames themselves (`prepare` makes it)."""
+
+    engine: FrameEngine
+    items: list[Item]
+    audio48: np.ndarray  # the output's track, 48 kHz mono
+    fps: Fraction
+    size: tuple[int, int]  # width, height
+    matrix: str  # the colour matrix the frames were blended in
+    t0: float  # perf_counter() at the start
+    timings: dict[str, float] = field(default_factory=dict)
+
+
 def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
     """16 kHz samples on the device (for features) and 48 kHz samples on the CPU (for the output)."""
     mono, rate = load_mono(path)
     return resample(mono.to(device), rate, SAMPLE_RATE), resample(mono, rate, AUDIO_RATE).numpy()
 
 
-def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fraction,
+def plan(program: Program, avatars: dict[str, int], engine: FrameEngine, fps: Fraction,
          scene_windows: list[torch.Tensor], bounds: list[int], silence: torch.Tensor | None) -> list[Item]:
     """The frame schedule: which avatar frame and audio window every output frame shows."""
     items: list[Item] = []
@@ -89,10 +127,10 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
         scene = program.scenes[scene_index]
         t = Fraction(local) / fps
         shot = [s for s in scene.shots if s.at <= t][-1]
-        slot = avatars[shot.avatar]
-        avatar = engine.avatars[slot]
+        index = avatars[shot.avatar]
+        avatar = engine.avatars[index]
         step = scene.start_frame + math.floor(t * avatar.fps)  # loops step by time, not by frame count
-        return FrameRequest(slot, ping_pong(step, avatar.num_frames), window)
+        return FrameRequest(index, ping_pong(step, avatar.num_frames), window)
 
     for k, scene in enumerate(program.scenes):
         for local in range(bounds[k + 1] - bounds[k]):
@@ -105,42 +143,35 @@ def plan(program: Program, avatars: dict[str, int], engine: Engine, fps: Fractio
     return items
 
 
-def render_program(program: Program, output: str | Path, models: MuseTalk, *, avatars_dir: Path | None = None,
-                   fps: Fraction | None = None, reference: bool = False, batch_size: int = 16, crf: int = 18,
-                   preset: str = "veryfast", encoders: int | None = None, encoder_processes: bool | None = None,
-                   compile: str | bool = "off", segment_frames: int = 32, progress: bool = True,
-                   engine: Engine | None = None, gather_windows: bool = True, first_batch: int = FIRST_BATCH,
-                   compile_vae: bool = False, writer: Callable[..., MP4Writer] = MP4Writer,
-                   decode_rows: str = "auto", resident: bool = True,
+def render_program(program: Program, output: str | Path, networks: MuseTalk | CompiledNetworks,
+                   options: RenderOptions | None = None, *, engine: FrameEngine | None = None,
                    on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
     """Render every scene of `program` into `output` (MP4). Nothing else is written.
 
-    `encoders`: parallel x264 segment encoders (default: one per 2 CPU cores, at most 8; 1 on
-    small machines, where one encoder with all threads is best); `encoder_processes` runs them as
-    a persistent pool of processes instead of threads (slower on the H200: frames are pickled).
-    `compile`: "vae" or "all" to Inductor-compile the VAE decoder or the whole network step (slow
-    first start, cached on disk; `compile_vae=True` is "vae"). Pass an `engine` to reuse a warm
-    one (its graphs stay; its avatars are replaced). `gather_windows=False` builds the audio
-    windows with upstream's per-frame loop (for the benchmark's ablation); `writer` replaces the
-    MP4 writer (the benchmark's disk-based ablation); `decode_rows` "auto" (the default) decodes
-    only the face rows the blend uses where the avatar's mask allows it, "full" the whole face
-    (exact), "mask" refuses avatars it cannot crop (engine/decode.py). The avatars' frames decode
-    in the background while the render starts; with `resident` they stay loaded for the
-    process's next renders (avatar/resident.py). `on_progress(frames written, total)` is called
-    after each batch (a service's job progress); whatever it raises stops the render, nothing written.
+    `options` left open (None fields) are chosen for the machine (RenderOptions.for_machine). Pass a
+    warm `engine` (any FrameEngine) to reuse it: its graphs stay, its avatars are replaced.
+    `on_progress(frames written, total)` is called after each batch (a service's job progress);
+    whatever it raises stops the render, and nothing is written.
     """
     t0 = time.perf_counter()
     output = check_output_path(output)
-    device = models.device
-    if engine is None:
-        buckets = (min(first_batch, batch_size), batch_size)
-        engine = ReferenceEngine(models) if reference else Engine(models, batch_size, buckets=buckets,
-                                                                  compile="vae" if compile_vae else compile,
-                                                                  decode_rows=decode_rows)
+    options = (options or RenderOptions()).for_machine(networks.device.type, os.cpu_count() or 1)
+    options.check()
+    engine = engine or make_engine(networks, options.engine)
+    render = prepare(program, networks, engine, options, t0=t0)
+    return write(render, output, options, on_progress=on_progress)
+
+
+def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: FrameEngine, options: RenderOptions, *,
+            windows: Windows = audio_windows, t0: float | None = None) -> RenderPlan:
+    """The speech decoded, its features and per-frame windows (`windows` builds them), the avatars
+    resident on `engine` (their frames decoding in the background), every frame planned."""
+    t0 = time.perf_counter() if t0 is None else t0
+    device = networks.device
     engine.clear_avatars()
-    avatars_dir = program.avatars_dir or avatars_dir
+    avatars_dir = program.avatars_dir or options.avatars_dir
     folders = {shot.avatar: resolve_avatar(shot.avatar, avatars_dir) for scene in program.scenes for shot in scene.shots}
-    fps = Fraction(fps or program.fps or read_meta(folders[program.scenes[0].shots[0].avatar])["fps"])
+    fps = Fraction(options.fps or program.fps or read_meta(folders[program.scenes[0].shots[0].avatar])["fps"])
 
     # The audio first: it is short GPU work that the frame decoding below would slow down.
     speech = [load_speech(scene.audio, device) for scene in program.scenes]
@@ -148,68 +179,57 @@ def render_program(program: Program, output: str | Path, models: MuseTalk, *, av
     starts = np.cumsum([0] + [s[1].size for s in speech])
     bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
     bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
-    windows = []
-    for k, (s16, _) in enumerate(speech):
-        features = whisper_features(s16, models.whisper, models.feature_extractor)
-        make_windows = audio_windows if gather_windows else audio_windows_loop
-        windows.append(make_windows(features, fps, max(1, bounds[k + 1] - bounds[k])))
+    scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
+                     for k, (s16, _) in enumerate(speech)]
     silence = None  # the mouth at rest, for the outgoing scene of a crossfade
     if any(scene.crossfade for scene in program.scenes):
-        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), models.whisper, models.feature_extractor)
+        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
         silence = audio_windows(quiet, fps)[int(fps) // 2]
     t_audio = time.perf_counter()
 
-    slots: dict[str, int] = {}
-    load = resident_avatar if resident else functools.partial(load_avatar, background=True)
+    indices: dict[str, int] = {}
+    load = resident_avatar if options.resident else functools.partial(load_avatar, background=True)
     for name, folder in folders.items():  # frames keep decoding in the background while the render starts
-        slots[name] = engine.add_avatar(load(folder, device, vae_fingerprint=models.fingerprints.get("vae")))
-    first: Avatar = engine.avatars[slots[program.scenes[0].shots[0].avatar]]
+        indices[name] = engine.add_avatar(load(folder, device, vae_fingerprint=networks.fingerprints.get("vae")))
+    first: Avatar = engine.avatars[indices[program.scenes[0].shots[0].avatar]]
     width, height = first.size
     for a in engine.avatars:
         if a.size != (width, height):
             raise InputError(a.path, f"is {a.size[0]}x{a.size[1]}, the broadcast is {width}x{height}: "
                                      "all avatars of one video must have the same frame size")
     t_load = time.perf_counter()
-    if encoders is None:
-        encoders = default_encoders(os.cpu_count() or 1)
-    processes = bool(encoder_processes)  # threads measured faster: frames cross no process boundary
-    if processes and encoders > 1:
-        media_mp4.encoder_processes(encoders)  # start the encoder processes during warm-up (once per process)
     engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
     t_warm = time.perf_counter()
-    items = plan(program, slots, engine, fps, windows, bounds, silence)
-
-    report = RenderReport(output, len(items), fps, float(Fraction(samples48.size, AUDIO_RATE)), 0.0, 0.0,
-                          {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load,
-                           "plan_s": time.perf_counter() - t_warm})
-    report.timings["encoders"] = encoders
-    report.timings["encoder_processes"] = processes
-    _run(engine, items, batch_size, output, width, height, fps, samples48, first.meta["colour_matrix"],
-         crf, preset, encoders, processes, segment_frames, progress, report, t0, writer, on_progress)
-    report.wall_s = time.perf_counter() - t0
-    return report
+    items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
+    timings = {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load,
+               "plan_s": time.perf_counter() - t_warm}
+    return RenderPlan(engine, items, samples48, fps, (width, height), first.meta["colour_matrix"], t0, timings)
 
 
-def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width: int, height: int, fps: Fraction,
-         audio: np.ndarray, matrix: str, crf: int, preset: str, encoders: int, processes: bool, segment: int,
-         progress: bool, report: RenderReport, t0: float, make_writer: Callable[..., MP4Writer] = MP4Writer,
-         on_progress: Callable[[int, int], None] | None = None) -> None:
+def write(render: RenderPlan, output: Path, options: RenderOptions, *,
+          writer: Callable[..., VideoWriter] = MP4Writer,
+          on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
+    """Run the plan into `output` through `writer` (an MP4Writer with the options' x264 settings)."""
+    engine, items, t0 = render.engine, render.items, render.t0
+    width, height = render.size
+    report = RenderReport(output, len(items), render.fps, float(Fraction(render.audio48.size, AUDIO_RATE)), 0.0,
+                          0.0, dict(render.timings))
+    report.timings["encoders"] = options.encoders
+    batch_size = engine.buckets[-1]
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
-    # Host frames land in a ring of batch buffers allocated once (pinned on CUDA, so the copy is an
-    # async DMA, and no fresh 100 MB allocation page-faults in every batch). A slot goes back to
-    # the producer as soon as the writer has taken (copied or encoded) its frames.
+    # Host frames land in a ring of batch buffers allocated at the first batch (pinned on CUDA, so
+    # the copy is an async DMA, and no fresh 100 MB allocation page-faults in every batch). A buffer
+    # goes back to the producer as soon as the writer has taken (copied or encoded) its frames.
     cuda = engine.device.type == "cuda"
-    rgb = getattr(engine, "rgb_output", False)  # an RGB engine (the benchmark's ablation): convert on the CPU
-    shape = (height, width, 3) if rgb else (height * 3 // 2, width)
-    ring = [torch.empty((batch_size, *shape), dtype=torch.uint8, pin_memory=cuda) for _ in range(QUEUE_BATCHES + 2)]
+    ring: list[torch.Tensor] = []
     free: queue.Queue = queue.Queue()
-    for slot in range(len(ring)):
-        free.put(slot)
+    for k in range(QUEUE_BATCHES + 2):
+        free.put(k)
     # Where each side spends its time (seconds): tells which stage limits a run.
     stages = {"produce_launch_s": 0.0,  # CPU time to schedule a batch and queue its GPU work
-              "produce_slot_wait_s": 0.0,  # waiting for a free host slot: the writer is behind
+              "produce_slot_wait_s": 0.0,  # waiting for a free host buffer: the writer is behind
               "produce_queue_wait_s": 0.0,  # waiting for room in the queue: the writer is behind
               "consume_wait_s": 0.0,  # waiting for the next batch to be queued: the producer is behind
               "consume_gpu_wait_s": 0.0,  # waiting for that batch's GPU work and copy to finish
@@ -240,14 +260,17 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                         out.append(frame)
                     batch = torch.stack(out)
                 t1 = time.perf_counter()
-                slot = free.get()
+                k = free.get()
                 t2 = time.perf_counter()
-                ring[slot][:len(chunk)].copy_(batch, non_blocking=cuda)
+                if not ring:
+                    ring.extend(torch.empty((batch_size, *batch.shape[1:]), dtype=batch.dtype, pin_memory=cuda)
+                                for _ in range(QUEUE_BATCHES + 2))
+                ring[k][:len(chunk)].copy_(batch, non_blocking=cuda)
                 ready = None
                 if cuda:
                     ready = torch.cuda.Event()
                     ready.record()
-                frames.put((slot, len(chunk), ready))
+                frames.put((k, len(chunk), ready))
                 marks.setdefault("first_batch_queued_s", time.perf_counter() - t0)
                 stages["produce_launch_s"] += t1 - t
                 stages["produce_slot_wait_s"] += t2 - t1
@@ -257,12 +280,11 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
             frames.put(e)
 
     producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
-    bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not progress, smoothing=0.1)
+    bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not options.progress, smoothing=0.1)
     try:
         with DeferredInterrupt() as interrupt, \
-                make_writer(output, width, height, fps, audio, crf=crf, preset=preset, matrix=matrix,
-                            encoders=encoders, processes=processes, segment=segment,
-                            total_frames=len(items)) as writer:
+                writer(output, width, height, render.fps, render.audio48, crf=options.crf, x264_preset=options.x264_preset,
+                       matrix=render.matrix, encoders=options.encoders, total_frames=len(items)) as out:
             marks["writer_open_s"] = time.perf_counter() - t0
             producer.start()
             while True:
@@ -273,46 +295,48 @@ def _run(engine: Engine, items: list[Item], batch_size: int, output: Path, width
                         batch = frames.get(timeout=0.002)
                         break
                     except queue.Empty:
-                        writer.poll()  # mux finished segments while waiting: the first packet goes out sooner
+                        out.poll()  # mux finished segments while waiting: the first packet goes out sooner
                 t1 = time.perf_counter()
                 stages["consume_wait_s"] += t1 - t
                 if batch is done:
                     break
                 if isinstance(batch, BaseException):
                     raise batch
-                slot, count, ready = batch
+                k, count, ready = batch
                 if ready is not None:
                     ready.synchronize()
                 t2 = time.perf_counter()
                 stages["consume_gpu_wait_s"] += t2 - t1
                 t1 = t2
-                host = ring[slot].numpy()
+                host = ring[k].numpy()
                 for i in range(count):
-                    writer.write(cv2.cvtColor(host[i], cv2.COLOR_RGB2YUV_I420) if rgb else host[i])
-                free.put(slot)
+                    out.write(host[i])
+                free.put(k)
                 marks.setdefault("first_batch_written_s", time.perf_counter() - t0)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
                 if on_progress is not None:
-                    on_progress(writer.frames, len(items))
+                    on_progress(out.frames, len(items))
             interrupt.check()
-            if writer.frames != len(items):
-                raise LipStreamError(f"rendered {writer.frames} of {len(items)} frames")
+            if out.frames != len(items):
+                raise LipStreamError(f"rendered {out.frames} of {len(items)} frames")
             loop_end = time.perf_counter()
-        report.first_frame_s = (writer.first_packet_at or time.perf_counter()) - t0
-        report.disk_bytes_written = getattr(writer, "disk_bytes_written", 0)
+        report.first_frame_s = (out.first_packet_at or time.perf_counter()) - t0
+        report.disk_bytes_written = out.disk_bytes_written
         report.timings.update({k: round(v, 4) for k, v in stages.items()})
-        if getattr(writer, "first_submit_at", None):
-            marks["first_segment_submitted_s"] = writer.first_submit_at - t0
+        if out.first_submit_at is not None:
+            marks["first_segment_submitted_s"] = out.first_submit_at - t0
         report.timings.update({k: round(v, 4) for k, v in marks.items()})
         report.timings["finish_s"] = time.perf_counter() - loop_end  # flush: last segments, audio, faststart
     finally:
         stop.set()
-        for slot in range(len(ring)):  # unblock a producer waiting for a host slot...
-            free.put(slot)
+        for k in range(QUEUE_BATCHES + 2):  # unblock a producer waiting for a host buffer...
+            free.put(k)
         while producer.is_alive():  # ...or for room in the queue
             try:
                 frames.get_nowait()
             except queue.Empty:
                 producer.join(timeout=0.05)
         bar.close()
+    report.wall_s = time.perf_counter() - t0
+    return report

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from lipstream.errors import LipStreamError
-from lipstream.models.config import ModelConfig, preset
+from lipstream.models.config import ModelConfig, model_config
 
 COMPILE_CHOICES = ("auto", "on", "off")
 RANDOM_SEED = 0
@@ -47,7 +47,7 @@ def weights_source(models: str | Path | None, random_weights: bool, size: str, d
     from lipstream.engine.aot import folder_source, random_source
 
     if random_weights:
-        return WeightsSource(preset(size), random_source(size, RANDOM_SEED, device), None, size)
+        return WeightsSource(model_config(size), random_source(size, RANDOM_SEED, device), None, size)
     from lipstream.models.checkpoint import read_json
     from lipstream.models.layout import UNET_DIR, UPSTREAM_FILES, VAE_DIR, WHISPER_DIR, find, models_dir
 

@@ -7,19 +7,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from lipstream.audio.decode import load_audio_tensor
-from lipstream.audio.features import whisper_features
+from lipstream.audio.features import AudioNetworks, whisper_features
 from lipstream.audio.windows import as_fps, audio_windows, num_frames
 from lipstream.models.config import SAMPLE_RATE
-
-if TYPE_CHECKING:
-    from transformers import WhisperFeatureExtractor
-    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 
 @dataclass
@@ -41,14 +35,14 @@ class Speech:
         return self.windows.shape[0]
 
 
-def prepare_speech(audio: str | Path | np.ndarray | torch.Tensor, fps: float | Fraction, encoder: WhisperEncoder,
-                   feature_extractor: WhisperFeatureExtractor) -> Speech:
-    """Decode (if given a path), extract Whisper features and gather per-frame windows, on the encoder's device.
+def prepare_speech(audio: str | Path | np.ndarray | torch.Tensor, fps: float | Fraction,
+                   networks: AudioNetworks) -> Speech:
+    """Decode (if given a path), extract Whisper features and gather per-frame windows, on the networks' device.
 
     Arrays and tensors are taken as 16 kHz mono samples.
     """
     fps = as_fps(fps)
-    device = next(encoder.parameters()).device
+    device = networks.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if isinstance(audio, (str, Path)):
@@ -57,7 +51,7 @@ def prepare_speech(audio: str | Path | np.ndarray | torch.Tensor, fps: float | F
         samples = torch.as_tensor(audio, dtype=torch.float32).to(device)
     sync()
     t1 = time.perf_counter()
-    features = whisper_features(samples, encoder, feature_extractor)
+    features = whisper_features(samples, networks)
     sync()
     t2 = time.perf_counter()
     windows = audio_windows(features, fps, num_frames(samples.numel(), fps))

@@ -1,1 +1,1 @@
-"""`lipstream bench`: reproducible scenarios, the legacy baseline and the fast path, one report."""
+"""The benchmarks a user reruns (bench, live-bench, serve-bench) and their ablations' engines: only cli/ imports it."""

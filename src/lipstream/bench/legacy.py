@@ -30,7 +30,8 @@ from lipstream.io import atomic_path
 from lipstream.rates import AUDIO_RATE
 from lipstream.models import MuseTalk
 from lipstream.models.config import VAE_SCALING_FACTOR
-from lipstream.render import load_speech, resolve_avatar
+from lipstream.preflight import resolve_avatar
+from lipstream.render import load_speech
 from lipstream.script import Program
 
 BATCH = 20  # upstream's default batch size
@@ -54,13 +55,14 @@ class PNGSequenceWriter:
     """
 
     def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray, *, crf: int = 18,
-                 preset: str = "veryfast", matrix: str = "bt601", **_ignored):
+                 x264_preset: str = "veryfast", matrix: str = "bt601", **_ignored):
         self.dest, self.width, self.height, self.fps = Path(dest), width, height, Fraction(fps)
         self.audio, self.matrix = audio, matrix
-        self.options = {"crf": str(crf), "preset": preset}
+        self.options = {"crf": str(crf), "preset": x264_preset}
         self.frames = 0
         self.disk_bytes_written = 0
         self.first_packet_at: float | None = None
+        self.first_submit_at: float | None = None  # no encoder runs until every PNG is written
         self.work = Path(tempfile.mkdtemp(prefix="lipstream-png-"))
 
     def __enter__(self) -> "PNGSequenceWriter":
@@ -135,7 +137,7 @@ def render_legacy(program: Program, output: Path, models: MuseTalk, *, fps: Frac
     with writer:
         for scene, (s16, s48) in zip(program.scenes, speech):
             frames = math.ceil(Fraction(s48.size, AUDIO_RATE) * fps)
-            windows = audio_windows_loop(whisper_features(s16, models.whisper, models.feature_extractor), fps, frames)
+            windows = audio_windows_loop(whisper_features(s16, models), fps, frames)
             avatar = avatars[scene.shots[0].avatar]
             for start in range(0, frames, BATCH):
                 idx = [ping_pong(scene.start_frame + math.floor(Fraction(j) / fps * avatar.fps), avatar.num_frames)

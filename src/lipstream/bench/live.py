@@ -161,7 +161,7 @@ def run(models: MuseTalk, out: Path, *, sizes: list[tuple[int, int]], counts: li
     work.mkdir(exist_ok=True)
     opts = preset(options) if isinstance(options, str) else options
     opts = opts.replace(capacity_fps=math.inf, max_sessions=max(max(counts), 1))  # the bench goes past admission
-    live = LiveEngine(models, opts, compile=compile)
+    live = LiveEngine(models, opts, inductor=compile)
     slots: dict[tuple[int, int], list[int]] = {}
     t = time.perf_counter()
     for w, h in sizes:

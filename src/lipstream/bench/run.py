@@ -11,17 +11,25 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import av
 import numpy as np
 import torch
 
+from lipstream.audio.windows import audio_windows, audio_windows_loop
 from lipstream.avatar import load_avatar, ping_pong
 from lipstream.bench import figures, legacy, scenarios
-from lipstream.engine import CPUBlendEngine, Engine, RGBEngine
-from lipstream.engine.runner import FAST_COMPILE
+from lipstream.bench.engines import CPUBlendEngine, RGBEngine, RGBToI420Writer
+from lipstream.engine.interface import FrameEngine
+from lipstream.engine.runner import FAST_INDUCTOR, Engine
+from lipstream.media.mp4 import MP4Writer
 from lipstream.models import MuseTalk
+from lipstream.options import ENGINE_PRESETS, EngineOptions, RenderOptions
+from lipstream.preflight import resolve_avatar
 from lipstream.rates import AUDIO_RATE
-from lipstream.render import load_speech, render_program, resolve_avatar
+from lipstream.render import load_speech, prepare, render_program, write
 
 PRESET = "ultrafast"  # x264 preset of the fast rows (the legacy rows keep upstream's veryfast-like settings)
 
@@ -39,8 +47,20 @@ def _peak_gib(device: torch.device) -> float:
 FAST_BATCH = 32
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How one row renders: its engine (built and warmed once per key), the options it changes and the
+    pieces of the render it swaps in (render.prepare's window builder, render.write's writer)."""
+
+    engine_key: str = "fast"
+    make_engine: Callable[[MuseTalk], FrameEngine] | None = None
+    options: dict = field(default_factory=dict)
+    windows: Callable = audio_windows
+    writer: Callable = MP4Writer
+
+
 def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 1.0,
-        modes: tuple[str, ...] = ("legacy", "fast"), compile_vae: bool = False, compile: str | None = None,
+        modes: tuple[str, ...] = ("legacy", "fast"), compile: bool = False,
         only: tuple[str, ...] | None = None, command: str | None = None) -> dict:
     """Every scenario in every mode; returns (and writes) the report.
 
@@ -50,7 +70,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
     `only`: run just these scenarios ("A", "B") and keep the other scenarios' rows of a report
     already in `out` (so a long bench can be split across calls, e.g. on a time-limited GPU).
     """
-    compile = compile or (FAST_COMPILE if compile_vae else "off")
+    inductor = FAST_INDUCTOR if compile else "off"
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     t = time.perf_counter()
@@ -68,36 +88,35 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
     startup[call] = {}
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(models.device),
               "commit": _commit(), "command": command, "size": f"{width}x{height}", "scale": scale, "weights": models.source,
-              "compile": compile, "batch": FAST_BATCH, "preset": PRESET, "cpus": os.cpu_count(),
+              "compile": inductor, "batch": FAST_BATCH, "preset": PRESET, "cpus": os.cpu_count(),
               "setup_s": time.perf_counter() - t, "startup": startup, "rows": list(kept)}
     references = {}
     for scenario in built:  # the eager fp32 reference, lossless: the PSNR column compares against it
         ref_models = models if models.dtype == torch.float32 else None
         references[scenario.name] = out / "work" / f"{scenario.name}-reference.mp4"
-        render_program(scenario.program, references[scenario.name], ref_models or _fp32(models), reference=True,
-                       crf=0, progress=False)
+        render_program(scenario.program, references[scenario.name], ref_models or _fp32(models),
+                       RenderOptions(ENGINE_PRESETS["reference"], crf=0, progress=False))
     warm_program = scenarios.warm_up_program(work, built)
     runs = [m for m in modes if m not in ("ablation", "oneshot")]
+    variants = {"fast": Variant(), **{f"fast -{name}": v for name, v in ablations(inductor).items()}}
     if "ablation" in modes:
-        runs += [f"fast -{name}" for name in ablations(compile)]
-    engines: dict[str, object] = {}
+        runs += [f"fast -{name}" for name in ablations(inductor)]
+    engines: dict[str, FrameEngine] = {}
+    fast = RenderOptions(EngineOptions(batch=FAST_BATCH, inductor=inductor), x264_preset=PRESET, progress=False)
 
-    def configure(mode: str) -> dict:
-        """render_program arguments for a mode, with its engine built and warm."""
-        kwargs = {"batch_size": FAST_BATCH, "preset": PRESET}
-        if mode != "fast":
-            kwargs.update(ablations(compile)[mode.removeprefix("fast -")](models))
-        key = kwargs.get("engine_key", "fast")
-        if key not in engines:
+    def render(program, output: Path, variant: Variant):
+        """The render with this row's engine and pieces."""
+        options = fast.replace(**variant.options).for_machine(models.device.type, os.cpu_count() or 1)
+        plan = prepare(program, models, engines[variant.engine_key], options, windows=variant.windows)
+        return write(plan, output, options, writer=variant.writer)
+
+    def build(variant: Variant) -> None:
+        """The row's engine, built, compiled, captured and warmed on a short program (once per engine)."""
+        if variant.engine_key not in engines:
             t = time.perf_counter()
-            make = kwargs.get("make_engine", lambda: Engine(models, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH)))
-            engines[key] = make()
-            render_program(warm_program, work / "warm.mp4", models, progress=False, batch_size=FAST_BATCH,
-                           engine=engines[key])
-            report["startup"][call][key] = time.perf_counter() - t
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("engine_key", "make_engine")}
-        kwargs["engine"] = engines[key]
-        return kwargs
+            engines[variant.engine_key] = (variant.make_engine or (lambda m: Engine(m, fast.engine)))(models)
+            render(warm_program, work / "warm.mp4", variant)
+            report["startup"][call][variant.engine_key] = time.perf_counter() - t
 
     for scenario in built:
         for mode in runs:
@@ -106,9 +125,10 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
                 _reset_peak(models.device)
                 row = legacy.render_legacy(scenario.program, output, models)
             else:
-                kwargs = configure(mode)
+                variant = variants[mode]
+                build(variant)
                 _reset_peak(models.device)
-                r = render_program(scenario.program, output, models, progress=False, **kwargs)
+                r = render(scenario.program, output, variant)
                 row = {"frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_frame_s": r.first_frame_s,
                        "disk_bytes_written": r.disk_bytes_written, "timings": r.timings}
             row.update(scenario=scenario.name, mode=mode, description=scenario.description,
@@ -249,30 +269,28 @@ def face_psnr(output: Path, reference: Path, scenario: scenarios.Scenario) -> fl
     return float(np.mean(values)) if values else float("nan")
 
 
-def ablations(compile: str) -> dict:
-    """Each optimisation of the fast path, and the render_program arguments that turn it off.
+def ablations(inductor: str) -> dict[str, Variant]:
+    """Each optimisation of the fast path, and the wiring that turns it off."""
 
-    `make_engine` / `engine_key`: the ablation needs its own engine (built and warmed once).
-    """
-    def engine(key: str, make) -> callable:
-        return lambda m: {"engine_key": key, "make_engine": lambda: make(m)}
-
-    def fast(m, **change) -> Engine:
+    def fast(m: MuseTalk, buckets: tuple[int, ...] | None = None, **change) -> Engine:
         """The fast engine with one option changed."""
-        return Engine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH), **change)
+        return Engine(m, EngineOptions(batch=FAST_BATCH, inductor=inductor, **change), buckets=buckets)
 
+    one_bucket = (FAST_BATCH,)
     rows = {
-        "cuda graphs": engine("no graphs", lambda m: Engine(m, FAST_BATCH, graphs=False, compile=compile)),
-        "gpu blending": engine("cpu blend", lambda m: CPUBlendEngine(m, FAST_BATCH, compile=compile)),
-        "gathered windows": lambda m: {"gather_windows": False},
-        "in-process encode": lambda m: {"writer": legacy.PNGSequenceWriter},
-        "yuv path": engine("rgb", lambda m: RGBEngine(m, FAST_BATCH, compile=compile, buckets=(8, FAST_BATCH))),
-        "parallel encode": lambda m: {"encoders": 1},
-        "upsample fusion": engine("plain upsample", lambda m: fast(m, upsample="plain")),
-        "mask-rows decode": engine("full decode", lambda m: fast(m, decode_rows="full")),
+        "cuda graphs": Variant("no graphs", lambda m: fast(m, one_bucket, graphs=False)),
+        "gpu blending": Variant("cpu blend", lambda m: CPUBlendEngine(
+            m, EngineOptions(batch=FAST_BATCH, inductor=inductor), buckets=one_bucket)),
+        "gathered windows": Variant(windows=audio_windows_loop),
+        "in-process encode": Variant(writer=legacy.PNGSequenceWriter),
+        "yuv path": Variant("rgb", lambda m: RGBEngine(m, EngineOptions(batch=FAST_BATCH, inductor=inductor)),
+                            writer=RGBToI420Writer),
+        "parallel encode": Variant(options={"encoders": 1}),
+        "upsample fusion": Variant("plain upsample", lambda m: fast(m, upsample="plain")),
+        "mask-rows decode": Variant("full decode", lambda m: fast(m, decode_rows="full")),
     }
-    if compile != "off":
-        rows["compile"] = engine("no compile", lambda m: Engine(m, FAST_BATCH, buckets=(8, FAST_BATCH)))
+    if inductor != "off":
+        rows["compile"] = Variant("no compile", lambda m: Engine(m, EngineOptions(batch=FAST_BATCH)))
     return rows
 
 

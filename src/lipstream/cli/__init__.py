@@ -1,4 +1,4 @@
-"""`lipstream` command line. Each flag maps onto a function argument; user errors are one line.
+"""The `lipstream` command line: one module per group of commands, a flag per function argument, errors in one line.
 
 One module per group of commands (common: what they share; weights; render: compile, render, broadcast,
 warmup, features; bench: bench, live-bench; serve: serve, serve-bench); importing this package
@@ -17,7 +17,7 @@ import typer
 from lipstream.cli import render  # isort: skip
 from lipstream.cli import serve  # isort: skip
 from lipstream.cli import bench, weights  # isort: skip
-from lipstream.cli.common import app, click, err, load_models, process_age, warn_random_weights
+from lipstream.cli.common import app, click, err, load_models, old_spellings, process_age, warn_random_weights
 from lipstream.errors import LipStreamError
 from lipstream.preflight import UsageError, random_size_for
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # standalone_mode=False: click's usage errors come here (one line) instead of a multi-line panel;
         # typer turns a KeyboardInterrupt into the return value 130.
+        argv = old_spellings(sys.argv[1:] if argv is None else list(argv))
         code = app(args=argv, prog_name="lipstream", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help(), err=True)

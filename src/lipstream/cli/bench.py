@@ -8,8 +8,10 @@ from typing import Annotated
 
 import typer
 
-from lipstream.cli.common import BenchCompileOpt, DeviceOpt, ModelsOpt, RandomOpt, RandomSizeOpt, app, load_models, out
-from lipstream.preflight import RenderOptions, UsageError, check_models, in_range
+from lipstream.cli.common import (
+    CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
+    load_models, out, renamed)
+from lipstream.preflight import UsageError, check_models, in_range, machine_options
 
 
 @app.command("bench")
@@ -23,7 +25,7 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
               weights: Annotated[str, typer.Option(help="'random' or a models folder.")] = "random",
               random_size: Annotated[str, typer.Option(
                   "--random-size", help="With --weights random: 'full' (default: the real cost) or 'tiny'.")]
-              = "full", compile_vae: BenchCompileOpt = False,
+              = "full", compile: CompileOpt = None,
               device: DeviceOpt = "auto",
               scenarios: Annotated[str, typer.Option(
                   help="Comma-separated subset (A, B); the other scenarios' rows already in the report folder "
@@ -41,7 +43,7 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
         raise UsageError(f"--modes {modes!r}: expected a comma-separated subset of legacy, fast, ablation, oneshot")
     if {x.strip().upper() for x in scenarios.split(",") if x.strip()} - {"A", "B"}:
         raise UsageError(f"--scenarios {scenarios!r}: expected A, B or A,B")
-    RenderOptions(device=device, random_size=random_size).check()
+    machine_options(device, random_size)
     random_weights = weights == "random"
     check_models(None if random_weights else Path(weights), random_weights)
 
@@ -51,7 +53,8 @@ def bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help="Repo
 
     m = load_models(None if random_weights else weights, device, random_weights, random_size)
     report = run(m, out_dir, width=width, height=height, scale=scale,
-                 modes=tuple(x.strip() for x in modes.split(",") if x.strip()), compile_vae=compile_vae,
+                 modes=tuple(x.strip() for x in modes.split(",") if x.strip()),
+                 compile={"on": True, "off": False, "auto": m.device.type == "cuda"}[compile_choice(compile)],
                  only=tuple(x.strip().upper() for x in scenarios.split(",") if x.strip()) or None,
                  command=" ".join(["lipstream", *sys.argv[1:]]))
     table = Table(title=f"LipStream bench: {report['device']}, {report['size']}")
@@ -69,10 +72,8 @@ def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help=
                    size: Annotated[str, typer.Option(help="Comma-separated frame sizes WxH.")] = "1280x720",
                    fps: Annotated[int, typer.Option(help="Frame rate of every session.")] = 25,
                    seconds: Annotated[float, typer.Option(help="Length of each run.")] = 20.0,
-                   live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: "
-                                                            "realtime, accurate, utterance, cpu.")] = "realtime",
-                   compile: Annotated[str, typer.Option(help="off, vae or all (Inductor; the largest bucket only).")]
-                   = "auto",
+                   live_preset: LivePresetOpt = "realtime", preset: OldPresetOpt = None,
+                   compile: CompileOpt = None,
                    models: ModelsOpt = None, random_weights: RandomOpt = False,
                    random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """N live sessions fed speech in real time, with encode: latency p50/p95/p99, frames late, GPU and CPU load."""
@@ -92,19 +93,21 @@ def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help=
         raise UsageError(f"--seconds {seconds}: expected 2 to 600")
     from lipstream.live.options import PRESETS
 
+    live_preset = renamed("--preset", "--live-preset", preset, live_preset, "realtime")
     if live_preset not in PRESETS:
-        raise UsageError(f"--preset {live_preset!r}: expected one of {', '.join(PRESETS)}")
-    if compile not in ("auto", "off", "vae", "all"):
-        raise UsageError(f"--compile {compile!r}: expected auto, off, vae or all")
-    RenderOptions(device=device, random_size=random_size).check()
+        raise UsageError(f"--live-preset {live_preset!r}: expected one of {', '.join(PRESETS)}")
+    machine_options(device, random_size)
     check_models(models, random_weights)
 
     from lipstream.bench.live import largest, run
 
+    from lipstream.engine.runner import FAST_INDUCTOR
+
     m = load_models(models, device, random_weights, random_size)
-    compile = ("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile
+    choice = compile_choice(compile)
+    inductor = FAST_INDUCTOR if choice == "on" or (choice == "auto" and m.device.type == "cuda") else "off"
     report = run(m, out_dir, sizes=sizes, counts=counts, fps=fps, seconds=seconds, options=live_preset,
-                 compile=compile, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+                 compile=inductor, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
     for w, h in sizes:
         out.print(f"{w}x{h}: largest N at p99 <= 250 ms with no frame late: {largest(report, f'{w}x{h}')}")
     out.print(f"report: {out_dir / 'live_bench.md'}")

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from lipstream.preflight import random_size_for
+from lipstream.preflight import UsageError, random_size_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="LipStream: fast MuseTalk v1.5 lip-sync for AI presenters.")
@@ -39,19 +39,23 @@ RandomSizeOpt = Annotated[str, typer.Option(
 AvatarsOpt = Annotated[Optional[Path], typer.Option(
     "--avatars", help="Folder of compiled avatars (default: $LIPSTREAM_AVATARS or ./avatars).")]
 CrfOpt = Annotated[int, typer.Option(help="x264 quality, 0-51 (0 = lossless, 18 = visually lossless, 23 = x264's default).")]
-PresetOpt = Annotated[Optional[str], typer.Option(
-    show_default=False, help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, slow, slower, "
-                             "veryslow. Default: ultrafast with a GPU (the engine outruns x264), veryfast on a CPU.")]
+X264PresetOpt = Annotated[Optional[str], typer.Option(
+    "--x264-preset", show_default=False,
+    help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, slow, slower, veryslow. Default: "
+         "ultrafast with a GPU (the engine outruns x264), veryfast on a CPU.")]
+LivePresetOpt = Annotated[str, typer.Option(
+    "--live-preset", help="Live options preset: realtime (plays 250 ms behind the speech), accurate (350 ms), "
+                          "utterance (1 s), cpu (1 s, Whisper every 200 ms: a machine without a GPU).")]
+OldPresetOpt = Annotated[Optional[str], typer.Option("--preset", hidden=True, help="Deprecated spelling.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
 BatchOpt = Annotated[Optional[int], typer.Option(
     show_default=False, help="Frames per engine batch, 1-256. Default: 32 with a GPU, 16 on a CPU.")]
 CompileOpt = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", show_default=False,
-    help="Default (neither): the compiled engine where `lipstream warmup` has built it on this CUDA machine, else "
-         "the uncompiled one. --compile: build it first if missing (minutes, once). --no-compile: never.")]
+    help="Compiled network code. Default (neither): where it is ready on a GPU (render, broadcast: the packages "
+         "`lipstream warmup` built; serve, live-bench, bench: Inductor, cached on disk), else none. --compile: "
+         "always (render builds missing packages first: minutes, once). --no-compile: never.")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Print where the time went: start-up steps and render.")]
-BenchCompileOpt = Annotated[bool, typer.Option(
-    "--compile", help="torch.compile the network step (CUDA; about a minute the first time, then cached on disk).")]
 DecodeRowsOpt = Annotated[str, typer.Option(
     help="'auto' (default): decode only the face rows the blend mask uses (+19% GPU core; approximate, 45.9 dB "
          "worst frame with random weights: check it with yours) for the avatars whose mask allows it, the whole "
@@ -64,8 +68,45 @@ FpsOpt = Annotated[Optional[str], typer.Option(
 
 
 def compile_choice(value: Optional[bool]) -> str:
-    """--compile/--no-compile/neither as the engine's choice."""
+    """--compile/--no-compile/neither as the commands' one choice: on, off or auto."""
     return {None: "auto", True: "on", False: "off"}[value]
+
+
+def renamed(old: str, new: str, old_value, new_value, default=None):
+    """The value of a renamed option: the new spelling's, or the old one's with a warning (kept one release)."""
+    if old_value is None:
+        return new_value
+    if new_value != default:
+        raise UsageError(f"{old} and {new}: give {new} only ({old} is its old name)")
+    err.print(f"[yellow]warning:[/] {old} is deprecated and goes in the next release: use {new}", highlight=False)
+    return old_value
+
+
+# Spellings of earlier releases, rewritten before parsing, with a warning: kept for one release.
+# serve and live-bench took `--compile off|vae|all|auto`; every command now has --compile/--no-compile.
+OLD_COMPILE_VALUES = {"off": ["--no-compile"], "all": ["--compile"], "vae": ["--compile"], "auto": []}
+
+
+def old_spellings(argv: list[str]) -> list[str]:
+    """argv with the old spellings of options replaced by the new ones (a warning for each)."""
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        value = token.split("=", 1)[1] if token.startswith("--compile=") else (
+            argv[i + 1] if token == "--compile" and i + 1 < len(argv) and argv[i + 1] in OLD_COMPILE_VALUES else None)
+        if value is None:
+            out.append(token)
+            i += 1
+            continue
+        new = OLD_COMPILE_VALUES.get(value)
+        if new is None:
+            raise UsageError(f"--compile {value!r}: --compile or --no-compile is allowed")
+        note = " (the VAE alone is no longer offered: --compile compiles the whole step)" if value == "vae" else ""
+        err.print(f"[yellow]warning:[/] --compile {value} is deprecated and goes in the next release: use "
+                  f"{' '.join(new) or 'neither --compile nor --no-compile'}{note}", highlight=False)
+        out += new
+        i += 1 if "=" in token else 2
+    return out
 
 
 def avatars_dir(value: Optional[Path]) -> Optional[Path]:

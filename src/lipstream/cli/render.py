@@ -10,13 +10,14 @@ from typing import Annotated, Optional
 import typer
 
 from lipstream.cli.common import (
-    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt, PresetOpt,
-    RandomOpt, RandomSizeOpt, ReferenceOpt, TimingsOpt, app, avatars_dir, compile_choice, err, load_models, out,
-    process_age, warn_random_weights)
+    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt,
+    OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, TimingsOpt, X264PresetOpt, app, avatars_dir,
+    compile_choice, err, load_models, out, process_age, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.options import RenderOptions
 from lipstream.preflight import (
-    RenderOptions, check_models, check_output_path, check_program, fps_option, in_range, machine_defaults,
-    random_size_for)
+    check_models, check_output_path, check_program, fps_option, in_range, machine_options, random_size_for,
+    render_options)
 
 
 @app.command("compile")
@@ -33,7 +34,7 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                 models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                 device: DeviceOpt = "auto") -> None:
     """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
-    RenderOptions(device=device, random_size=random_size).check()
+    machine_options(device, random_size)
     fps_option(fps)
     in_range("--extra-margin", extra_margin, 0, 200, "pixels")
     in_range("--bbox-shift", bbox_shift, -200, 200, "pixels")
@@ -69,11 +70,11 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
 
 
-def _render(program, output: Path, avatars: Optional[Path], options: RenderOptions, reference: bool,
-            compile: str, models, random_weights: bool, timings: bool = False) -> None:
+def _render(program, output: Path, options: RenderOptions, device: str, random_size: str, compile: str, models,
+            random_weights: bool, timings: bool = False) -> None:
     """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
-    options.check()
-    metas = check_program(program, avatars, output)
+    machine_options(device, random_size)
+    metas = check_program(program, options.avatars_dir, output)
     check_models(models, random_weights)
     t_checked = process_age()
 
@@ -81,29 +82,27 @@ def _render(program, output: Path, avatars: Optional[Path], options: RenderOptio
 
     from lipstream.startup import load_networks, pick_device
 
-    device = pick_device(options.device)
+    dev = pick_device(device)
     t_torch = process_age()
-    chosen = machine_defaults(device.type, os.cpu_count() or 1)
-    batch, preset = options.batch or chosen["batch"], options.preset or chosen["preset"]
-    encoders = options.encoders or chosen["encoders"]
-    size = random_size_for(options.random_size, device.type, next(iter(metas.values())))
+    options = options.for_machine(dev.type, os.cpu_count() or 1)
+    reference = options.engine.reference
+    size = random_size_for(random_size, dev.type, next(iter(metas.values())))
     if random_weights:
         warn_random_weights()
-    nets = load_networks(models, device, random_weights, size, compile="off" if reference else compile,
-                         decode_rows=options.decode_rows, dtype=torch.float32 if reference else None,
+    nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
+                         decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
                          report=lambda line: err.print(line, highlight=False))
     from lipstream.render import render_program  # after the networks: its imports overlap nothing
 
     t_networks = process_age()
     where = f"{size} random networks" if random_weights else "networks"
     engine = "reference path" if reference else f"{nets.engine} engine"
-    err.print(f"{engine}: {where} on {device}, batch {batch}, {encoders} x264 encoder{'s' * (encoders > 1)} "
-              f"({preset}, crf {options.crf})", highlight=False)
+    encoders = options.encoders
+    err.print(f"{engine}: {where} on {dev}, batch {options.engine.batch}, {encoders} x264 encoder"
+              f"{'s' * (encoders > 1)} ({options.x264_preset}, crf {options.crf})", highlight=False)
     if nets.note:
         err.print(nets.note, highlight=False, soft_wrap=True)
-    report = render_program(program, output, nets.models, avatars_dir=avatars, fps=options.fps, reference=reference,
-                            batch_size=batch, crf=options.crf, preset=preset, encoders=encoders,
-                            decode_rows=options.decode_rows)
+    report = render_program(program, output, nets.models, options)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
@@ -150,32 +149,35 @@ def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name
                output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
                avatars: AvatarsOpt = None,
                start_frame: Annotated[int, typer.Option(help="Where in its loop the avatar starts.")] = 0,
-               fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None, reference: ReferenceOpt = False,
-               batch: BatchOpt = None, encoders: EncodersOpt = None, compile: CompileOpt = None,
-               decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False,
-               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
+               fps: FpsOpt = None, crf: CrfOpt = 18, x264_preset: X264PresetOpt = None, preset: OldPresetOpt = None,
+               reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
+               compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
+               random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto",
+               timings: TimingsOpt = False) -> None:
     """Make an avatar speak an audio file: one lip-synced MP4."""
     from lipstream.script import single_scene
 
-    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, start_frame, device,
-                            random_size)
-    _render(single_scene(avatar, audio, start_frame), output, avatars_dir(avatars), options, reference,
-            compile_choice(compile), models, random_weights, timings)
+    in_range("--start-frame", start_frame, 0, 10**9, "a loop frame")
+    options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
+                             decode_rows, reference).replace(avatars_dir=avatars_dir(avatars))
+    _render(single_scene(avatar, audio, start_frame), output, options, device, random_size, compile_choice(compile),
+            models, random_weights, timings)
 
 
 @app.command("broadcast")
 def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
                   output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
-                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, preset: PresetOpt = None,
-                  reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
-                  compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
-                  random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+                  avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, x264_preset: X264PresetOpt = None,
+                  preset: OldPresetOpt = None, reference: ReferenceOpt = False, batch: BatchOpt = None,
+                  encoders: EncodersOpt = None, compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto",
+                  models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                   device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
     from lipstream.script import load_script
 
-    options = RenderOptions(fps_option(fps), crf, preset, batch, encoders, decode_rows, 0, device, random_size)
-    _render(load_script(script), output, avatars_dir(avatars), options, reference, compile_choice(compile), models,
+    options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
+                             decode_rows, reference).replace(avatars_dir=avatars_dir(avatars))
+    _render(load_script(script), output, options, device, random_size, compile_choice(compile), models,
             random_weights, timings)
 
 
@@ -191,7 +193,8 @@ def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
     Writes AOTInductor packages and the weights they read to the cache folder ($LIPSTREAM_CACHE,
     default ~/.cache/lipstream/aot); renders then load them in about a second. Safe to delete.
     """
-    RenderOptions(device=device, random_size=random_size, decode_rows=decode_rows).check()
+    machine_options(device, random_size)
+    render_options(None, 18, None, None, None, decode_rows)
     check_models(models, random_weights)
 
     from lipstream.startup import KINDS_FOR_ROWS, pick_device, warmup
@@ -220,7 +223,7 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
              device: DeviceOpt = "auto") -> None:
     """Decode speech, compute Whisper features and per-frame audio windows; print shapes and timings."""
     rate = fps_option(fps)
-    RenderOptions(device=device, random_size=random_size).check()
+    machine_options(device, random_size)
     check_file(audio, "audio file")
     if output is not None:
         check_output_path(output)
@@ -229,7 +232,7 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
     from lipstream.audio import prepare_speech
 
     m = load_models(models, device, random_weights, random_size, components=["whisper"])
-    speech = prepare_speech(audio, rate, m.whisper, m.feature_extractor)
+    speech = prepare_speech(audio, rate, m)
     out.print(f"{audio}: {speech.duration:.3f} s -> {speech.frames} frames at {speech.fps} fps; "
               f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {m.device}")
     out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))

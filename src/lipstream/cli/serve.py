@@ -9,9 +9,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from lipstream.cli.common import DeviceOpt, ModelsOpt, RandomOpt, RandomSizeOpt, app, load_models, out
+from lipstream.cli.common import (
+    CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
+    load_models, out, renamed)
 from lipstream.errors import InputError, LipStreamError, check_file
-from lipstream.preflight import RenderOptions, UsageError, check_models, in_range
+from lipstream.preflight import UsageError, check_models, in_range, machine_options
 
 
 @app.command("serve")
@@ -29,10 +31,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
                                                                  "clients) may have open.")] = 4,
               capacity_fps: Annotated[Optional[float], typer.Option(
                   help="Frames/s live sessions may take in all (default: what the engine measures at start).")] = None,
-              live_preset: Annotated[str, typer.Option("--preset", help="Live options preset: realtime (plays 250 ms "
-                                                       "behind the speech), accurate (350 ms), utterance (1 s), cpu (1 s, "
-                                                       "Whisper every 200 ms: a machine without a GPU).")]
-              = "realtime",
+              live_preset: LivePresetOpt = "realtime", preset: OldPresetOpt = None,
               playout_delay_ms: Annotated[Optional[float], typer.Option(
                   help="How far behind the speech live sessions play (default: the preset's): less is less "
                        "latency at the client and more frames late when the engine is busy.")] = None,
@@ -42,12 +41,13 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               rtc_workers: Annotated[Optional[int], typer.Option(
                   help="Processes the sessions' WebRTC (aiortc) runs in, off the engine's GIL (default: one per "
                        "4 cores, 1 to 8).")] = None,
-              compile: Annotated[str, typer.Option(help="off, vae or all (Inductor for the live steps).")] = "auto",
+              compile: CompileOpt = None,
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """Keep the networks, the compiled steps and the avatars resident; serve jobs and live sessions."""
     from lipstream.serve.options import ServeOptions
 
+    live_preset = renamed("--preset", "--live-preset", preset, live_preset, "realtime")
     keys = tuple(api_key or ()) + tuple(k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",")
                                         if k.strip())
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
@@ -58,16 +58,18 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         options.check()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if compile not in ("auto", "off", "vae", "all"):
-        raise UsageError(f"--compile {compile!r}: expected auto, off, vae or all")
-    RenderOptions(device=device, random_size=random_size).check()
+    machine_options(device, random_size)
     check_models(models, random_weights)
 
     from lipstream.serve.server import json_logs, serve
 
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
+    from lipstream.engine.runner import FAST_INDUCTOR
+
     m = load_models(models, device, random_weights, random_size)
-    serve(options, m, compile=("all" if m.device.type == "cuda" else "off") if compile == "auto" else compile)
+    choice = compile_choice(compile)
+    serve(options, m, inductor=FAST_INDUCTOR if choice == "on" or (choice == "auto" and m.device.type == "cuda")
+          else "off")
 
 
 @app.command("serve-bench")

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lipstream.engine.decode import DEFAULT_ROW
+from lipstream.options import DEFAULT_DECODE_ROW
 from lipstream.models.config import ModelConfig
 
 
@@ -94,7 +94,7 @@ class StepOptions:
 
     dtype: str = "float16"
     upsample: str = "transpose"
-    decode_row: int = DEFAULT_ROW
+    decode_row: int = DEFAULT_DECODE_ROW
     decode_stats: str = "rows"
 
     def for_kind(self, kind: str) -> dict[str, Any]:
@@ -245,38 +245,28 @@ class CompiledStep:
         return self.runner(*inputs)
 
 
-class CompiledWhisper:
-    """The Whisper package in the shape audio/features.py calls an encoder: one 30 s segment per call."""
-
-    def __init__(self, step: CompiledStep, device: torch.device, dtype: torch.dtype):
-        self.step, self.device, self.dtype = step, device, dtype
-
-    def stacked(self, mel: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.step(mel[i:i + 1]) for i in range(mel.shape[0])])
-
-
-@dataclass
-class MelFilters:
-    mel_filters: np.ndarray  # what audio/features.py reads from a WhisperFeatureExtractor
-
-
 @dataclass
 class CompiledNetworks:
-    """What the engine and the renderer need, from packages instead of diffusers/transformers modules."""
+    """What the compiled engine and the renderer need, from packages instead of the networks' modules:
+    the frame steps (CompiledEngine runs them) and the Whisper encoder (audio.features.AudioNetworks)."""
 
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
     options: StepOptions
     steps: dict[bool, CompiledStep]  # cropped decode -> step
-    whisper: CompiledWhisper
-    feature_extractor: MelFilters
+    whisper: CompiledStep | None
+    mel_filters: np.ndarray  # [201, 80], what audio/features.py reads
     random_weights: bool
     source: str
     fingerprints: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    unet: None = None
-    vae: None = None
+
+    def whisper_states(self, mel: torch.Tensor) -> torch.Tensor:
+        """[S, 80, 3000] -> [S, 1500, 5, 384]: the package takes one 30 s segment per call."""
+        if self.whisper is None:
+            raise ValueError("these compiled packages hold no Whisper encoder")
+        return torch.cat([self.whisper(mel[i:i + 1]) for i in range(mel.shape[0])])
 
 
 class NotBuilt(Exception):
@@ -328,12 +318,10 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
             raise NotBuilt(f"the {kind} package was unusable and is removed") from None
         os.utime(folder)  # least recently used goes first when the cache is pruned
     os.utime(wpath)
-    dtype = getattr(torch, options.dtype)
-    whisper = CompiledWhisper(steps["whisper"], device, dtype) if "whisper" in steps else None
     return CompiledNetworks(
-        config=config, device=device, dtype=dtype, options=options,
-        steps={cropped: steps[k] for k, cropped in STEP_KINDS.items() if k in steps}, whisper=whisper,
-        feature_extractor=MelFilters(weights["mel_filters"].cpu().numpy()),
+        config=config, device=device, dtype=getattr(torch, options.dtype), options=options,
+        steps={cropped: steps[k] for k, cropped in STEP_KINDS.items() if k in steps}, whisper=steps.get("whisper"),
+        mel_filters=weights["mel_filters"].cpu().numpy(),
         random_weights=meta.get("random_weights") == "True", source=meta.get("origin", str(wpath)),
         fingerprints=json.loads(meta.get("fingerprints", "{}")),
         timings={"weights_s": t_weights - t0, "packages_s": time.perf_counter() - t_weights})

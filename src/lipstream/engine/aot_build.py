@@ -262,7 +262,7 @@ def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = K
     wpath = base / "weights" / f"{weights_key(source, options)}.safetensors"
     t0 = time.perf_counter()
     wanted = {**canonical, "mel_filters": torch.from_numpy(
-        np.asarray(models.feature_extractor.mel_filters, dtype=np.float32))}
+        np.asarray(models.mel_filters, dtype=np.float32))}
     names = _weights_names(wpath)
     if crashed:
         done(Built("weights", wpath, "failed", message=f"skipped: {crashed}"))

@@ -27,14 +27,13 @@ from torch import nn
 from lipstream.engine.surgery import cached_variant, replace_modules, shared_copy
 from lipstream.errors import InputError
 from lipstream.models.config import LATENT_SIZE
+from lipstream.options import DECODE_STATS as CUT_STATS
 
-DECODE_ROWS = ("full", "mask", "auto")  # auto: the mask rows where every avatar of a batch allows it
 HALO = 4  # latent rows that must lie between the first decoded row and the mask's first non-zero row
 # Of 32 latent rows (64 of 256 px). Masks start at the nose tip, below the middle of the box. Worst
 # frame on the H200, "rows": row 6 53.4 dB, 8 45.9, 10 42.6; the old row-12 crop gave 38.3 (under the
-# 40 dB bar). The CPU study (decode_crop_study.py) was harsher: "rows" row 8 at 40.4 and "near" row 8 at 42.0.
-DEFAULT_ROW = 8
-CUT_STATS = ("near", "rows")
+# 40 dB bar). The CPU study (decode_crop_study, retired) was harsher: "rows" row 8 at 40.4 and "near" row 8 at
+# 42.0. The default row is options.DEFAULT_DECODE_ROW.
 NEAR = 4  # "near": the cut rows' moments are those of the first 1/NEAR of the decoded rows
 
 

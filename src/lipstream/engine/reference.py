@@ -11,9 +11,11 @@ import cv2
 import numpy as np
 import torch
 
-from lipstream.avatar.colour import MATRICES, i420_to_rgb
+from lipstream.avatar.colour import MATRICES
 from lipstream.engine.blend import chroma_span
-from lipstream.engine.runner import Engine, FrameRequest
+from lipstream.engine.interface import FrameRequest
+from lipstream.engine.runner import Engine
+from lipstream.options import ENGINE_PRESETS
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -61,7 +63,7 @@ class ReferenceEngine(Engine):
         if models.dtype != torch.float32:
             raise ValueError("the reference path runs in fp32")
         # The exact maths whatever the fast defaults are: whole decode, diffusers' own upsamplers.
-        super().__init__(models, batch_size=batch_size, graphs=False, decode_rows="full", upsample="plain")
+        super().__init__(models, ENGINE_PRESETS["reference"].replace(batch=batch_size), buckets=(batch_size,))
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
@@ -77,45 +79,3 @@ class ReferenceEngine(Engine):
                                     a.boxes[r.frame].tolist(), h, w, a.meta["colour_matrix"])
             out.append(torch.from_numpy(frame))
         return torch.stack(out).to(self.device)
-
-
-class CPUBlendEngine(Engine):
-    """The fast network step, but blending done the old way: on the CPU with numpy, frame by frame.
-
-    Exists for the benchmark's ablation ("GPU blending off"); the output matches Engine's.
-    """
-
-    @torch.inference_mode()
-    def render(self, requests: list[FrameRequest]) -> torch.Tensor:
-        for a in self.avatars:
-            a.wait_frames()
-        out = []
-        for start in range(0, len(requests), self.batch_size):
-            chunk = requests[start:start + self.batch_size]
-            latents = torch.stack([self.avatars[r.avatar].latents[r.frame] for r in chunk])
-            faces = self.faces(latents, torch.stack([r.window for r in chunk])).float().cpu().numpy()
-            for r, face in zip(chunk, faces):
-                a = self.avatars[r.avatar]
-                w, h = a.size
-                out.append(torch.from_numpy(blend_reference(
-                    a.frames[r.frame].cpu().numpy(), face, a.masks[r.frame].cpu().numpy(),
-                    self._boxes[r.avatar][r.frame], h, w, a.meta["colour_matrix"])))
-        return torch.stack(out).to(self.device)
-
-
-class RGBEngine(Engine):
-    """The fast path with RGB frames out instead of I420: the CPU converts them for the encoder.
-
-    Exists for the benchmark's ablation ("YUV path off"): the frames are blended in YUV on the
-    device and then turned into RGB there, so what the ablation measures is the cost of an RGB
-    hand-over (twice the bytes copied back, a colour conversion per frame on the CPU).
-    """
-
-    rgb_output = True
-
-    @torch.inference_mode()
-    def render(self, requests: list[FrameRequest]) -> torch.Tensor:
-        frames = super().render(requests)
-        a = self.avatars[requests[0].avatar]
-        w, h = a.size
-        return i420_to_rgb(frames, h, w, a.meta["colour_matrix"])

@@ -1,6 +1,6 @@
 """The engine: batches of frame requests -> blended full frames, on one device.
 
-A request is (avatar slot, loop frame index, audio window). The engine does not care which
+A request is (avatar, loop frame index, audio window). The engine does not care which
 caller or scene a request comes from, so the offline renderer and the live server can both feed
 it, and requests from several avatars share one batch (vLLM's split: whoever schedules decides
 *what* runs; the engine only runs it).
@@ -18,41 +18,35 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from lipstream.avatar import Avatar
-from lipstream.engine.decode import DECODE_ROWS, DEFAULT_ROW, CroppedDecoder, check_mask_fits, mask_fits
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
+from lipstream.engine.decode import CroppedDecoder, check_mask_fits, mask_fits
 from lipstream.engine.graphs import IndexRing, _Graph
+from lipstream.engine.interface import FrameRequest
 from lipstream.engine.step import NetStep
 from lipstream.engine.surgery import cached_variant
-from lipstream.engine.upsample import UPSAMPLE_MODES, fuse_upsamplers
+from lipstream.engine.upsample import fuse_upsamplers
 from lipstream.models.config import WINDOW_STEPS, WINDOW_TOKENS
+from lipstream.options import EngineOptions
 
 if TYPE_CHECKING:
+    from lipstream.engine.aot import CompiledNetworks
     from lipstream.models import MuseTalk
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrameRequest:
-    avatar: int  # slot returned by Engine.add_avatar
-    frame: int  # index into that avatar's frames (after ping-pong)
-    window: torch.Tensor  # [50, 384] audio window, no positional encoding yet
-
-
-COMPILE_MODES = ("off", "vae", "all")
 CANVAS_STEP = 32  # blend canvas sizes are rounded up to this: similar avatars share one blend graph
-FAST_COMPILE = "all"  # what `--compile` picks: the fastest mode measured on the H200 (docs/BENCHMARKS.md)
+FAST_INDUCTOR = "all"  # what a compiled uncompiled-engine step means: the fastest mode measured on the H200
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # latents, windows -> faces
 
 
-def net_steps(models: MuseTalk, upsample: str = "transpose", decode_row: int | None = DEFAULT_ROW,
-              decode_stats: str = "rows", channels_last: bool = False) -> dict[bool, NetStep]:
+def net_steps(models: MuseTalk, upsample: str = "transpose", decode_row: int | None = EngineOptions.decode_row,
+              decode_stats: str = "rows") -> dict[bool, NetStep]:
     """The network step with the whole decode (False) and, if `decode_row` is set, the cropped one (True).
 
     The step modules share the networks' weights; the fused upsamplers are copies of the modules
@@ -61,9 +55,6 @@ def net_steps(models: MuseTalk, upsample: str = "transpose", decode_row: int | N
     """
     decoder = fuse_upsamplers(models.vae.decoder, upsample)
     unet = fuse_upsamplers(models.unet, upsample)
-    if channels_last:
-        decoder.to(memory_format=torch.channels_last)
-        unet.to(memory_format=torch.channels_last)
     steps = {False: NetStep(models.pe, unet, models.vae.post_quant_conv, decoder).eval()}
     if decode_row is not None:
         cropped = cached_variant(decoder, ("crop", decode_row, decode_stats),
@@ -77,90 +68,45 @@ def _compiled(module: torch.nn.Module, mode: str | None) -> torch.nn.Module:
     return cached_variant(module, ("compiled", mode), lambda: torch.compile(module, dynamic=False, mode=mode))
 
 
-class Engine:
-    """Renders frames with the fast path: fp16 on CUDA (fp32 on CPU), batched device-side blending.
+class StepEngine:
+    """What every fast engine shares: resident avatars, one blend canvas, CUDA graphs per bucket (the
+    network step, then the blend into I420), `render` and `render_rows`. A subclass says where the
+    network step comes from (`_step`): the networks' modules (Engine) or compiled packages (CompiledEngine).
 
-    `compile`: "off", "vae" (Inductor on the VAE decoder) or "all" (the UNet too);
-    `channels_last` stores the convolution weights NHWC; `autotune` asks Inductor for
-    max-autotune (slow to compile, cached on disk like the rest). `decode_rows="mask"` decodes
-    only the face rows from latent row `decode_row` down (engine/decode.py: a fifth less VAE
-    work, approximate; every avatar's mask must start below that row); "auto" (the default) does
-    so for the batches whose avatars all allow it and decodes the others whole; "full" is exact.
-    `decode_stats` picks how its GroupNorms see the rows that were cut (engine/decode.py).
-    `upsample` "transpose" (the default) or "phases" runs every nearest-upsample + 3x3 conv of both
-    networks as one convolution on the small map (engine/upsample.py: exact, 13.5% fewer FLOPs in
-    UNet + decoder); "plain" keeps diffusers' modules.
+    Implements engine.interface.FrameEngine. `fixed_shapes`: the step's code is compiled for the bucket
+    sizes only, so an uncaptured call is padded to one (no recompiles).
     """
 
-    def __init__(self, models: MuseTalk, batch_size: int = 16, *, graphs: bool | None = None,
-                 compile: str | bool = "off", buckets: tuple[int, ...] | None = None,
-                 channels_last: bool = False, autotune: bool = False, compile_vae: bool = False,
-                 decode_rows: str = "auto", decode_row: int = DEFAULT_ROW, decode_stats: str = "rows",
-                 upsample: str = "transpose", compile_buckets: tuple[int, ...] | None = None):
-        if getattr(models, "steps", None) is None and (models.unet is None or models.vae is None):
-            raise ValueError("the engine needs the UNet and the VAE")
-        compile = {True: "vae", False: "off"}.get(compile, compile) if not compile_vae else "vae"
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, not {compile!r}")
-        self.m = models
-        self.batch_size = batch_size
+    fixed_shapes = False
+    graph_warmups = 1  # runs before capture (cuBLAS/cuDNN handles, algorithm choices; a compile: two)
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, options: EngineOptions, buckets: tuple[int, ...],
+                 decode_row: int | None):
+        options.check()
+        self.o = options
+        self.device, self.dtype = device, dtype
         self.avatars: list[Avatar] = []
-        self._boxes: list[list[list[int]]] = []  # per avatar, on the CPU (the CPU-blend ablation reads them)
+        self._boxes: list[list[list[int]]] = []  # per avatar, on the CPU
         self._geometry: list[torch.Tensor] = []  # per avatar: [frames, 9] blend geometry on the device
         self.canvas: tuple[int, int] | None = None  # one blend canvas for every resident avatar
-        self.use_graphs = (models.device.type == "cuda") if graphs is None else graphs
-        self.buckets = tuple(sorted(set(buckets or (batch_size,))))
-        if self.buckets[-1] < batch_size:
-            self.buckets += (batch_size,)
-        self.compile = compile
+        self.use_graphs = (device.type == "cuda") if options.graphs is None else options.graphs
+        self.buckets = tuple(sorted(set(buckets)))
+        self.batch_size = self.buckets[-1]
         self._net: dict[tuple[int, bool], _Graph] = {}  # (bucket, cropped decode)
         self._blend: dict[tuple, _Graph] = {}
         self._pool = None
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
-        self._staging = IndexRing(models.device, slots=64)  # a live step makes a dozen uploads
-        if decode_rows not in DECODE_ROWS:
-            raise ValueError(f"decode_rows must be one of {DECODE_ROWS}, not {decode_rows!r}")
-        if upsample not in UPSAMPLE_MODES:
-            raise ValueError(f"upsample must be one of {UPSAMPLE_MODES}, not {upsample!r}")
-        self.decode_rows = decode_rows
-        self.decode_row = decode_row if decode_rows != "full" else None
+        self._staging = IndexRing(device, slots=64)  # a live step makes a dozen uploads
+        self.decode_rows = options.decode_rows
+        self.decode_row = decode_row if options.decode_rows != "full" else None
         self._crop_ok: list[bool] = []  # per avatar: its masks fit the cropped decode
-        self.compile_buckets: tuple[int, ...] | None = None
-        self.aot = getattr(models, "steps", None) is not None  # ahead-of-time compiled packages (engine/aot.py)
-        if self.aot:
-            if compile != "off" or channels_last or autotune:
-                raise ValueError("an engine on compiled packages takes no compile, channels_last or autotune option")
-            self.decode_row = models.options.decode_row if decode_rows != "full" else None
-            self._steps: dict[bool, Callable] = dict(models.steps)
-            if self.decode_row is not None and True not in self._steps:
-                raise ValueError("these compiled packages have no cropped decode: use decode_rows='full'")
-            return
-        self._steps = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
-        # `compile_buckets`: only these batch sizes run compiled (each size is a compile of minutes
-        # on a cold cache); the others run the same modules uncompiled
-        self.compile_buckets = compile_buckets if compile != "off" else None
-        self._plain = self._steps
-        if compile != "off" and compile_buckets is not None:
-            self._plain = net_steps(models, upsample, self.decode_row, decode_stats, channels_last)
-        if compile != "off":
-            from lipstream.engine.aot import cache_root
 
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # warm starts reuse compiled kernels
-            mode = "max-autotune-no-cudagraphs" if autotune else None  # our own graphs wrap it
-            # Modules, not the step: a compiled module's code is shared by every Engine with the same
-            # shapes (parameters are graph inputs), so a second engine in a process reuses it.
-            for step in self._steps.values():
-                step.decoder = _compiled(step.decoder, mode)
-                if compile == "all":
-                    step.unet = _compiled(step.unet, None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.m.device
+    def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool) -> torch.Tensor:
+        raise NotImplementedError
 
     def add_avatar(self, avatar: Avatar) -> int:
-        """Keep an avatar resident; returns its slot. Its tensors move to the engine's device."""
+        """Keep an avatar resident; returns its index (FrameRequest.avatar). Its tensors move to the device."""
         if avatar.frames is None:
             raise ValueError(f"avatar {avatar.name} was loaded without its frames")
         fits = self.decode_row is not None and mask_fits(avatar.masks, self.decode_row)
@@ -173,7 +119,7 @@ class Engine:
         if avatar.frames.device.type != self.device.type:
             avatar.wait_frames()
             avatar.frames = avatar.frames.to(self.device)
-        avatar.latents = avatar.latents.to(self.m.dtype)
+        avatar.latents = avatar.latents.to(self.dtype)
         self.avatars.append(avatar)
         self._fit_canvas()
         return len(self.avatars) - 1
@@ -193,20 +139,16 @@ class Engine:
             canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
             self._geometry.append(blend_geometry(boxes, h, w, canvas, a.meta["colour_matrix"]).to(self.device))
 
-    def _cropped(self, slots: list[int] | None) -> bool:
-        """Whether a batch of these avatar slots (all resident ones if None) takes the cropped decode."""
+    def _cropped(self, avatars: list[int] | None) -> bool:
+        """Whether a batch of these avatars (all resident ones if None) takes the cropped decode."""
         if self.decode_row is None:
             return False
-        return all(self._crop_ok[s] for s in slots) if slots else self.decode_rows == "mask" or all(self._crop_ok)
-
-    def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
-        plain = self.compile_buckets is not None and latents.shape[0] not in self.compile_buckets
-        return (self._plain if plain else self._steps)[cropped](latents, windows)
+        return all(self._crop_ok[a] for a in avatars) if avatars else self.decode_rows == "mask" or all(self._crop_ok)
 
     def _eager_step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool) -> torch.Tensor:
         """The step without graphs; compiled code still sees only bucket shapes (no recompiles)."""
         n = latents.shape[0]
-        if (self.compile == "off" and not self.aot) or n in self.buckets:
+        if not self.fixed_shapes or n in self.buckets:
             return self._step(latents, windows, cropped)
         bucket = next((b for b in self.buckets if b >= n), n)
         pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731
@@ -216,31 +158,21 @@ class Engine:
         """Compile and capture every bucket now (startup), not on the first frames."""
         if not self.use_graphs:
             return
-        kinds = {self._cropped([s]) for s in range(len(self.avatars))} or {self._cropped(None)}
-        try:
-            for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-                for cropped in kinds:
-                    self._net_graph(b, cropped)
-                    for a in self.avatars:
-                        self._blend_graph(b, *a.size, cropped)
-        except RuntimeError as e:
-            if not self.aot:
-                raise
-            # A compiled package whose calls cannot be captured still runs, only with more CPU work.
-            log.warning("the compiled step cannot be captured in a CUDA graph (%s); running it without graphs", e)
-            torch.cuda.synchronize(self.device)
-            self.use_graphs, self._net, self._blend, self._pool = False, {}, {}, None
+        kinds = {self._cropped([a]) for a in range(len(self.avatars))} or {self._cropped(None)}
+        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+            for cropped in kinds:
+                self._net_graph(b, cropped)
+                for a in self.avatars:
+                    self._blend_graph(b, *a.size, cropped)
 
     def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
         key = (bucket, self._cropped(None) if cropped is None else cropped)
         if key not in self._net:
-            inputs = {"latents": torch.zeros(bucket, 8, 32, 32, device=self.device, dtype=self.m.dtype),
-                      "windows": torch.zeros(bucket, 50, 384, device=self.device, dtype=self.m.dtype)}
+            inputs = {"latents": torch.zeros(bucket, 8, 32, 32, device=self.device, dtype=self.dtype),
+                      "windows": torch.zeros(bucket, 50, 384, device=self.device, dtype=self.dtype)}
             step = functools.partial(self._step, cropped=key[1])
             with torch.inference_mode():
-                # torch.compile needs a second warm-up run (it compiles in the first); eager modules do not
-                warmups = 2 if self.compile != "off" else 1
-                self._net[key] = _Graph(step, inputs, self.device, self._pool, warmups)
+                self._net[key] = _Graph(step, inputs, self.device, self._pool, self.graph_warmups)
             self._pool = self._pool or self._net[key].graph.pool()
         return self._net[key]
 
@@ -270,14 +202,14 @@ class Engine:
         return self._blend[key]
 
     @torch.inference_mode()
-    def faces(self, latents: torch.Tensor, windows: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
+    def faces(self, latents: torch.Tensor, windows: torch.Tensor, avatars: list[int] | None = None) -> torch.Tensor:
         """[B, 8, 32, 32] image latents + [B, 50, 384] windows -> [B, 3, 256, 256] RGB in [0, 1].
 
-        `slots`: the avatars the latents come from (they decide a cropped decode); None: all resident ones.
+        `avatars`: the ones the latents come from (they decide a cropped decode); None: all resident ones.
         """
-        latents = latents.to(self.device, self.m.dtype)
-        windows = windows.to(self.device, self.m.dtype)
-        cropped = self._cropped(slots)
+        latents = latents.to(self.device, self.dtype)
+        windows = windows.to(self.device, self.dtype)
+        cropped = self._cropped(avatars)
         if not self.use_graphs:
             return self._eager_step(latents, windows, cropped)
         out = []
@@ -319,17 +251,17 @@ class Engine:
             masks, geometry = blend.inputs["masks"], blend.inputs["geometry"]
             net.inputs["windows"][:n].copy_(windows)
         else:
-            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.m.dtype)
+            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.dtype)
             frames = torch.empty(n, h * 3 // 2, w, dtype=torch.uint8, device=self.device)
             masks = torch.empty(n, *self.avatars[chunk[0].avatar].masks.shape[-2:], dtype=torch.uint8,
                                 device=self.device)
             geometry = torch.empty(n, 9, device=self.device)
-        for slot, where in groups.items():
-            a = self.avatars[slot]
+        for avatar, where in groups.items():
+            a = self.avatars[avatar]
             wanted = [chunk[i].frame for i in where]
             a.wait_frames(max(wanted) + 1)  # a no-op once the avatar's frames are all resident
             index = self._staging.upload(wanted)
-            targets = [(latents, a.latents), (frames, a.frames), (masks, a.masks), (geometry, self._geometry[slot])]
+            targets = [(latents, a.latents), (frames, a.frames), (masks, a.masks), (geometry, self._geometry[avatar])]
             if len(where) == n:  # one avatar: straight gathers into the static inputs
                 for dst, src in targets:
                     torch.index_select(src, 0, index, out=dst[:n])
@@ -338,7 +270,7 @@ class Engine:
                 for dst, src in targets:
                     dst.index_copy_(0, at, src.index_select(0, index))
         if not self.use_graphs:
-            faces = self._eager_step(latents, windows.to(self.device, self.m.dtype), cropped)
+            faces = self._eager_step(latents, windows.to(self.device, self.dtype), cropped)
             blend_static(frames, faces, masks, geometry, h, w, (min(h, self.canvas[0]), min(w, self.canvas[1])))
             return frames
         net.replay()
@@ -346,32 +278,32 @@ class Engine:
         return frames[:n]
 
     @torch.inference_mode()
-    def render_rows(self, slots: list[int], frames: list[int], table: torch.Tensor, rows: list[int],
+    def render_rows(self, avatars: list[int], frames: list[int], table: torch.Tensor, rows: list[int],
                     windows: torch.Tensor | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """One step over frames of any resident avatars, of any frame sizes (the live scheduler's call).
 
-        Frame i shows loop frame `frames[i]` of avatar `slots[i]`. The audio windows of the first
+        Frame i shows loop frame `frames[i]` of avatar `avatars[i]`. The audio windows of the first
         len(rows) // 10 frames are rows of `table` ([R, 5, 384] features on the device, 10 rows a
         frame): one gather on the device, no window tensor built per frame. `windows` [k, 50, 384]
         serve the k frames after those. Returns, per frame size, the positions of its frames and
         their I420 frames on the device: with graphs, views into graph buffers that the next call
         overwrites (copy them out first).
         """
-        n = len(slots)
+        n = len(avatars)
         live = len(rows) // WINDOW_STEPS
         if n == 0 or n > self.buckets[-1] or live + (0 if windows is None else len(windows)) != n:
             raise ValueError(f"a step takes 1 to {self.buckets[-1]} frames, each with one window")
         bucket = next(b for b in self.buckets if b >= n)
         groups: dict[int, list[int]] = {}
-        for i, s in enumerate(slots):
+        for i, s in enumerate(avatars):
             groups.setdefault(s, []).append(i)
         cropped = self._cropped(list(groups))
         if self.use_graphs:
             net = self._net_graph(bucket, cropped)
             latents, win = net.inputs["latents"], net.inputs["windows"]
         else:
-            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.m.dtype)
-            win = torch.empty(n, WINDOW_TOKENS, table.shape[-1], device=self.device, dtype=self.m.dtype)
+            latents = torch.empty(n, 8, 32, 32, device=self.device, dtype=self.dtype)
+            win = torch.empty(n, WINDOW_TOKENS, table.shape[-1], device=self.device, dtype=self.dtype)
         if live:
             index = self._staging.upload(rows)
             torch.index_select(table, 0, index, out=win[:live].view(len(rows), *table.shape[1:]))
@@ -380,13 +312,13 @@ class Engine:
         self._gather(groups, n, [(latents, lambda a, s: a.latents)], frames)
         faces = net.replay() if self.use_graphs else self._eager_step(latents, win, cropped)
         sizes: dict[tuple[int, int], list[int]] = {}
-        for i, s in enumerate(slots):
+        for i, s in enumerate(avatars):
             sizes.setdefault(self.avatars[s].size, []).append(i)
         out = []
         for (w, h), where in sizes.items():
             k = len(where)
             canvas = (min(h, self.canvas[0]), min(w, self.canvas[1]))
-            sub = {s: [j for j, i in enumerate(where) if slots[i] == s] for s in {slots[i] for i in where}}
+            sub = {s: [j for j, i in enumerate(where) if avatars[i] == s] for s in {avatars[i] for i in where}}
             sub_frames = [frames[i] for i in where]
             if self.use_graphs:
                 whole = len(sizes) == 1
@@ -397,7 +329,7 @@ class Engine:
                 dst = blend.inputs
             else:
                 dst = {"frames": torch.empty(k, h * 3 // 2, w, dtype=torch.uint8, device=self.device),
-                       "masks": torch.empty(k, *self.avatars[slots[where[0]]].masks.shape[-2:], dtype=torch.uint8,
+                       "masks": torch.empty(k, *self.avatars[avatars[where[0]]].masks.shape[-2:], dtype=torch.uint8,
                                             device=self.device),
                        "geometry": torch.empty(k, 9, device=self.device)}
             self._gather(sub, k, [(dst["frames"], lambda a, s: a.frames), (dst["masks"], lambda a, s: a.masks),
@@ -412,15 +344,83 @@ class Engine:
 
     def _gather(self, groups: dict[int, list[int]], n: int, targets: list, frames: list[int]) -> None:
         """Fill rows [0, n) of each target with its avatar tensor's rows for these loop frames."""
-        for slot, where in groups.items():
-            a = self.avatars[slot]
+        for avatar, where in groups.items():
+            a = self.avatars[avatar]
             wanted = [frames[i] for i in where]
             a.wait_frames(max(wanted) + 1)
             index = self._staging.upload(wanted)
             if len(where) == n:
                 for dst, src in targets:
-                    torch.index_select(src(a, slot), 0, index, out=dst[:n])
+                    torch.index_select(src(a, avatar), 0, index, out=dst[:n])
             else:
                 at = self._staging.upload(where)
                 for dst, src in targets:
-                    dst.index_copy_(0, at, src(a, slot).index_select(0, index))
+                    dst.index_copy_(0, at, src(a, avatar).index_select(0, index))
+
+
+class Engine(StepEngine):
+    """The fast engine on the networks' modules: fp16 on CUDA (fp32 on CPU), fused upsamplers, the
+    cropped decode where the avatars allow it, optionally Inductor (`options.inductor`) on the buckets
+    in `compile_buckets` (each a compile of minutes on a cold cache; the others run the same modules
+    uncompiled). `buckets` (default: options.buckets) are the batch sizes captured."""
+
+    def __init__(self, models: MuseTalk, options: EngineOptions | None = None, *,
+                 buckets: tuple[int, ...] | None = None, compile_buckets: tuple[int, ...] | None = None):
+        if models.unet is None or models.vae is None:
+            raise ValueError("the engine needs the UNet and the VAE")
+        options = (options or EngineOptions()).for_device(models.device.type)
+        super().__init__(models.device, models.dtype, options, buckets or options.buckets, options.decode_row)
+        self.m = models
+        self.inductor = options.inductor
+        self.fixed_shapes = self.inductor != "off"
+        self.graph_warmups = 2 if self.fixed_shapes else 1  # torch.compile compiles in the first run
+        self._steps = net_steps(models, options.upsample, self.decode_row, options.decode_stats)
+        self.compile_buckets = compile_buckets if self.inductor != "off" else None
+        self._plain = self._steps
+        if self.compile_buckets is not None:
+            self._plain = net_steps(models, options.upsample, self.decode_row, options.decode_stats)
+        if self.inductor != "off":
+            from lipstream.engine.aot import cache_root
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # warm starts reuse compiled kernels
+            # Modules, not the step: a compiled module's code is shared by every Engine with the same
+            # shapes (parameters are graph inputs), so a second engine in a process reuses it.
+            for step in self._steps.values():
+                step.decoder = _compiled(step.decoder, None)
+                if self.inductor == "all":
+                    step.unet = _compiled(step.unet, None)
+
+    def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
+        plain = self.compile_buckets is not None and latents.shape[0] not in self.compile_buckets
+        return (self._plain if plain else self._steps)[cropped](latents, windows)
+
+
+class CompiledEngine(StepEngine):
+    """The fast engine on ahead-of-time compiled packages (engine/aot.py): no diffusers, no transformers,
+    no compile wait. Its maths options (upsample, decode row and statistics) are the packages' own."""
+
+    fixed_shapes = True
+
+    def __init__(self, compiled: CompiledNetworks, options: EngineOptions | None = None, *,
+                 buckets: tuple[int, ...] | None = None):
+        options = (options or EngineOptions()).for_device(compiled.device.type)
+        if options.inductor != "off":
+            raise ValueError("an engine on compiled packages takes no inductor option")
+        super().__init__(compiled.device, compiled.dtype, options, buckets or options.buckets,
+                         compiled.options.decode_row)
+        self.compiled = compiled
+        self._steps: dict[bool, Step] = dict(compiled.steps)
+        if self.decode_row is not None and True not in self._steps:
+            raise ValueError("these compiled packages have no cropped decode: use decode_rows='full'")
+
+    def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
+        return self._steps[cropped](latents, windows)
+
+    def warm_up(self) -> None:
+        try:
+            super().warm_up()
+        except RuntimeError as e:
+            # A compiled package whose calls cannot be captured still runs, only with more CPU work.
+            log.warning("the compiled step cannot be captured in a CUDA graph (%s); running it without graphs", e)
+            torch.cuda.synchronize(self.device)
+            self.use_graphs, self._net, self._blend, self._pool = False, {}, {}, None

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipstream.engine.surgery import cached_variant, replace_modules, shared_copy
+from lipstream.options import UPSAMPLE_MODES
 
-UPSAMPLE_MODES = ("plain", "transpose", "phases")
+FUSED_MODES = tuple(m for m in UPSAMPLE_MODES if m != "plain")
 
 # Rows of the 3x3 kernel (taps above, centre, below) folded onto the input rows they read.
 _TRANSPOSE_FOLD = ((0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 0, 0))  # kernel 4, stride 2, padding 1
@@ -36,8 +37,8 @@ class FusedUpsample(nn.Module):
 
     def __init__(self, upsample: nn.Module, mode: str):
         super().__init__()
-        if mode not in UPSAMPLE_MODES[1:]:
-            raise ValueError(f"mode must be one of {UPSAMPLE_MODES[1:]}, not {mode!r}")
+        if mode not in FUSED_MODES:
+            raise ValueError(f"mode must be one of {FUSED_MODES}, not {mode!r}")
         if not can_fuse(upsample):
             raise ValueError("only a nearest 2x upsample followed by a 3x3, padding-1 convolution can be fused")
         conv: nn.Conv2d = upsample.conv

@@ -30,7 +30,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
-from lipstream.engine import Engine
+from lipstream.engine.runner import Engine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.handoff import FrameHandoff
 from lipstream.live.items import SessionClock
@@ -41,6 +41,7 @@ from lipstream.live.runner import InFlight, StepRunner
 from lipstream.live.scheduler import FILL_POLL_S, AdmissionError, OfflineJob, Scheduler, admission
 from lipstream.live.session import Session
 from lipstream.media.encode_pool import EncodePool
+from lipstream.options import EngineOptions
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -68,14 +69,16 @@ class LiveEngine:
     (or start() / close()); open sessions with open_session()."""
 
     def __init__(self, models: MuseTalk, options: LiveOptions | str = "realtime", *,
-                 decode_rows: str = "auto", compile: str = "off", encode_processes: int | None = None):
+                 decode_rows: str = "auto", inductor: str = "off", encode_processes: int | None = None):
+        """`inductor`: "off", "vae" or "all", torch.compile of the step (engine options)."""
         self.o = preset(options) if isinstance(options, str) else options
         self.m = models
         self.device = models.device
         buckets = tuple(sorted(set(self.o.buckets)))
         # Inductor (when asked) for the buckets of 8 frames and up, where a loaded engine's steps
         # are (each bucket costs a compile); the small ones run uncompiled
-        self.engine = Engine(models, buckets[-1], buckets=buckets, decode_rows=decode_rows, compile=compile,
+        self.engine = Engine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
+                             buckets=buckets,
                              compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
         self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
         self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
@@ -223,7 +226,7 @@ class LiveEngine:
                 w, h = a.size
                 handoff = session.handoff
                 handoff.attach_encoder(self._encoders().open(
-                    w, h, fps, audio=self.o.audio_codec, preset=self.o.preset, crf=self.o.crf,
+                    w, h, fps, audio=self.o.audio_codec, x264_preset=self.o.x264_preset, crf=self.o.crf,
                     gop_frames=max(1, round(self.o.gop_s * float(fps))), matrix=a.meta.get("colour_matrix", "bt601"),
                     on_packets=handoff.encoded, on_error=handoff.encoder_failed))
         except BaseException:
@@ -336,7 +339,7 @@ class LiveEngine:
                 jobs += s.request.window_jobs()
             else:
                 for audio, rows in s.request.whole_utterances():
-                    feats = whisper_features(torch.from_numpy(audio), self.m.whisper, self.m.feature_extractor)
+                    feats = whisper_features(torch.from_numpy(audio), self.m)
                     index = torch.tensor(rows[:len(feats)], device=self.device)
                     self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
                     whole += 1

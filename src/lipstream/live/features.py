@@ -72,7 +72,7 @@ class StreamingWhisper:
 
     def __init__(self, models: MuseTalk, table: FeatureTable, context: int, hop: int, lookahead: int,
                  trace: bool = True):
-        self.encoder, self.fe, self.table = models.whisper, models.feature_extractor, table
+        self.models, self.encoder, self.table = models, models.whisper, table
         self.context, self.hop, self.lookahead = context, hop, lookahead
         self.steps = context + hop + lookahead  # W
         self.samples = self.steps * SAMPLES_PER_FEATURE + 2 * MARGIN
@@ -86,7 +86,7 @@ class StreamingWhisper:
         self._k = 0
         self._events = [torch.cuda.Event() if cuda else None for _ in self._host]
         self._ints = IndexRing(self.device)
-        window, filters = _window_and_filters(self.device, self.fe.mel_filters.astype(np.float64).tobytes())
+        window, filters = _window_and_filters(self.device, models.mel_filters.astype(np.float64).tobytes())
         self._math = WindowFeatures(self.encoder, window, filters, torch.arange(self.steps, device=self.device),
                                     self.dtype)
         self.trace = trace
@@ -116,7 +116,7 @@ class StreamingWhisper:
     @torch.inference_mode()
     def idle_window(self) -> None:
         """The mouth at rest: the window in the middle of a second of silence, as offline crossfades use."""
-        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=self.device), self.encoder, self.fe)
+        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=self.device), self.models)
         window = audio_windows(quiet, 25)[12].reshape(WINDOW_STEPS, HIDDEN_STATES, AUDIO_DIM)
         self.table.table[self.table.idle] = window.to(self.table.table.dtype)
 

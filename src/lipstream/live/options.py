@@ -20,7 +20,7 @@ class LiveOptions:
     of each utterance and computes them over the whole of it, exactly as an offline render does.
     `buckets`: the batch sizes captured per step. Admission refuses a session when the sessions'
     frame rates would pass `utilisation` of `capacity_fps` (None: measured at warm-up).
-    `encode`: H.264 (`preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
+    `encode`: H.264 (`x264_preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
     `fill_slack_s`: a step with room left waits for more frames while every frame in it still has
     more than this before its deadline: fuller steps and fewer GPU-seconds a frame, for more
     latency (0: launch at once; on the H200 at 24 sessions 0.1 s took GPU busy from 90% to 74%
@@ -50,7 +50,7 @@ class LiveOptions:
     utilisation: float = 0.95
     capacity_fps: float | None = None
     encode: bool = True
-    preset: str = "ultrafast"
+    x264_preset: str = "ultrafast"
     crf: int = 23
     gop_s: float = 1.0
     audio_codec: str = "opus"

@@ -348,7 +348,7 @@ class EncodePool:
     def pids(self) -> list[int]:
         return [w.pid for w in self._workers]
 
-    def open(self, width: int, height: int, fps: Fraction, *, audio: str = "opus", preset: str = "ultrafast",
+    def open(self, width: int, height: int, fps: Fraction, *, audio: str = "opus", x264_preset: str = "ultrafast",
              crf: int = 23, gop_frames: int | None = None, matrix: str = "bt601", slots: int = 8,
              on_packets: OnPackets, on_error: OnError | None = None) -> PooledEncoder:
         """A session on the least busy worker (SessionEncoder's settings; `slots` frames may be in flight).
@@ -373,7 +373,7 @@ class EncodePool:
                 worker = session._worker = self._least_busy()
                 worker.sessions[sid] = session
             worker.send({"type": "open", "sid": sid, "width": width, "height": height,
-                         "fps": [fps.numerator, fps.denominator], "audio": audio, "preset": preset, "crf": int(crf),
+                         "fps": [fps.numerator, fps.denominator], "audio": audio, "x264_preset": x264_preset, "crf": int(crf),
                          "gop_frames": gop_frames, "matrix": matrix, "path": path, "slots": slots})
             if not session._opened.wait(OPEN_WAIT_S):
                 raise RuntimeError(f"encode session {sid}: {worker.name} did not open it in {OPEN_WAIT_S:g} s")

@@ -8,8 +8,8 @@ numpy, PyAV and lipstream.media: no torch, so a worker starts in a blink and cos
 Messages are framed as lipstream.media.wire frames them (length, JSON header line, payload):
 
   parent -> worker                                              worker -> parent
-  open {sid, width, height, fps: [num, den], audio, preset,     opened {sid, audio_frame_size}, payload =
-        crf, gop_frames, matrix, path, slots}                          audio extradata (OpusHead / AAC config)
+  open {sid, width, height, fps: [num, den], audio,            opened {sid, audio_frame_size}, payload =
+        x264_preset, crf, gop_frames, matrix, path, slots}             audio extradata (OpusHead / AAC config)
   frame {sid, pts, slot (-1: audio only), key}, payload =       packets {sid, pts, slot, packets: [[kind "v"|"a",
         float32 mono 48 kHz samples (maybe none)                         pts, dts, keyframe, size], ...]}, payload =
                                                                          the packets' data, concatenated
@@ -42,7 +42,7 @@ class WorkerSession:
 
     def __init__(self, h: dict):
         width, height, slots = h["width"], h["height"], h["slots"]
-        self.encoder = SessionEncoder(width, height, Fraction(*h["fps"]), audio=h["audio"], preset=h["preset"],
+        self.encoder = SessionEncoder(width, height, Fraction(*h["fps"]), audio=h["audio"], x264_preset=h["x264_preset"],
                                       crf=h["crf"], gop_frames=h["gop_frames"], matrix=h["matrix"])
         size = slots * height * 3 // 2 * width
         fd = os.open(h["path"], os.O_RDWR)

@@ -101,7 +101,7 @@ class MP4Writer:
     """Use as a context manager; the output appears only if the block finishes without an exception."""
 
     def __init__(self, dest: str | Path, width: int, height: int, fps: Fraction, audio: np.ndarray,
-                 *, sample_rate: int = AUDIO_RATE, crf: int = 18, preset: str = "veryfast",
+                 *, sample_rate: int = AUDIO_RATE, crf: int = 18, x264_preset: str = "veryfast",
                  matrix: str = "bt601", audio_bitrate: int = 128_000, encoders: int = 1,
                  processes: bool = False, segment: int = SEGMENT_FRAMES[-1], total_frames: int | None = None):
         self.dest = Path(dest)
@@ -109,6 +109,7 @@ class MP4Writer:
         self.total_frames = total_frames
         self.first_packet_at: float | None = None  # perf_counter() when the first video packet was muxed
         self.first_submit_at: float | None = None  # perf_counter() when the first segment went to an encoder
+        self.disk_bytes_written = 0  # nothing on the way: frames go straight into the encoders
         self.fps = Fraction(fps)
         self.audio = np.ascontiguousarray(audio, dtype=np.float32)
         if not np.isfinite(self.audio).all():  # the AAC encoder would stop mid-file with "returned 22"
@@ -121,11 +122,11 @@ class MP4Writer:
         try:
             self.container = av.open(str(self._tmp), "w", format="mp4", options={"movflags": "+faststart"})
             self.video = self.container.add_stream("libx264", rate=self.fps,
-                                                   options={"crf": str(crf), "preset": preset})
+                                                   options={"crf": str(crf), "preset": x264_preset})
             self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
             self.video.codec_context.time_base = 1 / self.fps
             self.video.codec_context.colorspace = {"bt709": 1, "bt601": 6}[matrix]  # tag what we blended in
-            self._x264 = {"crf": str(crf), "preset": preset}
+            self._x264 = {"crf": str(crf), "preset": x264_preset}
             self._matrix = matrix
             self._segment: list = []
             self._video_packets = 0  # muxed so far: the joined track's decode order

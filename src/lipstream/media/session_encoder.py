@@ -35,7 +35,7 @@ class SessionEncoder:
     """Low-latency H.264 + Opus (or AAC) for one live session: packets out as soon as each frame goes in."""
 
     def __init__(self, width: int, height: int, fps: Fraction, *, audio: str = "opus",
-                 sample_rate: int = 48_000, gop_frames: int | None = None, preset: str = "ultrafast",
+                 sample_rate: int = 48_000, gop_frames: int | None = None, x264_preset: str = "ultrafast",
                  crf: int = 23, threads: int = 1, matrix: str = "bt601", audio_bitrate: int = 64_000):
         if width % 2 or height % 2:
             raise ValueError(f"yuv420p needs even dimensions, got {width}x{height}")
@@ -45,7 +45,7 @@ class SessionEncoder:
         self.gop = max(1, gop_frames or round(self.fps))
         self.video_time_base = 1 / self.fps
         self.audio_time_base = Fraction(1, sample_rate)
-        self._settings = (preset, crf, threads, matrix, audio, sample_rate, audio_bitrate)
+        self._settings = (x264_preset, crf, threads, matrix, audio, sample_rate, audio_bitrate)
         self._open_codecs()
         self._last_pts: int | None = None
         self._next_key = 0  # pts at or after which the next frame is forced to be an IDR
@@ -55,12 +55,12 @@ class SessionEncoder:
 
     def _open_codecs(self) -> None:
         """Fresh x264 and audio contexts (at start, and on restart: nothing buffered survives)."""
-        preset, crf, threads, matrix, audio, sample_rate, audio_bitrate = self._settings
+        x264_preset, crf, threads, matrix, audio, sample_rate, audio_bitrate = self._settings
         self._video = ctx = av.CodecContext.create("libx264", "w")
         ctx.width, ctx.height, ctx.pix_fmt = self.width, self.height, "yuv420p"
         ctx.time_base, ctx.framerate = self.video_time_base, self.fps
         ctx.colorspace = {"bt709": 1, "bt601": 6}[matrix]
-        ctx.options = {"preset": preset, "tune": "zerolatency", "crf": str(crf), "bf": "0",
+        ctx.options = {"preset": x264_preset, "tune": "zerolatency", "crf": str(crf), "bf": "0",
                        "g": str(self.gop), "keyint_min": str(self.gop), "sc_threshold": "0",
                        "forced-idr": "1", "x264-params": "repeat-headers=1"}
         ctx.thread_count = max(1, threads)  # no GLOBAL_HEADER flag: SPS/PPS stay in-band (Annex-B)

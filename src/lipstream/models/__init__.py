@@ -1,5 +1,4 @@
-"""MuseTalk v1.5 networks: definitions from diffusers/transformers, upstream checkpoint loading,
-and a seeded random-weight fallback.
+"""The MuseTalk v1.5 networks: upstream checkpoints loaded as they are (diffusers, transformers), or seeded random.
 
 The names below load on first use (PEP 562), so `lipstream.models.layout` (where the files live)
 can be imported by the CLI's early checks without importing torch and diffusers (seconds).
@@ -9,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"PRESETS": "config", "ModelConfig": "config", "preset": "config", "COMPONENTS": "load",
+_LAZY = {"MODEL_SIZES": "config", "ModelConfig": "config", "model_config": "config", "COMPONENTS": "load",
          "RANDOM_WARNING": "config", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",
          "PositionalEncoding": "positional"}
 

@@ -141,14 +141,14 @@ class ModelConfig:
     whisper: dict[str, Any] = field(repr=False)
 
 
-PRESETS: dict[str, ModelConfig] = {
+MODEL_SIZES: dict[str, ModelConfig] = {
     "full": ModelConfig("full", UNET_FULL, VAE_FULL, WHISPER_FULL),
     "tiny": ModelConfig("tiny", UNET_TINY, VAE_TINY, WHISPER_TINY),
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """A deep copy of a named preset, so callers may edit it freely."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model size {name!r}; choose from {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+def model_config(size: str) -> ModelConfig:
+    """A deep copy of the networks' configuration at a size ("full", "tiny"), so callers may edit it freely."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
+    return copy.deepcopy(MODEL_SIZES[size])

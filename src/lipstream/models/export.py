@@ -14,7 +14,7 @@ import torch
 from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from lipstream.models import build
-from lipstream.models.config import preset
+from lipstream.models.config import model_config
 from lipstream.models.layout import UNET_DIR, VAE_DIR, WHISPER_DIR
 
 
@@ -28,7 +28,7 @@ def write_random_checkpoint(root: str | Path, *, size: str = "tiny", seed: int =
 
     hf_logging.disable_progress_bar()
     root = Path(root)
-    config = preset(size)
+    config = model_config(size)
     for sub in (UNET_DIR, VAE_DIR, WHISPER_DIR):
         (root / sub).mkdir(parents=True, exist_ok=True)
 

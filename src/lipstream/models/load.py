@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from transformers import WhisperFeatureExtractor
@@ -18,7 +19,7 @@ from lipstream.models.checkpoint import (
     fingerprint, load_strict, read_json, read_state_dict, rename_old_vae_attention)
 from lipstream.models.config import RANDOM_WARNING  # noqa: F401  (re-exported)
 from lipstream.models.config import (
-    AUDIO_DIM, HIDDEN_STATES, N_FFT, HOP_LENGTH, N_MELS, SAMPLE_RATE, SEGMENT_SECONDS, ModelConfig, preset)
+    AUDIO_DIM, HIDDEN_STATES, N_FFT, HOP_LENGTH, N_MELS, SAMPLE_RATE, SEGMENT_SECONDS, ModelConfig, model_config)
 from lipstream.models.layout import HOW_TO_GET, UNET_DIR, VAE_DIR, WHISPER_DIR, find, models_dir, upstream_file
 from lipstream.models.positional import PositionalEncoding
 
@@ -41,6 +42,15 @@ class MuseTalk:
     random_weights: bool = False
     source: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mel_filters(self) -> np.ndarray:
+        """Whisper's mel filter bank [201, 80] (audio.features.AudioNetworks)."""
+        return self.feature_extractor.mel_filters
+
+    def whisper_states(self, mel: torch.Tensor) -> torch.Tensor:
+        """[S, 80, 3000] -> [S, 1500, 5, 384]: every hidden state of the Whisper encoder, stacked."""
+        return torch.stack(self.whisper(mel, output_hidden_states=True).hidden_states, dim=2)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -75,7 +85,7 @@ def load_musetalk(
     if random_weights:
         if warn:
             log.warning(RANDOM_WARNING)
-        m = _random(preset(size), wanted, device, seed)
+        m = _random(model_config(size), wanted, device, seed)
     else:
         m = _from_folder(models_dir(models), wanted)
     m.device, m.dtype = device, dtype

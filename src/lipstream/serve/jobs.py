@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lipstream.live.offline import JobCancelled, OfflineLane
-from lipstream.preflight import machine_defaults
 from lipstream.script import single_scene
 
 if TYPE_CHECKING:
@@ -127,17 +126,17 @@ class JobRunner:
     def render(self, kind: str, params: dict, output: Path, cancelled, progress) -> None:
         """A render job ({"avatar": name, "audio": path under the data folder}) or a broadcast job
         ({"script": path of its YAML, beside its audio files})."""
+        from lipstream.options import RenderOptions
         from lipstream.render import render_program
         from lipstream.script import load_script
 
-        chosen = machine_defaults(self.s.live.device.type, os.cpu_count() or 1)
         if kind == "broadcast":
             program = load_script(self.s.o.data_dir / params["script"])
         else:
             program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], 0)
-        render_program(program, output, self.s.models, avatars_dir=self.s.o.avatars_dir,
-                       engine=OfflineLane(self.s.live, cancelled), batch_size=self.s.live.engine.buckets[-1],
-                       crf=18, preset=chosen["preset"], encoders=chosen["encoders"], progress=False,
+        # the batches are the live engine's: its largest step; x264 and encoders chosen for the machine
+        options = RenderOptions(avatars_dir=self.s.o.avatars_dir, progress=False)
+        render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
 
     def compile(self, params: dict) -> Path:

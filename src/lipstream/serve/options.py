@@ -68,7 +68,7 @@ class ServeOptions:
         from lipstream.live.options import PRESETS
 
         if self.live_preset not in PRESETS:
-            raise ValueError(f"--preset {self.live_preset!r}: one of {', '.join(PRESETS)} is allowed")
+            raise ValueError(f"--live-preset {self.live_preset!r}: one of {', '.join(PRESETS)} is allowed")
         if self.playout_delay_s is not None and not 0.05 <= self.playout_delay_s <= 5:
             raise ValueError(f"--playout-delay-ms {self.playout_delay_s * 1000:g}: 50 to 5000 is allowed")
         if not 0.1 <= self.switch_interval_ms <= 10:

@@ -43,7 +43,8 @@ def json_logs(level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
-def serve(options: ServeOptions, models: MuseTalk, *, compile: str = "off") -> None:
+def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off") -> None:
+    """`inductor`: torch.compile of the live steps ("off", "vae", "all": engine options)."""
     import uvicorn
 
     from lipstream.serve.app import create_app
@@ -51,7 +52,7 @@ def serve(options: ServeOptions, models: MuseTalk, *, compile: str = "off") -> N
 
     log = logging.getLogger("lipstream.serve")
     t = time.perf_counter()
-    service = Service(options, models, compile=compile).start()
+    service = Service(options, models, inductor=inductor).start()
     log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1),
                          "avatars": sorted(service.avatars), "host": options.host, "port": options.port,
                          "keys": len(options.api_keys)}))

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, options: ServeOptions, models: MuseTalk, *, compile: str = "off"):
+    def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off"):
         self.o, self.models = options, models
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
@@ -36,7 +36,7 @@ class Service:
                                                            capacity_fps=options.live_capacity_fps)
         if options.playout_delay_s is not None:
             live_options = live_options.replace(playout_delay_s=options.playout_delay_s)
-        self.live = LiveEngine(models, live_options, compile=compile)
+        self.live = LiveEngine(models, live_options, inductor=inductor)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)

@@ -1,0 +1,25 @@
+"""Which engine a render gets: the reference path, the compiled packages' or the modules' fast engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lipstream.engine.aot import CompiledNetworks
+from lipstream.engine.interface import FrameEngine
+from lipstream.engine.reference import ReferenceEngine
+from lipstream.engine.runner import CompiledEngine, Engine
+from lipstream.options import EngineOptions
+
+if TYPE_CHECKING:  # the modules' class imports diffusers and transformers: the compiled path never does
+    from lipstream.models import MuseTalk
+
+
+def make_engine(networks: MuseTalk | CompiledNetworks, options: EngineOptions) -> FrameEngine:
+    """The engine for these networks and options (compiled packages: their own fast engine)."""
+    if isinstance(networks, CompiledNetworks):
+        if options.reference:
+            raise ValueError("the reference path runs on the networks' modules, not on compiled packages")
+        return CompiledEngine(networks, options)
+    if options.reference:
+        return ReferenceEngine(networks, options.batch or 16)
+    return Engine(networks, options)

@@ -1,0 +1,129 @@
+"""What a render can be asked to do: the engine's options (maths and speed) and the output's, with named presets.
+
+Kept free of torch: the CLI checks a user's options with these before anything heavy is imported.
+The live engine's options are live/options.py's; the server's, serve/options.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+
+DECODE_ROWS = ("auto", "full", "mask")  # engine/decode.py: which face rows the VAE decodes
+UPSAMPLE_MODES = ("transpose", "phases", "plain")  # engine/upsample.py: how upsample + conv run
+DECODE_STATS = ("rows", "near")  # engine/decode.py: what a cropped decode's GroupNorms see
+INDUCTOR_MODES = ("off", "vae", "all")  # torch.compile of the uncompiled networks' step
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+DEFAULT_DECODE_ROW = 8  # latent row the cropped decode starts at (64 of 256 px)
+MAX_BATCH = 256
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine computes frames. `batch`: frames per step (the largest captured bucket; None: 32 on a
+    GPU, 16 on a CPU), with a `first_batch` bucket so a render's first frames come sooner. `decode_rows` "auto" decodes only the
+    face rows the blend uses (from latent row `decode_row`, the cut rows' GroupNorm statistics as
+    `decode_stats` says) for avatars whose mask allows it, "full" the whole face (exact), "mask" refuses
+    avatars it cannot crop. `upsample`: "transpose" fuses each nearest-upsample + 3x3 conv into one
+    transposed conv (exact, fewer FLOPs), "phases" into four phase convs, "plain" keeps the modules.
+    `inductor`: torch.compile of the uncompiled networks' step ("vae": the decoder, "all": UNet too).
+    `graphs`: CUDA graphs (None: on a GPU). `reference`: the plain eager fp32 path with a numpy blend,
+    slow on purpose: the fast path is checked against it."""
+
+    batch: int | None = None
+    first_batch: int = 8
+    decode_rows: str = "auto"
+    decode_row: int = DEFAULT_DECODE_ROW
+    decode_stats: str = "rows"
+    upsample: str = "transpose"
+    inductor: str = "off"
+    graphs: bool | None = None
+    reference: bool = False
+
+    def check(self) -> None:
+        """ValueError naming the field and what is allowed."""
+        if self.batch is not None and not 1 <= self.batch <= MAX_BATCH or not 1 <= self.first_batch <= MAX_BATCH:
+            raise ValueError(f"batch {self.batch}, first_batch {self.first_batch}: 1 to {MAX_BATCH} are allowed")
+        for name, value, allowed in (("decode_rows", self.decode_rows, DECODE_ROWS),
+                                     ("decode_stats", self.decode_stats, DECODE_STATS),
+                                     ("upsample", self.upsample, UPSAMPLE_MODES),
+                                     ("inductor", self.inductor, INDUCTOR_MODES)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: one of {', '.join(allowed)} is allowed")
+        if not 0 <= self.decode_row < 32:
+            raise ValueError(f"decode_row {self.decode_row}: a latent row from 0 to 31 is allowed")
+
+    def for_device(self, device_type: str) -> EngineOptions:
+        """The batch left open, chosen for the device: on a GPU a large batch fills it, on a CPU the
+        networks are the bottleneck and a smaller one brings the first frame sooner."""
+        return self if self.batch is not None else replace(self, batch=32 if device_type == "cuda" else 16)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The batch sizes captured: the first batch's and the full one."""
+        batch = self.batch or 16
+        return tuple(sorted({min(self.first_batch, batch), batch}))
+
+    def replace(self, **changes) -> EngineOptions:
+        return replace(self, **changes)
+
+
+ENGINE_PRESETS: dict[str, EngineOptions] = {
+    # the defaults: mask-rows decode, fused upsamplers (625 fps core on the H200, 45.9 dB worst frame)
+    "fast": EngineOptions(),
+    # the exact network maths in the engine's dtype (the whole face decoded: 527 fps on the H200)
+    "exact": EngineOptions(decode_rows="full"),
+    # the plain eager fp32 path and a numpy blend: what the others are checked against
+    "reference": EngineOptions(decode_rows="full", upsample="plain", graphs=False, reference=True),
+}
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """A render: the engine's options and the output's. `fps` None: the first avatar's. `x264_preset`,
+    `encoders` (parallel x264 segment encoders) and `engine.batch` None: chosen for the machine
+    (`for_machine`). `resident`: the avatars stay loaded for the process's next renders."""
+
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    fps: Fraction | None = None
+    crf: int = 18
+    x264_preset: str | None = None
+    encoders: int | None = None
+    avatars_dir: Path | None = None
+    resident: bool = True
+    progress: bool = True
+
+    def check(self) -> None:
+        """ValueError naming the field and what is allowed."""
+        self.engine.check()
+        if not 0 <= self.crf <= 51:
+            raise ValueError(f"crf {self.crf}: an x264 quality from 0 to 51 is allowed")
+        if self.x264_preset is not None and self.x264_preset not in X264_PRESETS:
+            raise ValueError(f"x264_preset {self.x264_preset!r}: one of {', '.join(X264_PRESETS)} is allowed")
+        if self.encoders is not None and not 1 <= self.encoders <= 64:
+            raise ValueError(f"encoders {self.encoders}: 1 to 64 are allowed")
+        if self.fps is not None and not 0 < self.fps <= 240:
+            raise ValueError(f"fps {self.fps}: above 0 and at most 240 is allowed")
+
+    def for_machine(self, device_type: str, cores: int) -> RenderOptions:
+        """What the user left open, chosen for this machine.
+
+        On a GPU the engine outruns x264 (625 fps core on the H200 against about 300 fps of 1080p
+        veryfast on 16 cores), so the encoder gets the fastest preset and the engine large batches;
+        on a CPU the networks are the bottleneck and veryfast (smaller files) costs nothing that shows.
+        """
+        gpu = device_type == "cuda"
+        return replace(self, engine=self.engine.for_device(device_type),
+                       x264_preset=self.x264_preset or ("ultrafast" if gpu else "veryfast"),
+                       encoders=self.encoders or default_encoders(cores))
+
+    def replace(self, **changes) -> RenderOptions:
+        return replace(self, **changes)
+
+
+def default_encoders(cores: int) -> int:
+    """Parallel x264 segment encoders: one per 2 cores, at most 8; one below 8 cores, where a single
+    encoder with every thread is best (docs/BENCHMARKS.md)."""
+    return min(8, cores // 2) if cores >= 8 else 1
