@@ -40,6 +40,7 @@ from lipstream.avatar import compile_avatar, load_avatar, ping_pong
 from lipstream.engine import Engine, FrameRequest, ReferenceEngine
 from lipstream.fixtures.avatar import action_loop
 from lipstream.models import load_musetalk
+from lipstream.options import EngineOptions
 
 DEFAULT = "transpose:auto,transpose:full,plain:full"  # the defaults, the exact decode, no fusion
 
@@ -181,7 +182,7 @@ def main() -> None:
         engine = None
         try:
             t = time.perf_counter()
-            engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, **engine_options(spec))
+            engine = Engine(m, EngineOptions(batch=BATCH, inductor=compile, **engine_options(spec)))
             built = time.perf_counter() - t
             startup, fps = core_fps(engine, avatar_dir, frames, repeats=1 if args.smoke else 3)
             row = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}

@@ -3,8 +3,8 @@
 # serve-bench rows (N aiortc clients in their own processes speak over the session's WebSocket,
 # a render job beside them): audio sent -> the frame's last RTP packet at the client, frames late,
 # server stages, GPU use, py-spy of the server's threads; SIGTERM time.
-# Rerun: a device call in the repo root (the `run` tool: $OUT comes back; carry .whl with av,
-# diffusers, py_spy and .whl/serve/*), as the 67399c9 call that docs/BENCHMARKS.md reports:
+# Rerun: a device call in the repo root (the `run` tool: $OUT comes back; carry .whl: the wheels of
+# lipstream's dependencies the image lacks, docs/NOTES.md lists them), as the 67399c9 call that docs/BENCHMARKS.md reports:
 #   STAGE=diag NS=none NOWARM= DELAYS=180,200 NJ=1,4,8,12,16,20 [PROF=1 PROF_AT=S] COMMIT=<sha> \
 #     bash benchmarks/serve_h200.sh
 # Reported in docs/BENCHMARKS.md, "`lipstream serve` under load on the H200 (issue 15, third
@@ -16,9 +16,9 @@
 # STAGE=all: cold (with rows $NS0 at the default playout delay), then a warm start at PLAYOUT2 ms with rows $NS, py-spy.
 # STAGE=diag: cold start; rows $NS without a job (none: no such rows) (GPU use, per-thread CPU and a py-spy of every thread during
 #   the second), a row of N=$NJ with a job; then the tests stage in the time left (of TOTAL_T).
-# STAGE=tests: the test suite's media/live/serve modules on Python 3.12 with the newest wheels.
+# STAGE=tests: the test suite (or TESTS) on Python 3.12 with the newest wheels (pytest-xdist carried).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/av-*.whl .whl/diffusers-*.whl .whl/serve/*.whl .whl/py_spy*.whl 2>&1 | grep -v "^$" | tail -3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | grep -v "^$" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor PYTHONUNBUFFERED=1
 W=$PWD/.h200-serve; mkdir -p $W
 NS=${NS:-8,16,20,24}
@@ -90,9 +90,8 @@ gil_summary() {
   [ -f $OUT/gil.txt ] && pyspy_summary $OUT/gil.txt > $OUT/gil_summary.txt && gzip -f $OUT/gil.txt
   tail -3 $OUT/pyspy.log 2>/dev/null
 }
-run_tests() {  # limit in s: the media, live and serve modules on Python 3.12 with the newest wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/dlib*.whl .whl/importlib*.whl .whl/zipp*.whl 2>&1 | tail -1
-  timeout $1 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_live_encode.py tests/test_live_encode_pool.py tests/test_live.py tests/test_mp4.py tests/test_audio_decode.py tests/test_serve.py tests/test_serve_store.py} 2>&1 | tail -15
+run_tests() {  # limit in s: the suite (TESTS: some of it) on Python 3.12 with the newest wheels, 8 workers
+  timeout $1 python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} ${TESTS:-tests} 2>&1 | tail -25
 }
 case ${STAGE:-cold} in
 cold)

@@ -31,7 +31,6 @@ Reported in docs/BENCHMARKS.md, "Speed, fifth session (issue 5): all targets met
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -39,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
 from lipstream.media import mp4
 from lipstream.models import load_musetalk
+from lipstream.options import EngineOptions, RenderOptions
 from lipstream.render import render_program
 from lipstream.script import single_scene
 
@@ -74,9 +75,10 @@ WARM_COMPILE = """
 import sys, time, torch
 from lipstream.engine import Engine
 from lipstream.models import load_musetalk
+from lipstream.options import EngineOptions
 m = load_musetalk(random_weights=True, size="full", device="cuda", seed=0, warn=False)
 t = time.perf_counter()
-Engine(m, {batch}, buckets=(8, {batch}), compile="all", decode_rows="{rows}").warm_up()
+Engine(m, EngineOptions(batch={batch}, inductor="all", decode_rows="{rows}")).warm_up()
 torch.cuda.synchronize()
 print(time.perf_counter() - t)
 """
@@ -165,8 +167,9 @@ def monologue(engine: Engine, program, work: Path, repeats: int = 3, **kwargs) -
     keep_warmup = kwargs.pop("keep_warmup", False)
     for attempt in range(1 + repeats):  # the first is a warm-up (encoder pool, avatar graphs)
         reset_peak()
-        r = render_program(program, work / "mono.mp4", engine.m, avatars_dir=work / "avatars", fps=30,
-                           batch_size=BATCH, preset="ultrafast", engine=engine, progress=False, **kwargs)
+        options = RenderOptions(engine.o, fps=Fraction(30), x264_preset="ultrafast", avatars_dir=work / "avatars",
+                                progress=False, **kwargs)
+        r = render_program(program, work / "mono.mp4", engine.m, options, engine=engine)
         if attempt or keep_warmup:
             rows.append({"attempt": attempt, "frames": r.frames, "wall_s": r.wall_s, "fps": r.render_fps, "first_packet_s": r.first_frame_s,
                          "peak_gpu_gib": peak_gib(), **r.timings})
@@ -175,10 +178,10 @@ def monologue(engine: Engine, program, work: Path, repeats: int = 3, **kwargs) -
     return rows
 
 
-_defaults = inspect.signature(Engine).parameters
-# The full run's two engines: Engine's defaults with the whole decode, and with the mask rows.
-DEFAULT_ENGINE = (f"{_defaults['upsample'].default}:full, {_defaults['upsample'].default}:mask:"
-                  f"{_defaults['decode_row'].default}:{_defaults['decode_stats'].default}")
+_defaults = EngineOptions()
+# The full run's two engines: the engine's defaults with the whole decode, and with the mask rows.
+DEFAULT_ENGINE = (f"{_defaults.upsample}:full, {_defaults.upsample}:mask:"
+                  f"{_defaults.decode_row}:{_defaults.decode_stats}")
 TARGETS = {"core_fps": 600, "monologue_s": 3.1, "first_packet_s": 0.150, "psnr_db": 40}
 
 
@@ -252,7 +255,7 @@ def main() -> None:
     if args.monologue_only:
         t = time.perf_counter()
         report["engine"] = args.engine
-        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, **engine_options(args.engine))
+        engine = Engine(m, EngineOptions(batch=BATCH, inductor=compile, **engine_options(args.engine)))
         requests_for(engine, avatar_dir, BATCH)
         engine.warm_up()
         sync()
@@ -271,7 +274,7 @@ def main() -> None:
     engines = {}
     for rows in ("full", "mask"):
         t = time.perf_counter()
-        engine = Engine(m, BATCH, buckets=(8, BATCH), compile=compile, decode_rows=rows)
+        engine = Engine(m, EngineOptions(batch=BATCH, inductor=compile, decode_rows=rows))
         built = time.perf_counter() - t
         startup, fps = core_fps(engine, avatar_dir, frames, repeats=1 if SMOKE else 3)
         report[f"core_{rows}"] = {"startup_s": built + startup, "fps": fps, "fps_median": statistics.median(fps)}
