@@ -392,7 +392,7 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
             while not any(e.get("kind") == "finished" for e in events) and time.monotonic() < until - 3:
                 await asyncio.sleep(0.05)
             await ws.send(speech.tobytes())  # a second utterance, cut off
-            await asyncio.sleep(0.8)
+            await asyncio.sleep(1.8)  # it plays 1 s behind: 0.8 s of it has played
             await ws.send(json.dumps({"type": "interrupt"}))
             while not any(e.get("kind") == "interrupted" for e in events) and time.monotonic() < until:
                 await asyncio.sleep(0.05)

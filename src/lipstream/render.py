@@ -229,7 +229,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
         free.put(k)
     # Where each side spends its time (seconds): tells which stage limits a run.
     stages = {"produce_launch_s": 0.0,  # CPU time to schedule a batch and queue its GPU work
-              "produce_slot_wait_s": 0.0,  # waiting for a free host buffer: the writer is behind
+              "produce_buffer_wait_s": 0.0,  # waiting for a free host buffer: the writer is behind
               "produce_queue_wait_s": 0.0,  # waiting for room in the queue: the writer is behind
               "consume_wait_s": 0.0,  # waiting for the next batch to be queued: the producer is behind
               "consume_gpu_wait_s": 0.0,  # waiting for that batch's GPU work and copy to finish
@@ -273,7 +273,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 frames.put((k, len(chunk), ready))
                 marks.setdefault("first_batch_queued_s", time.perf_counter() - t0)
                 stages["produce_launch_s"] += t1 - t
-                stages["produce_slot_wait_s"] += t2 - t1
+                stages["produce_buffer_wait_s"] += t2 - t1
                 stages["produce_queue_wait_s"] += time.perf_counter() - t2
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it

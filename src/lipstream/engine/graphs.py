@@ -31,13 +31,13 @@ class _Graph:
 
 
 class IndexRing:
-    """Small int64 uploads that never block the CPU: pinned slots reused round-robin."""
+    """Small int64 uploads that never block the CPU: pinned buffers reused round-robin."""
 
-    def __init__(self, device: torch.device, slots: int = 16, size: int = 1024):
+    def __init__(self, device: torch.device, buffers: int = 16, size: int = 1024):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=self.cuda) for _ in range(slots)]
-        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
+        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=self.cuda) for _ in range(buffers)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(buffers)]
         self.next = 0
 
     def upload(self, values: list[int]) -> torch.Tensor:
@@ -45,7 +45,7 @@ class IndexRing:
             return torch.tensor(values, device=self.device)
         k = self.next
         self.next = (k + 1) % len(self.buffers)
-        self.events[k].synchronize()  # the copy that last read this slot is done (long ago, normally)
+        self.events[k].synchronize()  # the copy that last read this buffer is done (long ago, normally)
         host = self.buffers[k][:len(values)]
         host.numpy()[:] = values
         out = host.to(self.device, non_blocking=True)

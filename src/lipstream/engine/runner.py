@@ -97,7 +97,7 @@ class StepEngine:
         self._pool = None
         # Frame indices go up through a ring of pinned buffers: a copy from pageable memory would
         # make the CPU wait for all the GPU work queued so far (no running ahead).
-        self._staging = IndexRing(device, slots=64)  # a live step makes a dozen uploads
+        self._staging = IndexRing(device, buffers=64)  # a live step makes a dozen uploads
         self.decode_rows = options.decode_rows
         self.decode_row = decode_row if options.decode_rows != "full" else None
         self._crop_ok: list[bool] = []  # per avatar: its masks fit the cropped decode

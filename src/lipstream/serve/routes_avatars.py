@@ -15,8 +15,8 @@ router = APIRouter()
 
 def resident_avatars(service: Service) -> list[dict]:
     out = []
-    for name, slot in sorted(service.avatars.items()):
-        a = service.live.engine.avatars[slot]
+    for name, index in sorted(service.avatars.items()):
+        a = service.live.engine.avatars[index]
         out.append({"name": name, "width": a.size[0], "height": a.size[1], "fps": str(a.fps),
                     "loop_frames": a.num_frames})
     return out

@@ -69,8 +69,8 @@ class Service:
         """Keep the compiled avatar --avatars/name resident (its idle loop too, once started)."""
         avatar = resident_avatar(self.o.avatars_dir / name, self.models.device,
                                  vae_fingerprint=self.models.fingerprints.get("vae"))
-        slot = self.avatars[name] = self.live.add_avatar(avatar)
-        return slot
+        index = self.avatars[name] = self.live.add_avatar(avatar)
+        return index
 
     def _sweep(self) -> None:
         """Temporary files a killed server left behind (half uploads, half results)."""
