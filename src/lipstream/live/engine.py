@@ -195,12 +195,25 @@ class LiveEngine:
 
     # --- sessions and jobs ----------------------------------------------------------------------
 
-    def open_session(self, avatar: int = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
+    def avatar_index(self, avatar: int | str) -> int:
+        """A resident avatar's index from its index or its name."""
+        if isinstance(avatar, str):
+            names = [a.name for a in self.engine.avatars]
+            if avatar not in names:
+                raise ValueError(f"avatar: {avatar!r} is not resident; resident: {', '.join(names) or 'none'}")
+            return names.index(avatar)
+        return int(avatar)
+
+    def open_session(self, avatar: int | str = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
                      start_frame: int = 0, playout_delay_s: float | None = None) -> Session:
-        """A new session on a resident avatar, idle until speech is pushed; AdmissionError if full.
-        `playout_delay_s` (None: the engine's) is this session's own: a client may trade latency for
-        fewer late frames; the scheduler orders every frame by its own session's deadline."""
+        """A new session on a resident avatar (its index or name), idle until speech is pushed;
+        AdmissionError if full. `encode` (None: the engine's `LiveOptions.encode`): H.264 + audio
+        packets with each frame, for a WebRTC sender; the integrations, which hand out pictures, pass
+        False. `playout_delay_s` (None: the engine's) is this session's own: a client may trade latency
+        for fewer late frames; the scheduler orders every frame by its own session's deadline.
+        Close it with `session.close()` (or `with`)."""
         self._raise_error()
+        avatar = self.avatar_index(avatar)
         if playout_delay_s is not None and not 0.05 <= playout_delay_s <= 5:
             raise ValueError(f"playout_delay_s: {playout_delay_s:g}; 0.05 to 5 s is allowed")
         if not 0 <= avatar < len(self.engine.avatars):
@@ -252,7 +265,8 @@ class LiveEngine:
         handoff = FrameHandoff(sid, clock, request.first_step, request.frame_audio, to_playout, self._copy.submit,
                                time.monotonic)
         playout = Playout(clock, request, rest, handoff.want_keyframe, time.monotonic)
-        return Session(request, handoff, playout, o, a.size, self._wake.set, time.monotonic)
+        return Session(request, handoff, playout, o, a.size, self._wake.set, time.monotonic,
+                       matrix=a.meta.get("colour_matrix", "bt601"), release=self._release)
 
     def _encoders(self) -> EncodePool:
         with self._pool_lock:  # not the core's lock: starting the processes takes a moment
@@ -261,10 +275,13 @@ class LiveEngine:
             return self.encode_pool
 
     def close_session(self, session: Session) -> None:
+        """The same as session.close(): its stream ends and its place is freed."""
+        session.close()
+
+    def _release(self, session: Session) -> None:
         with self._lock:
             if self.sessions.pop(session.id, None) is not None:
                 self._free_rings.append(session.request.ring)
-        session.close()
 
     def render_offline(self, avatar: int, frames: list[int], windows: torch.Tensor) -> Future:
         """Offline frames through the same steps at lower priority: loop frames of a resident avatar
@@ -362,3 +379,28 @@ class LiveEngine:
         self.scheduler.observe_step(took)
         self.stats.frames += len(f.plan.live)
         self.stats.offline_frames += len(f.plan.offline)
+
+
+def start_engine(avatars: list[str | Path], *, models: str | Path | None = None, random_weights: bool = False,
+                 size: str = "full", device: str = "auto", options: LiveOptions | str = "realtime",
+                 inductor: str = "off") -> LiveEngine:
+    """A started LiveEngine with these compiled avatar folders resident: what an integration's host
+    process makes once and shares between its pipelines. `models`: the MuseTalk folder (None: the
+    default place, models.layout); `random_weights` (with `size`) for tests and benchmarks only, never
+    passed off as real. Close it with `close()` (or `with`)."""
+    from lipstream.models import load_musetalk
+    from lipstream.startup import pick_device
+
+    folders = [Path(a) for a in avatars]
+    for folder in folders:
+        if not (folder / "avatar.json").is_file():
+            raise ValueError(f"avatars: {folder} is not a compiled avatar folder (`lipstream compile VIDEO`)")
+    m = load_musetalk(models, device=pick_device(device), random_weights=random_weights, size=size, warn=False)
+    live = LiveEngine(m, options, inductor=inductor)
+    try:
+        for folder in folders:
+            live.add_avatar(folder)
+        return live.start()
+    except BaseException:
+        live.close()
+        raise

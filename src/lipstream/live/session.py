@@ -15,8 +15,10 @@ state, with the hand-offs between them explicit:
 - `Playout` (live/playout.py): frames handed out at their playout times, speech events, the audio
   out. The consumer's event loop; the hand-off passes it frames through its inbox.
 
-This class is what a caller holds: push, end and clear from any thread, read with
-`async for item in session` (LiveFrame | SpeechEvent).
+This class is what a caller holds, and the stable surface the integrations (Pipecat, LiveKit)
+are built on: push, end and clear from any thread, read with `async for item in session`
+(LiveFrame | SpeechEvent), `rgb(frame)` for a picture, `close()` when done (README: "The live
+session API").
 """
 
 from __future__ import annotations
@@ -31,17 +33,19 @@ from lipstream.live.items import TIMING_STAGES, LiveFrame, SessionStats, SpeechE
 from lipstream.live.options import LiveOptions
 from lipstream.live.playout import Playout
 from lipstream.live.request import SpeechRequest
+from lipstream.media.pixels import i420_to_rgb, mono_pcm
 
 
 class Session:
     """Made by LiveEngine.open_session. Thread-safe: push, end and clear from any thread."""
 
     def __init__(self, request: SpeechRequest, handoff: FrameHandoff, playout: Playout, options: LiveOptions,
-                 size: tuple[int, int], wake_core: Callable[[], None], now: Callable[[], float]):
+                 size: tuple[int, int], wake_core: Callable[[], None], now: Callable[[], float],
+                 matrix: str = "bt601", release: Callable[[Session], None] = lambda session: None):
         self.request, self.handoff, self.playout = request, handoff, playout
         self.id, self.avatar, self.clock, self.fps = request.id, request.avatar, request.clock, request.fps
-        self.o, self.size = options, size
-        self._wake_core, self._now = wake_core, now
+        self.o, self.size, self.matrix = options, size, matrix  # size: (width, height); matrix: its I420's
+        self._wake_core, self._now, self._release = wake_core, now, release
 
     @property
     def t0(self) -> float:
@@ -49,17 +53,18 @@ class Session:
 
     # --- the caller's side ---------------------------------------------------------------------
 
-    def push_audio(self, pcm: np.ndarray | torch.Tensor, rate: int) -> None:
-        """Mono samples (float in [-1, 1], or int16) of the current utterance; opens one if none is open.
-
-        Chunks of 10-1000 ms are what it is made for; any length works.
+    def push_audio(self, pcm: np.ndarray | torch.Tensor | bytes, rate: int, *, channels: int = 1) -> None:
+        """Samples of the current utterance; opens one if none is open. `pcm`: float in [-1, 1], int16,
+        or PCM16 little-endian bytes; `channels` > 1: interleaved, mixed down to mono. Any rate from
+        8 to 192 kHz. Chunks of 10-1000 ms are what it is made for; any length works.
         """
         if not 8000 <= int(rate) <= 192_000:
             raise ValueError(f"rate: {rate} Hz; 8000 to 192000 are allowed")
         # numpy only: this runs on the caller's event loop, where each torch op would drop the GIL
-        x = pcm.detach().cpu().numpy() if isinstance(pcm, torch.Tensor) else np.asarray(pcm)
+        x = pcm.detach().cpu().numpy() if isinstance(pcm, torch.Tensor) else pcm
+        x = mono_pcm(x, channels)
         if x.ndim > 1 and 1 not in x.shape:
-            raise ValueError(f"pcm: shape {tuple(np.shape(pcm))}; one channel (a 1-D array) is allowed")
+            raise ValueError(f"pcm: shape {tuple(np.shape(pcm))}; one channel, or interleaved channels with channels=N, is allowed")
         x = x.reshape(-1) / np.float32(32768.0) if x.dtype == np.int16 else x.astype(np.float32, copy=False).reshape(-1)
         if x.size == 0 or not np.isfinite(x).all():
             raise ValueError("pcm: empty, or holds NaN or infinite samples")
@@ -87,9 +92,26 @@ class Session:
         self.handoff.want_keyframe()
 
     def close(self) -> None:
-        """End the stream: the reader's iteration stops (LiveEngine.close_session also frees its place)."""
+        """End the stream: the reader's iteration stops and its place on the engine is freed. Idempotent."""
         self.playout.close()
         self.handoff.close()
+        release, self._release = self._release, lambda session: None
+        release(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.playout.closed
+
+    def rgb(self, frame: LiveFrame, size: tuple[int, int] | None = None, out_format: str = "RGB") -> np.ndarray:
+        """A frame's picture as [h, w, 3] uint8 RGB ("RGBA": 4), in this avatar's colour matrix, resized
+        to `size` (width, height) if given. OpenCV, without the GIL: call it on a worker thread."""
+        return i420_to_rgb(frame.i420, self.matrix, size, out_format)
 
     # --- the consumer's side -------------------------------------------------------------------
 

@@ -1,0 +1,41 @@
+"""The one interface a speaking session plays, whichever side of a network it is on.
+
+`live.Session` (in this process, on a LiveEngine) implements it, and so does
+`lipstream.client.RemoteSession` (a `lipstream serve` session over WebRTC). The Pipecat and
+LiveKit integrations are written against this and nothing else, so each runs in-process or
+against a server by URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from fractions import Fraction
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from lipstream.live.items import LiveFrame, SpeechEvent
+
+
+@runtime_checkable
+class SpeakingSession(Protocol):
+    fps: Fraction  # frames a second it hands out
+    size: tuple[int, int]  # (width, height) of its pictures
+
+    def push_audio(self, pcm: np.ndarray | bytes, rate: int, *, channels: int = 1) -> None:
+        """Speech of the current utterance (opens one): float, int16 or PCM16 bytes, any rate."""
+
+    def end_utterance(self) -> None:
+        """The utterance is complete: its last frames need no more audio."""
+
+    def clear(self) -> None:
+        """Interrupt: queued speech dropped, the next frame handed out is idle."""
+
+    def rgb(self, frame: LiveFrame, size: tuple[int, int] | None = None, out_format: str = "RGB") -> np.ndarray:
+        """A frame's picture, [h, w, 3] uint8 (4 for RGBA)."""
+
+    def close(self) -> None:
+        """Its stream ends (iteration stops) and its place is freed. Idempotent."""
+
+    def __aiter__(self) -> AsyncIterator[LiveFrame | SpeechEvent]:
+        """Frames at their playout times (each with its 48 kHz audio) and speech events."""
