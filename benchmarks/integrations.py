@@ -1,0 +1,98 @@
+"""The agent-stack adapters under load on one GPU: N Pipecat pipelines (LipStreamVideoService) and N
+LiveKit VideoGenerators driven by a local AvatarRunner loop, in one process on one LiveEngine.
+
+Each pipeline/generator is fed TTS-like speech in real time (20 ms chunks, utterances of 2-5 s,
+pauses of 0.5-1.5 s) and read the way its stack reads it (bench/pipecat_load.py,
+bench/livekit_load.py). A row holds when every one of the N gets its pictures at the session's
+frame rate (the slowest >= 98% of it), no speech picture lacks its audio right after it, and no
+speech frame is late. The largest N that holds, per stack, is the figure README.md quotes.
+
+    python3 benchmarks/integrations.py --stacks pipecat,livekit --sessions 8,16,20,24 \\
+        --size 1280x720 --seconds 12 --out OUT   (full-size random weights on the GPU)
+
+On the CPU (`--device cpu --random-size tiny --size 320x180 --fps 4 --sessions 2`) it is the
+smoke run of the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HOLD_FPS = 0.98  # the slowest pipeline's share of the session fps for a row to hold
+
+
+def holds(row: dict, fps: float) -> bool:
+    return (row["fps_min"] >= HOLD_FPS * fps and row["misaligned"] == 0 and row["late_speech"] == 0
+            and row["errors"] == 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stacks", default="pipecat,livekit")
+    ap.add_argument("--sessions", default="8,16,20,24")
+    ap.add_argument("--size", default="1280x720")
+    ap.add_argument("--fps", type=int, default=25)
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--warmup", type=float, default=4.0, help="a first run at the largest N, not reported")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--random-size", default="full")
+    ap.add_argument("--out", type=Path, default=Path("integrations-bench"))
+    a = ap.parse_args()
+    stacks = [s for s in a.stacks.split(",") if s]
+    counts = [int(n) for n in a.sessions.split(",") if n]
+    w, h = (int(v) for v in a.size.split("x"))
+
+    from lipstream.bench.scenarios import _avatar
+    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.live import LiveEngine, preset
+    from lipstream.models import load_musetalk
+
+    sys.setswitchinterval(0.001)  # as live-bench: the event loop wakes on time beside the core thread
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.out / "work"
+    m = load_musetalk(None, device=a.device, random_weights=True, size=a.random_size, warn=False)
+    name = f"p{w}x{h}"
+    if not (work / "avatars" / name).exists():
+        _avatar(work, name, m, w, h, a.fps, 0)
+    options = preset("realtime").replace(capacity_fps=math.inf, max_sessions=max(counts), encode=False)
+    if a.device == "cpu":
+        options = options.replace(playout_delay_s=3.0, buckets=(1, 2, 4))
+    live = LiveEngine(m, options, inductor=FAST_INDUCTOR if a.device.startswith("cuda") else "off")
+    live.add_avatar(work / "avatars" / name)
+    t = time.perf_counter()
+    live.start()
+    report = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("LIPSTREAM_COMMIT", ""),
+              "command": " ".join(["python3", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+              "size": a.size, "fps": a.fps, "seconds": a.seconds, "startup_s": round(time.perf_counter() - t, 1),
+              "step_s": {b: round(s, 4) for b, s in live.step_s.items()}, "rows": [], "largest": {}}
+    try:
+        for stack in stacks:
+            load = importlib.import_module(f"lipstream.bench.{stack}_load")
+            if a.warmup:
+                load.run(live, name, max(counts), a.warmup, size=(w, h), fps=a.fps)
+            for n in counts:
+                row = {"stack": stack, "n": n, **load.run(live, name, n, a.seconds, size=(w, h), fps=a.fps)}
+                row["holds"] = holds(row, a.fps)
+                report["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
+            held = [r["n"] for r in report["rows"] if r["stack"] == stack and r["holds"]]
+            report["largest"][stack] = max(held) if held else None
+    finally:
+        live.close()
+    (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
+    print("largest N that holds:", report["largest"])
+
+
+if __name__ == "__main__":
+    main()
