@@ -118,3 +118,31 @@ def test_close_gives_the_engine_its_place_back(engine):
 def test_start_engine_names_a_folder_that_is_not_an_avatar(tmp_path):
     with pytest.raises(ValueError, match=f"avatars: {tmp_path} is not a compiled avatar folder"):
         start_engine([tmp_path], random_weights=True, size="tiny", device="cpu")
+
+
+BLOCK_EXTRAS = """
+import importlib.abc, sys
+class NoExtras(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('pipecat', 'livekit'):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the extras are not installed)")
+sys.meta_path.insert(0, NoExtras())
+"""
+
+
+def test_the_core_package_needs_neither_extra():
+    """`import lipstream` and everything but lipstream.integrations run without pipecat and livekit."""
+    import subprocess
+    import sys
+
+    code = BLOCK_EXTRAS + """
+import lipstream, lipstream.live, lipstream.render, lipstream.cli, lipstream.serve.app, lipstream.integrations
+assert not [m for m in sys.modules if m.split('.')[0] in ('pipecat', 'livekit')]
+from lipstream.cli import app
+from typer.testing import CliRunner
+result = CliRunner().invoke(app, ['--help'])
+assert result.exit_code == 0, result.output
+print('ok')
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
