@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 RTP_VIDEO_CLOCK = 90_000
 AUDIO_WAIT_S = 0.25  # a picture whose audio is not all in this long after it arrived goes with what is
-LATE_WAIT_S = 0.3  # audio this far past a frame whose picture never came: the server played it late
+LATE_WAIT_S = 0.5  # audio this far past a frame whose picture never came: the server played it late
 KEEP_PICTURES = 200  # pictures held for a consumer that is not reading (the oldest go first)
 KEEP_EVENTS = 256
 CHUNK_S = 1.0  # a long push goes up in messages of at most this much audio
