@@ -7,11 +7,10 @@ video) and used both ways, so a round trip does not shift colours.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-# (Kr, Kb) of each matrix; limited ("TV") range: Y in [16, 235], Cb/Cr in [16, 240].
-MATRICES = {"bt709": (0.2126, 0.0722), "bt601": (0.299, 0.114)}
+from lipstream.media.pixels import MATRICES, yuv_to_rgb_affine  # noqa: F401 - the numpy half, kept torch-free there
+from lipstream.media.pixels import matrix_coefficients as _coefficients
 
 
 def default_matrix(tagged: str | None = None) -> str:
@@ -23,23 +22,6 @@ def default_matrix(tagged: str | None = None) -> str:
         if "601" in t or "470" in t or "170" in t or t in ("smpte170m", "bt470bg"):
             return "bt601"
     return "bt601"
-
-
-def _coefficients(matrix: str) -> tuple[float, float, float]:
-    kr, kb = MATRICES[matrix]
-    return kr, 1 - kr - kb, kb
-
-
-def yuv_to_rgb_affine(matrix: str) -> np.ndarray:
-    """[3, 4] affine map from 8-bit (Y, U, V) code values to 8-bit (R, G, B), for cv2.transform."""
-    kr, kg, kb = _coefficients(matrix)
-    to_rgb = np.array([[1, 0, 2 * (1 - kr)],
-                       [1, -2 * (1 - kb) * kb / kg, -2 * (1 - kr) * kr / kg],
-                       [1, 2 * (1 - kb), 0]])  # rows: R, G, B from (y, u, v) normalised
-    norm = np.diag([1 / 219, 1 / 224, 1 / 224])
-    offset = -norm @ np.array([16.0, 128.0, 128.0])
-    m = 255 * to_rgb @ norm
-    return np.hstack([m, (255 * to_rgb @ offset)[:, None]]).astype(np.float64)
 
 
 def rgb_to_yuv(rgb: torch.Tensor, matrix: str) -> torch.Tensor:

@@ -4,14 +4,28 @@ The stable surface (README: "The live session API"): `start_engine` and `LiveEng
 `Session` (`push_audio`, `end_utterance`, `clear`, `async for item in session`, `rgb`, `close`),
 what it hands out (`LiveFrame`, `SpeechEvent`), `LiveOptions` and its presets, and `SpeakingSession`,
 the interface a local and a remote session share.
+
+The engine's names load on first use (PEP 562): what a session hands out and the interface
+(items.py, interface.py) import without torch, for a remote client (lipstream.client).
 """
 
-from lipstream.live.engine import EngineStats, LiveEngine, start_engine
+from __future__ import annotations
+
+import importlib
+
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
-from lipstream.live.options import PRESETS, LiveOptions, preset
-from lipstream.live.scheduler import AdmissionError
-from lipstream.live.session import Session
+
+_LAZY = {"EngineStats": "engine", "LiveEngine": "engine", "start_engine": "engine", "LiveOptions": "options",
+         "PRESETS": "options", "preset": "options", "AdmissionError": "scheduler", "Session": "session"}
 
 __all__ = ["AdmissionError", "EngineStats", "LiveEngine", "LiveFrame", "LiveOptions", "PRESETS", "Session",
            "SessionStats", "SpeakingSession", "SpeechEvent", "preset", "start_engine"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

@@ -3,8 +3,9 @@
 The engine hands out I420 in its avatar's colour matrix (avatar/colour.py); an RGB consumer must
 convert with that same matrix, or skin tones shift. OpenCV's own I420 conversion is BT.601
 limited range, the matrix of untagged video, and the fast path; BT.709 goes through the affine
-map (avatar.colour.yuv_to_rgb_affine). numpy and OpenCV only: this runs on the callers' threads,
-and OpenCV drops the GIL while it converts.
+map (yuv_to_rgb_affine, here: avatar/colour.py's torch conversions use it too). numpy and OpenCV
+only, no torch: this runs on the callers' threads (a remote client's too), and OpenCV drops the GIL
+while it converts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,26 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-from lipstream.avatar.colour import MATRICES, yuv_to_rgb_affine
+# (Kr, Kb) of each matrix; limited ("TV") range: Y in [16, 235], Cb/Cr in [16, 240].
+MATRICES = {"bt709": (0.2126, 0.0722), "bt601": (0.299, 0.114)}
+
+
+def matrix_coefficients(matrix: str) -> tuple[float, float, float]:
+    """(Kr, Kg, Kb) of a matrix."""
+    kr, kb = MATRICES[matrix]
+    return kr, 1 - kr - kb, kb
+
+
+def yuv_to_rgb_affine(matrix: str) -> np.ndarray:
+    """[3, 4] affine map from 8-bit (Y, U, V) code values to 8-bit (R, G, B), for cv2.transform."""
+    kr, kg, kb = matrix_coefficients(matrix)
+    to_rgb = np.array([[1, 0, 2 * (1 - kr)],
+                       [1, -2 * (1 - kb) * kb / kg, -2 * (1 - kr) * kr / kg],
+                       [1, 2 * (1 - kb), 0]])  # rows: R, G, B from (y, u, v) normalised
+    norm = np.diag([1 / 219, 1 / 224, 1 / 224])
+    offset = -norm @ np.array([16.0, 128.0, 128.0])
+    m = 255 * to_rgb @ norm
+    return np.hstack([m, (255 * to_rgb @ offset)[:, None]]).astype(np.float64)
 
 
 def i420_to_rgb(i420: np.ndarray, matrix: str = "bt601", size: tuple[int, int] | None = None,

@@ -24,6 +24,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -132,12 +133,12 @@ class LiveSessions:
         return sum(x.owner == owner for x in self.open.values())
 
     async def start(self, owner: str, avatar: str, offer_sdp: str,
-                    playout_delay_s: float | None = None) -> tuple[LiveSession, str]:
+                    playout_delay_s: float | None = None, fps: Fraction | None = None) -> tuple[LiveSession, str]:
         """Open an engine session (AdmissionError when full) and answer the client's offer (ValueError:
         a bad offer; RuntimeError: no WebRTC worker could take it)."""
         h264_offer = prefer_h264(offer_sdp)
         encoded = h264_offer is not None
-        session = self.s.live.open_session(self.s.avatars[avatar], encode=encoded,
+        session = self.s.live.open_session(self.s.avatars[avatar], fps=fps, encode=encoded,
                                            playout_delay_s=playout_delay_s)
         live = LiveSession(secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)

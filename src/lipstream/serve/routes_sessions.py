@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, WebSocket, WebSo
 from fastapi.responses import Response
 
 from lipstream.live import AdmissionError
+from lipstream.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
 from lipstream.serve.live import LiveSession
 from lipstream.serve.options import RETRY_AFTER_S
@@ -30,17 +31,24 @@ def own_session(service: Service, sid: str, who: Caller) -> LiveSession:
 
 
 @router.post("/v1/sessions", status_code=201)
-async def open_session(request: Request, avatar: str, playout_delay_ms: float | None = None,
+async def open_session(request: Request, avatar: str, playout_delay_ms: float | None = None, fps: str | None = None,
                        who: Caller = Depends(caller), service: Service = Depends(get_service)) -> Response:
     """A live presenter over WebRTC: the body is the client's SDP offer (application/sdp), the
     answer comes back with the session's Location (DELETE it to end); speech goes to
     /v1/sessions/{id}/speech (a WebSocket) or comes as the offer's own audio track.
     `playout_delay_ms`: how far behind the speech this session plays (default: the server's);
-    less is sooner, with more frames at risk of being late under load."""
+    less is sooner, with more frames at risk of being late under load. `fps` ("25", "30000/1001"; default:
+    the avatar's): the session's own frame rate."""
     sessions = service.sessions
     known_avatar(service, avatar)
     if playout_delay_ms is not None and not 50 <= playout_delay_ms <= 5000:
         raise HTTPException(422, f"playout_delay_ms: {playout_delay_ms:g}; 50 to 5000 is allowed")
+    try:
+        rate = None if fps is None else as_fps(fps)
+    except ValueError as e:
+        raise HTTPException(422, f"fps: {e}") from None
+    if rate is not None and not 1 <= rate <= 60:
+        raise HTTPException(422, f"fps: {fps}; 1 to 60 is allowed")
     if sessions.count(who.owner) >= service.o.sessions_per_key:
         raise HTTPException(429, f"this key has {service.o.sessions_per_key} live sessions open already",
                             headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -49,7 +57,7 @@ async def open_session(request: Request, avatar: str, playout_delay_ms: float | 
         raise HTTPException(422, "the body must be an SDP offer (Content-Type: application/sdp)")
     try:
         live, answer = await sessions.start(who.owner, avatar, offer,
-                                            None if playout_delay_ms is None else playout_delay_ms / 1000)
+                                            None if playout_delay_ms is None else playout_delay_ms / 1000, rate)
     except AdmissionError as e:
         raise HTTPException(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ValueError as e:
