@@ -11,14 +11,18 @@ or when it clears (interrupted=True). So what this yields is exactly what plays:
 - a speaking frame's audio (48 kHz mono PCM16) right after its picture, and nothing for an idle one;
 - `AudioSegmentEnd` after an utterance's last frame (the session's "finished" event).
 
-After `clear_buffer` no audio of the cleared speech is yielded (a picture being converted when it
-came is dropped, and so is the "finished" of a cleared utterance), so the position the runner
-reports is the speech that played, and the next segment's count starts from zero.
+On `clear_buffer` the runner reports the position it has counted, then starts counting from zero.
+So no audio of the cleared speech is yielded after it (a picture being converted when it came is
+dropped, and so is the "finished" of a cleared utterance), and a clear that comes while the runner
+is still pushing a frame's audio into its synchronizer (it blocks there up to a frame, the audio
+source playing in real time) waits for that push: the runner counts that audio before it reports,
+not into the next reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -32,6 +36,7 @@ from lipstream.media.pixels import pcm16
 from lipstream.rates import AUDIO_RATE
 
 _POOL: ThreadPoolExecutor | None = None
+CLEAR_WAIT_S = 1.0  # at most this long for the runner to finish pushing the audio it holds
 
 
 def picture_pool() -> ThreadPoolExecutor:
@@ -60,6 +65,7 @@ class LipStreamVideoGenerator(VideoGenerator):
         self._cleared_through = -1  # utterances up to this id were cleared: their "finished" is not a segment end
         self._newest = -1  # the newest utterance seen in a frame
         self.last_frame: LiveFrame | None = None  # the LiveFrame whose picture was yielded last
+        self._audio_held: asyncio.Event | None = None  # set when the runner is done with the audio yielded last
 
     def avatar_options(self) -> AvatarOptions:
         """What AvatarRunner's sources and synchronizer need: this size, the session's fps, 48 kHz mono."""
@@ -73,10 +79,14 @@ class LipStreamVideoGenerator(VideoGenerator):
             return
         self.session.push_audio(bytes(frame.data), frame.sample_rate, channels=frame.num_channels)
 
-    def clear_buffer(self) -> None:
+    async def clear_buffer(self) -> None:
         self._generation += 1
         self._cleared_through = self._newest
         self.session.clear()
+        held = self._audio_held
+        if held is not None:  # the runner counts that audio when its push returns: let it, then it reports
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(held.wait(), CLEAR_WAIT_S)
 
     def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
         return self._stream()
@@ -99,7 +109,12 @@ class LipStreamVideoGenerator(VideoGenerator):
             # the runner may have waited on its synchronizer after the picture: a clear since then
             # means this frame's speech is not to be counted as played
             if item.utterance is not None and item.audio.size and generation == self._generation:
-                yield rtc.AudioFrame(pcm16(item.audio), AUDIO_RATE, 1, item.audio.size)
+                held = self._audio_held = asyncio.Event()
+                try:
+                    yield rtc.AudioFrame(pcm16(item.audio), AUDIO_RATE, 1, item.audio.size)
+                finally:  # the runner asked for the next item (or stopped reading)
+                    self._audio_held = None
+                    held.set()
 
     def _picture(self, frame: LiveFrame) -> rtc.VideoFrame:
         """On a pool thread: the frame as an RGBA VideoFrame of this generator's size."""
