@@ -70,8 +70,8 @@ class RoomWithoutServer:
 class PushLog:
     """Counts what a runner pushes into its AVSynchronizer (wraps its push): cheap per frame."""
 
-    def __init__(self, runner: AvatarRunner, generator: LipStreamVideoGenerator, since: float):
-        self.generator, self.since = generator, since
+    def __init__(self, runner: AvatarRunner, generator: LipStreamVideoGenerator, since: float, until: float):
+        self.generator, self.since, self.until = generator, since, until
         self.picture_times: list[float] = []
         self.speech_pictures = self.misaligned = 0
         self._expect = 0  # samples the last picture's audio must have (0: none may follow)
@@ -85,7 +85,7 @@ class PushLog:
 
     def _saw(self, frame) -> None:
         now = time.monotonic()
-        counted = now >= self.since
+        counted = self.since <= now < self.until
         if isinstance(frame, rtc.VideoFrame):
             if self._expect and counted:
                 self.misaligned += 1  # the previous speaking picture came without its audio
@@ -126,7 +126,7 @@ async def _one(engine: LiveEngine, avatar: int | str, index: int, n: int, since:
         audio = QueueAudioOutput()
         runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
                               options=generator.avatar_options())
-        log = PushLog(runner, generator, since)
+        log = PushLog(runner, generator, since, until)
         await runner.start()
         try:
             await _feed(audio, np.random.default_rng(index), speech, until)
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="livekit-load-work", help="where the generated avatar is kept")
     p.add_argument("--models", default=None)
     p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--random-size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     a = p.parse_args(argv)
@@ -198,10 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     w, h = (int(v) for v in a.size.lower().split("x"))
     sys.setswitchinterval(0.001)  # the runners' event loop shares the GIL with the core thread
     models = load_musetalk(a.models, device=pick_device(a.device), random_weights=a.random_weights,
-                           size="full")
+                           size=a.random_size)
     work = Path(a.work)
     name = f"p{w}x{h}_0"
     if not (work / "avatars" / name).exists():
+        work.mkdir(parents=True, exist_ok=True)
         _avatar(work, name, models, w, h, a.fps, 0)
     inductor = FAST_INDUCTOR if a.compile == "on" or (a.compile == "auto" and models.device.type == "cuda") else "off"
     engine = LiveEngine(models, preset("realtime").replace(encode=False, capacity_fps=math.inf,
