@@ -311,8 +311,8 @@ def test_load_bench_runs_two_generators_on_one_engine(engine):
     assert report["n"] == 2 and len(report["generators"]) == 2
     for g in report["generators"]:
         assert g["pictures"] >= 3.0 * 4 - 3
-        assert g["speech_pictures"] > 0 and g["misaligned_audio"] == 0
-    assert report["fps_min"] > 0 and report["interval_p99_ms"] > 0
+        assert g["speech_pictures"] > 0 and g["misaligned"] == 0
+    assert report["errors"] == 0 and report["fps_min"] > 0 and report["interval_p99_ms"] > 0
 
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "
