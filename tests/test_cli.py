@@ -35,7 +35,7 @@ def test_help_lists_only_working_commands():
     panel = r.stdout[r.stdout.index("Commands"):]
     listed = re.findall(r"^│ (\S+) {2,}\S", panel, re.M)
     assert sorted(listed) == sorted(["compile", "render", "broadcast", "warmup", "bench", "features", "weights",
-                                     "live-bench", "serve", "serve-bench"]), listed
+                                     "live-bench", "serve", "serve-bench", "livekit-worker"]), listed
     for cmd in listed:
         help_ = lipstream(cmd, "--help")
         assert help_.returncode == 0 and "Usage: lipstream " + cmd in help_.stdout, (cmd, help_.stderr)

@@ -1,7 +1,7 @@
 """The `lipstream` command line: one module per group of commands, a flag per function argument, errors in one line.
 
 One module per group of commands (common: what they share; weights; render: compile, render, broadcast,
-warmup, features; bench: bench, live-bench; serve: serve, serve-bench); importing this package
+warmup, features; bench: bench, live-bench; serve: serve, serve-bench; livekit: livekit-worker); importing this package
 registers them all on `app`.
 """
 
@@ -17,13 +17,14 @@ import typer
 from lipstream.cli import render  # isort: skip
 from lipstream.cli import serve  # isort: skip
 from lipstream.cli import bench, weights  # isort: skip
+from lipstream.cli import livekit  # isort: skip
 from lipstream.cli.common import app, click, err, load_models, old_spellings, process_age, warn_random_weights
 from lipstream.errors import LipStreamError
 from lipstream.preflight import UsageError, random_size_for
 
 log = logging.getLogger(__name__)
-__all__ = ["app", "bench", "entry", "load_models", "main", "process_age", "random_size_for", "render", "serve",
-           "warn_random_weights", "weights"]
+__all__ = ["app", "bench", "entry", "livekit", "load_models", "main", "process_age", "random_size_for", "render",
+           "serve", "warn_random_weights", "weights"]
 
 
 def main(argv: list[str] | None = None) -> int:

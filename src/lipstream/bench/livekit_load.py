@@ -1,0 +1,230 @@
+"""LiveKit load: N LipStream VideoGenerators on one engine in one process, each under LiveKit's own AvatarRunner.
+
+Each generator runs as in `start_in_process`: a QueueAudioOutput (the agent's audio output) feeds a
+real AvatarRunner, whose real AVSynchronizer paces the pictures and plays the audio into a real
+(FFI) AudioSource; the room is `RoomWithoutServer` (publishing goes nowhere: no WebRTC encode or
+network, which a LiveKit server adds per room). Speech comes as a TTS hands it over, in real time:
+20 ms rtc.AudioFrames at 24 kHz, utterances of 2-5 s, pauses of 0.5-1.5 s, a flush after each.
+
+What the runner pushes into its synchronizer is recorded in order; per generator over a window of
+`seconds` (after SETTLE_S for the staggered starts and the playout delay, before which a session
+has no picture): video fps, frames late (session.stats), misaligned audio (a speaking picture
+not followed by exactly its audio, or audio after anything else), the intervals between pictures
+(p99, max); `errors`: generators that failed (their fps counts as 0). `run` measures one N (the
+row benchmarks/integrations.py reads); `python -m lipstream.bench.livekit_load` runs several on a
+fresh engine (720p25 by default) and prints a JSON row per N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from fractions import Fraction
+
+import numpy as np
+from livekit import rtc
+from livekit.agents.voice.avatar import AvatarRunner, QueueAudioOutput
+
+from lipstream.fixtures import speech_like
+from lipstream.integrations.livekit import LipStreamVideoGenerator
+from lipstream.live import LiveEngine
+
+SETTLE_S = 1.0  # runners start staggered over the first second: left out of every figure
+TTS_RATE = 24_000
+CHUNK_S = 0.02
+
+
+class _Publication:
+    async def wait_for_subscription(self) -> None:
+        return None
+
+
+class _Participant:
+    identity = "bench-agent"
+
+    async def publish_track(self, track, options) -> _Publication:
+        return _Publication()
+
+
+class RoomWithoutServer:
+    """What AvatarRunner needs of an rtc.Room when no server is there: connected; published tracks go nowhere."""
+
+    name = "bench"
+
+    def __init__(self):
+        self.local_participant = _Participant()
+
+    def isconnected(self) -> bool:
+        return True
+
+    def on(self, event, callback=None):
+        return callback
+
+    def off(self, event, callback) -> None:
+        pass
+
+
+class PushLog:
+    """Counts what a runner pushes into its AVSynchronizer (wraps its push): cheap per frame."""
+
+    def __init__(self, runner: AvatarRunner, generator: LipStreamVideoGenerator, since: float, until: float):
+        self.generator, self.since, self.until = generator, since, until
+        self.picture_times: list[float] = []
+        self.speech_pictures = self.misaligned = 0
+        self._expect = 0  # samples the last picture's audio must have (0: none may follow)
+        push = runner.av_sync.push
+
+        async def logged(frame, timestamp=None):
+            self._saw(frame)
+            await push(frame, timestamp)
+
+        runner.av_sync.push = logged
+
+    def _saw(self, frame) -> None:
+        now = time.monotonic()
+        counted = self.since <= now < self.until
+        if isinstance(frame, rtc.VideoFrame):
+            if self._expect and counted:
+                self.misaligned += 1  # the previous speaking picture came without its audio
+            last = self.generator.last_frame
+            self._expect = last.audio.size if last is not None and last.utterance is not None else 0
+            if counted:
+                self.picture_times.append(now)
+                self.speech_pictures += self._expect > 0
+        else:
+            if counted and frame.samples_per_channel != self._expect:
+                self.misaligned += 1  # audio after an idle picture, or not the picture's own
+            self._expect = 0
+
+
+async def _feed(audio: QueueAudioOutput, rng: np.random.Generator, speech: np.ndarray, until: float) -> None:
+    step = round(TTS_RATE * CHUNK_S)
+    while time.monotonic() < until - 1.0:
+        await asyncio.sleep(rng.uniform(0.5, 1.5))
+        start = int(rng.integers(0, speech.size - 5 * TTS_RATE))
+        clip = speech[start:start + int(rng.uniform(2.0, 5.0) * TTS_RATE)]
+        t0 = time.monotonic()
+        for k, i in enumerate(range(0, clip.size, step)):
+            await asyncio.sleep(max(0.0, t0 + k * CHUNK_S - time.monotonic()))
+            chunk = clip[i:i + step]
+            await audio.capture_frame(rtc.AudioFrame(chunk.tobytes(), TTS_RATE, 1, chunk.size))
+            if time.monotonic() > until:
+                break
+        audio.flush()
+
+
+async def _one(engine: LiveEngine, avatar: int | str, index: int, n: int, since: float, until: float,
+               size: tuple[int, int] | None, fps: float, speech: np.ndarray) -> dict:
+    """One generator under its runner, fed speech until `until`; its figures over [since, until)."""
+    await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
+    session = engine.open_session(avatar, fps=Fraction(fps).limit_denominator(1001), encode=False)
+    try:
+        generator = LipStreamVideoGenerator(session, size=size)
+        audio = QueueAudioOutput()
+        runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
+                              options=generator.avatar_options())
+        log = PushLog(runner, generator, since, until)
+        await runner.start()
+        try:
+            await _feed(audio, np.random.default_rng(index), speech, until)
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            actual_fps = runner.av_sync.actual_fps
+        finally:
+            await runner.aclose()
+        stats = session.stats
+    finally:
+        session.close()
+    times = np.asarray(log.picture_times)
+    window = until - since
+    gaps = np.diff(times) * 1000 if times.size > 1 else np.zeros(1)
+    return {"pictures": int(times.size), "fps": round(times.size / window, 2), "synchronizer_fps": round(actual_fps, 2),
+            "speech_pictures": log.speech_pictures, "misaligned": log.misaligned, "late": stats.late,
+            "late_speech": stats.late_speech, "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1),
+            "interval_max_ms": round(float(gaps.max()), 1), "_gaps": gaps}
+
+
+def run(engine: LiveEngine, avatar: int | str, n: int, seconds: float, size: tuple[int, int] | None = None,
+        fps: float = 25) -> dict:
+    """N generators on `engine`, measured over `seconds` after they have all started: one row of the report."""
+    if not 1 <= n <= 256 or seconds <= 0:
+        raise ValueError(f"n: {n}, seconds: {seconds}; 1 to 256 generators and more than 0 s are allowed")
+    speech = (speech_like(12.0, TTS_RATE, seed=7) * 20000).astype(np.int16)
+
+    async def main() -> list[dict]:
+        since = time.monotonic() + SETTLE_S + engine.o.playout_delay_s
+        return await asyncio.gather(*(_one(engine, avatar, i, n, since, since + seconds, size, fps, speech)
+                                      for i in range(n)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    rows = [r for r in results if isinstance(r, dict)]
+    errors = [r for r in results if not isinstance(r, dict)]
+    if not rows:
+        raise RuntimeError(f"every generator failed: {type(errors[0]).__name__}: {errors[0]}")
+    gaps = np.concatenate([r.pop("_gaps") for r in rows])
+    rates = [r["fps"] if isinstance(r, dict) else 0.0 for r in results]
+    return {"n": n, "fps_target": fps, "seconds": seconds, "fps_min": min(rates), "fps_median": float(np.median(rates)),
+            "late": sum(r["late"] for r in rows), "late_speech": sum(r["late_speech"] for r in rows),
+            "misaligned": sum(r["misaligned"] for r in rows), "errors": len(errors),
+            "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1), "interval_max_ms": round(float(gaps.max()), 1),
+            "generators": rows}
+
+
+def holds(row: dict) -> bool:
+    """Every generator ran, at the target fps (within 2%), none of its pictures late, every speaking one with its audio."""
+    return (row["fps_min"] >= 0.98 * row["fps_target"] and row["late"] == 0 and row["misaligned"] == 0
+            and row["errors"] == 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m lipstream.bench.livekit_load --random-weights --sessions 8,16,24 (the H200 figures)."""
+    from pathlib import Path
+
+    from lipstream.bench.scenarios import _avatar
+    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.live import preset
+    from lipstream.models import load_musetalk
+    from lipstream.startup import pick_device
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--sessions", default="8,16,24")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--size", default="1280x720", help="the avatar's size WxH (the pictures are this size)")
+    p.add_argument("--fps", type=int, default=25)
+    p.add_argument("--work", default="livekit-load-work", help="where the generated avatar is kept")
+    p.add_argument("--models", default=None)
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--random-size", choices=("full", "tiny"), default="full")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
+    a = p.parse_args(argv)
+    counts = [int(v) for v in a.sessions.split(",")]
+    w, h = (int(v) for v in a.size.lower().split("x"))
+    sys.setswitchinterval(0.001)  # the runners' event loop shares the GIL with the core thread
+    models = load_musetalk(a.models, device=pick_device(a.device), random_weights=a.random_weights,
+                           size=a.random_size)
+    work = Path(a.work)
+    name = f"p{w}x{h}_0"
+    if not (work / "avatars" / name).exists():
+        work.mkdir(parents=True, exist_ok=True)
+        _avatar(work, name, models, w, h, a.fps, 0)
+    inductor = FAST_INDUCTOR if a.compile == "on" or (a.compile == "auto" and models.device.type == "cuda") else "off"
+    engine = LiveEngine(models, preset("realtime").replace(encode=False, capacity_fps=math.inf,
+                                                           max_sessions=max(counts)), inductor=inductor)
+    engine.add_avatar(work / "avatars" / name)
+    engine.start()
+    try:
+        run(engine, name, max(counts), 4.0, fps=a.fps)  # warm-up at the largest N, not reported
+        for n in counts:
+            row = run(engine, name, n, a.seconds, fps=a.fps)
+            print(json.dumps({**{k: v for k, v in row.items() if k != "generators"}, "holds": holds(row),
+                              "size": a.size}), flush=True)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
