@@ -59,6 +59,7 @@ def main() -> None:
     sys.setswitchinterval(0.001)  # as live-bench: the event loop wakes on time beside the core thread
     a.out.mkdir(parents=True, exist_ok=True)
     work = a.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
     m = load_musetalk(None, device=a.device, random_weights=True, size=a.random_size, warn=False)
     name = f"p{w}x{h}"
     if not (work / "avatars" / name).exists():
