@@ -8,9 +8,9 @@
 #   STACKS=pipecat NS=8,16,20,24 SECONDS_=12 COMMIT=<sha> bash benchmarks/integrations_h200.sh
 set -u
 mkdir -p /tmp/site
-for d in .whl .whl-base .whl-pipecat .whl-livekit .whl-extra; do
-  [ -d $d ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade $d/*.whl 2>&1 | grep -v "^$" | grep -v "already exists" | tail -3
-done
+# one pip call: with --target, a second call replaces the first's shared namespace folders (opentelemetry/)
+whl=$(ls -d .whl .whl-base .whl-pipecat .whl-livekit .whl-extra 2>/dev/null | sed 's#$#/*.whl#')
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade $whl 2>&1 | grep -v "^$" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
 python3 -m pip list 2>/dev/null > $OUT/pip_list.txt
 python3 -c "import av, diffusers, numpy, torch; print('av', av.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
