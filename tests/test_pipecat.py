@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("pipecat")
 
 from pipecat.frames.frames import (  # noqa: E402
+    EndFrame,
     ErrorFrame,
     InterruptionFrame,
     OutputImageRawFrame,
@@ -269,3 +270,99 @@ async def test_a_full_engine_is_a_pipecat_error_and_speech_passes_through(engine
     assert not any(isinstance(f, OutputImageRawFrame) for f in down)
     assert [type(f) for f in down] == [type(f) for f in frames]  # unchanged, in order
     assert b"".join(f.audio for f in down if isinstance(f, TTSAudioRawFrame)) == pcm.tobytes()
+
+
+def test_load_bench_two_pipelines_report(engine):
+    from lipstream.bench.pipecat_load import run
+
+    row = run(engine, "anna", n=2, seconds=3.0, fps=4)
+    assert row["n"] == 2 and row["opened"] == 2 and len(row["pipelines"]) == 2
+    assert row["images"] > 0 and row["speech_images"] > 0 and row["audio_frames"] == row["speech_images"]
+    assert row["misaligned"] == 0
+    assert 0 < row["fps_min"] <= row["fps_median"] < 2 * 4
+    assert row["interval_p99_ms"] > 0 and row["interval_max_ms"] >= row["interval_p99_ms"]
+    assert row["late"] >= row["late_speech"] >= 0
+    assert row["size"] == list(SIZE)
+
+
+def _loopback_offer_answer():
+    """An aiortc client that receives audio and video, and the bot's SmallWebRTCConnection answering its offer."""
+    from aiortc import RTCPeerConnection, RTCSessionDescription
+    from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
+
+    async def connect():
+        client = RTCPeerConnection()
+        client.addTransceiver("audio", direction="recvonly")
+        client.addTransceiver("video", direction="recvonly")
+        await client.setLocalDescription(await client.createOffer())  # gathers its (loopback) candidates
+        bot = SmallWebRTCConnection()
+        await bot.initialize(sdp=client.localDescription.sdp, type=client.localDescription.type)
+        answer = bot.get_answer()
+        await client.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+        return client, bot
+
+    return connect
+
+
+@_sync
+async def test_a_real_pipeline_through_smallwebrtc_to_an_aiortc_client(engine):
+    pytest.importorskip("aiortc")
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.transports.base_transport import TransportParams
+    from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+    from pipecat.workers.runner import WorkerRunner
+
+    client, bot = await _loopback_offer_answer()()
+    video, audio = [], []  # (time, width, height), (time, rms)
+
+    async def receive(track):
+        try:
+            while True:
+                frame = await track.recv()
+                if track.kind == "video":
+                    video.append((time.monotonic(), frame.width, frame.height))
+                else:
+                    pcm = frame.to_ndarray().astype(np.float32) / 32768.0
+                    audio.append((time.monotonic(), float(np.sqrt(np.mean(pcm ** 2)))))
+        except Exception:  # noqa: BLE001 (the track ended)
+            return
+
+    readers = [asyncio.ensure_future(receive(t.receiver.track)) for t in client.getTransceivers()]
+    transport = SmallWebRTCTransport(webrtc_connection=bot, params=TransportParams(
+        audio_out_enabled=True, audio_out_sample_rate=AUDIO_RATE, video_out_enabled=True,
+        video_out_width=SIZE[0], video_out_height=SIZE[1], video_out_framerate=int(FPS)))
+    worker = PipelineWorker(Pipeline([_service(engine), transport.output()]),
+                            params=PipelineParams(audio_out_sample_rate=AUDIO_RATE), cancel_on_idle_timeout=False)
+    started = asyncio.Event()
+
+    @worker.event_handler("on_pipeline_started")
+    async def on_started(worker, frame):
+        started.set()
+
+    pcm = _pcm16(speech_like(2.0, 16_000, seed=8))
+    spoke_at = []
+
+    async def drive():
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.sleep(1.0)  # connected, idle pictures flowing
+        spoke_at.append(time.monotonic() + DELAY_S)  # the speech plays from here
+        for f in _tts(pcm, 16_000):
+            await worker.queue_frame(f)
+        await asyncio.sleep(DELAY_S + 2.5)
+        await worker.queue_frame(EndFrame())
+
+    runner = WorkerRunner()
+    await runner.add_workers(worker)
+    try:
+        await asyncio.wait_for(asyncio.gather(runner.run(), drive()), 60)
+    finally:
+        await client.close()
+        for r in readers:
+            r.cancel()
+    assert len(video) >= 4 and all((w, h) == SIZE for _, w, h in video)
+    during = [rms for t, rms in audio if spoke_at[0] + 0.2 <= t <= spoke_at[0] + 1.8]
+    before = [rms for t, rms in audio if t < spoke_at[0] - 0.5]
+    # the speech is heard: its syllables (about half of each 250 ms) carry energy, its gaps are silent
+    assert during and max(during) > 0.05 and np.mean(np.array(during) > 0.01) > 0.25
+    assert before and max(before) < 1e-3  # silence while idle
