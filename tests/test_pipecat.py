@@ -366,3 +366,62 @@ async def test_a_real_pipeline_through_smallwebrtc_to_an_aiortc_client(engine):
     # the speech is heard: its syllables (about half of each 250 ms) carry energy, its gaps are silent
     assert during and max(during) > 0.05 and np.mean(np.array(during) > 0.01) > 0.25
     assert before and max(before) < 1e-3  # silence while idle
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "pipecat_bot.py"
+    spec = importlib.util.spec_from_file_location("pipecat_bot", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def test_example_bot_refuses_a_missing_avatar_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    path, _ = _example()
+    r = subprocess.run([sys.executable, str(path), "--avatar", str(tmp_path / "nobody")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "--avatar" in r.stderr and "nobody" in r.stderr
+
+
+@_sync
+async def test_example_bot_serves_its_page_and_answers_an_offer_with_the_avatar(engine):
+    import httpx
+    from aiortc import RTCPeerConnection, RTCSessionDescription
+
+    _, bot = _example()
+    app = bot.build_app(engine, "anna", _pcm16(speech_like(1.0, 16_000, seed=9)), 16_000, fps=FPS, pause_s=0.5)
+    client = RTCPeerConnection()
+    client.addTransceiver("audio", direction="recvonly")
+    client.addTransceiver("video", direction="recvonly")
+    video = []
+
+    @client.on("track")
+    def on_track(track):
+        async def read():
+            while len(video) < 3 and track.kind == "video":
+                frame = await track.recv()
+                video.append((frame.width, frame.height))
+        asyncio.ensure_future(read())
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bot") as http:
+        page = await http.get("/")
+        assert page.status_code == 200 and "RTCPeerConnection" in page.text and "/api/offer" in page.text
+        assert (await http.post("/api/offer", json={"type": "answer"})).status_code == 400
+        await client.setLocalDescription(await client.createOffer())
+        r = await http.post("/api/offer", json={"sdp": client.localDescription.sdp, "type": "offer"})
+        assert r.status_code == 200 and r.json()["type"] == "answer"
+        await client.setRemoteDescription(RTCSessionDescription(sdp=r.json()["sdp"], type="answer"))
+        deadline = time.monotonic() + DELAY_S + 10
+        while len(video) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+    await client.close()  # the bot sees its client leave and ends its pipeline
+    for task in list(app.state.bots):
+        await asyncio.wait_for(task, 10)
+    assert len(video) >= 3 and all(v == SIZE for v in video)
