@@ -9,14 +9,19 @@ It sits where Pipecat's own avatar services sit (Simli, Tavus, HeyGen): between 
 gives back, per frame of the avatar's video, one `OutputImageRawFrame` and, while it speaks, the
 audio of that frame as one `TTSAudioRawFrame` (48 kHz mono), at the frame's playout time.
 
-Pictures and audio reach the viewer in step through the output transport's audio queue: each
-image is marked `sync_with_audio`, so `BaseOutputTransport` shows it only once the audio pushed
-before it (the previous frame's) has been written to the transport, which for WebRTC
-(SmallWebRTC's audio track) is when it is sent. A live image queue (`video_out_is_live`) would pace
-the pictures on a clock of their own, apart from the audio, and drift from it; the audio queue is
-the only path in the transport that orders the two. So the transport must keep
-`video_out_is_live=False` (the default; with it on, these images would never be drawn), with
-`video_out_framerate` = the service's fps and `video_out_width/height` = its size.
+Pictures and audio reach the viewer in step through the output transport's audio queue. Each
+image is marked `sync_with_audio`, so `BaseOutputTransport` queues it behind the audio pushed
+before it and shows it once that audio has been written to the transport; for WebRTC
+(SmallWebRTC's audio track) a write returns when the track has taken it to send, in real time. The
+service pushes frame f's picture, then frame f's audio: the picture becomes current as its own
+audio starts to play, to within one transport audio chunk (`audio_out_10ms_chunks` x 10 ms; at
+25 fps the default 40 ms chunk is exactly one frame's audio), and the transport's video task sends
+the current picture at each tick of `video_out_framerate` (up to one frame later). Idle pictures have no audio before them and are
+shown as they come, at the session's frame times. A live image queue (`video_out_is_live=True`)
+would pace the pictures on a clock of their own, apart from the audio, and let them drift; and
+with it on, `sync_with_audio` images are never drawn. So the transport keeps
+`video_out_is_live=False` (the default), with `video_out_framerate` = the service's fps and
+`video_out_width/height` = its size (a picture of another size is resized by the transport).
 
 The engine runs in this process (`engine=`: one LiveEngine shared by every pipeline of the
 process, each service opening its own session) or in a `lipstream serve` (`url=`). Both are a
@@ -224,7 +229,10 @@ class LipStreamVideoService(FrameProcessor):
 
     async def _interrupt(self, frame: InterruptionFrame, direction: FrameDirection) -> None:
         if self._session is not None and not self._closing:
-            self._session.clear()
+            try:
+                self._session.clear()
+            except Exception as e:  # noqa: BLE001 (a remote session's connection lost: reported, the frame goes on)
+                await self.push_error(f"LipStream: the session could not be interrupted: {e}", exception=e)
             self._clears += 1
             self._draining = True
         self._open_utterance = self._in_tts = False
