@@ -160,6 +160,8 @@ def test_bad_arguments_are_one_line_errors(engine):
         LipStreamVideoService(engine=engine, avatar="anna", playout_delay_s=9)
     with pytest.raises(ValueError, match="url"):
         LipStreamVideoService(url="localhost:8000", avatar="anna")
+    with pytest.raises(ValueError, match="avatar"):
+        LipStreamVideoService(url="http://localhost:8000", avatar=0)
 
 
 @_sync

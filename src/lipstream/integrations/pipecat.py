@@ -108,6 +108,8 @@ class LipStreamVideoService(FrameProcessor):
             raise ValueError("api_key: only with url= (an in-process engine has no key)")
         if not isinstance(avatar, (str, int)) or isinstance(avatar, bool) or avatar == "":
             raise ValueError(f"avatar: {avatar!r}; a resident avatar's name (or index) is allowed")
+        if url is not None and not isinstance(avatar, str):
+            raise ValueError(f"avatar: {avatar!r}; with url= the avatar's name is allowed")
         if size is not None:
             ok = isinstance(size, (tuple, list)) and len(size) == 2 and all(
                 isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 4096 for v in size)
@@ -288,7 +290,11 @@ class LipStreamVideoService(FrameProcessor):
         self._closing = True
         session, self._session = self._session, None
         if session is not None:
-            session.close()
+            aclose = getattr(session, "aclose", None)  # a remote session lets its server go before it returns
+            try:
+                await aclose() if aclose is not None else session.close()
+            except Exception as e:  # noqa: BLE001 (closing is best effort: the session is gone either way)
+                await self.push_error(f"LipStream: closing the session failed: {e}", exception=e)
         reader, self._reader = self._reader, None
         if reader is not None and reader is not asyncio.current_task():
             await self.cancel_task(reader)
