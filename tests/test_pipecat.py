@@ -278,7 +278,7 @@ def test_load_bench_two_pipelines_report(engine):
     from lipstream.bench.pipecat_load import run
 
     row = run(engine, "anna", n=2, seconds=3.0, fps=4)
-    assert row["n"] == 2 and row["opened"] == 2 and len(row["pipelines"]) == 2
+    assert row["n"] == 2 and row["opened"] == 2 and row["errors"] == 0 and len(row["pipelines"]) == 2
     assert row["images"] > 0 and row["speech_images"] > 0 and row["audio_frames"] == row["speech_images"]
     assert row["misaligned"] == 0
     assert 0 < row["fps_min"] <= row["fps_median"] < 2 * 4

@@ -6,7 +6,8 @@ utterances of 2-5 s with 0.5-1.5 s pauses between them, a TTSStartedFrame / TTSS
 around each. The sink keeps each picture's arrival time and whether the audio after a speech
 picture is its own. Per N: each pipeline's picture fps over the measured window (after the first
 picture and a settling second), frames late (the session's counters), speech pictures without their
-audio (misaligned), and the gaps between consecutive pictures (p99, max).
+audio (misaligned), Pipecat errors the services reported (a refused session: `errors`), and the
+gaps between consecutive pictures (p99, max).
 
     python -m lipstream.bench.pipecat_load --avatar avatars/anna --random-weights --n 1,8,16,24 --seconds 20
 """
@@ -116,6 +117,9 @@ async def _run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, si
     started = [asyncio.Event() for _ in workers]
     for w, e in zip(workers, started):
         _when_started(w, e)
+    errors: list[str] = []  # Pipecat errors the services reported (a refused session, a failed push)
+    for s in services:
+        _count_errors(s, errors)
     runner = WorkerRunner()
     await runner.add_workers(*workers)
     stats: list = [None] * n
@@ -138,7 +142,7 @@ async def _run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, si
     fps_all = [r["fps"] for r in rows]
     p99 = [r["interval_p99_ms"] for r in rows if r["interval_p99_ms"] is not None]
     return {"n": n, "seconds": seconds, "fps": float(fps), "size": list(services[0].size or ()) or None,
-            "opened": sum(st is not None for st in stats),
+            "opened": sum(st is not None for st in stats), "errors": len(errors), "first_error": errors[0] if errors else None,
             "fps_min": min(fps_all), "fps_median": float(np.median(fps_all)),
             "images": sum(k.images for k in sinks), "speech_images": sum(k.speech_images for k in sinks),
             "audio_frames": sum(k.audio_frames for k in sinks), "misaligned": sum(k.misaligned for k in sinks),
@@ -147,6 +151,12 @@ async def _run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, si
             "interval_p99_ms": max(p99) if p99 else None,
             "interval_max_ms": max((r["interval_max_ms"] for r in rows if r["interval_max_ms"] is not None), default=None),
             "pipelines": rows}
+
+
+def _count_errors(service: LipStreamVideoService, errors: list[str]) -> None:
+    @service.event_handler("on_error")
+    async def reported(processor, error):
+        errors.append(error.error)
 
 
 def _when_started(worker: PipelineWorker, event: asyncio.Event) -> None:
