@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--random-size", default="full")
     ap.add_argument("--out", type=Path, default=Path("integrations-bench"))
+    ap.add_argument("--work", type=Path, default=None, help="where the generated avatar is kept (default: OUT/work)")
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
     counts = [int(n) for n in a.sessions.split(",") if n]
@@ -58,7 +59,7 @@ def main() -> None:
 
     sys.setswitchinterval(0.001)  # as live-bench: the event loop wakes on time beside the core thread
     a.out.mkdir(parents=True, exist_ok=True)
-    work = a.out / "work"
+    work = a.work or a.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     m = load_musetalk(None, device=a.device, random_weights=True, size=a.random_size, warn=False)
     name = f"p{w}x{h}"

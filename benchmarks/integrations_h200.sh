@@ -6,6 +6,10 @@
 #   .whl-livekit (livekit, livekit-agents without its sound resources, openai, ...); .whl-extra (Pillow,
 #   aiohttp) only if the image lacks them.
 #   STACKS=pipecat NS=8,16,20,24 SECONDS_=12 COMMIT=<sha> bash benchmarks/integrations_h200.sh
+# livekit-agents imports livekit-local-inference (35 MB) at import, so .whl-livekit does not travel
+# with .whl-base: carry .whl-base + .whl-pipecat first, then .whl-livekit in a call right after (the
+# machine stays warm 30 s; what the first installed in /tmp/site is still there). opentelemetry-api
+# travels with each stack: a later --target install replaces the shared opentelemetry/ folder.
 set -u
 mkdir -p /tmp/site
 # one pip call: with --target, a second call replaces the first's shared namespace folders (opentelemetry/)
@@ -19,4 +23,4 @@ for s in ${STACKS//,/ }; do
   python3 -c "import importlib; m = importlib.import_module('lipstream.bench.${s}_load'); print('$s load module imports')" 2>&1 | tail -2
 done
 python3 benchmarks/integrations.py --stacks $STACKS --sessions ${NS:-8,16,20,24} \
-  --size ${SIZE:-1280x720} --seconds ${SECONDS_:-12} --out $OUT/integrations 2>&1 | grep -v "| DEBUG" | tail -40
+  --size ${SIZE:-1280x720} --seconds ${SECONDS_:-12} --out $OUT/integrations --work /tmp/lipstream-int-work 2>&1 | grep -v "| DEBUG" | tail -40
