@@ -18,6 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
 python3 -m pip list 2>/dev/null > $OUT/pip_list.txt
 python3 -c "import av, diffusers, numpy, torch; print('av', av.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+[ "${STAGE:-bench}" = install ] && exit 0  # the first of two calls: wheels into /tmp/site only
 STACKS=${STACKS:-pipecat}
 for s in ${STACKS//,/ }; do
   python3 -c "import importlib; m = importlib.import_module('lipstream.bench.${s}_load'); print('$s load module imports')" 2>&1 | tail -2

@@ -95,6 +95,7 @@ class LiveEngine:
         self._error: BaseException | None = None
         self.capacity_fps = self.o.capacity_fps
         self.stats = EngineStats()
+        self._rest0: dict[int, np.ndarray] = {}  # avatar -> its loop frame 0 on the host (a session's first picture)
         self.idle_loops: dict[int, np.ndarray] = {}  # avatar -> its idle loop [n, H*3/2, W] I420, on the host
         self._idle_bytes = 0  # kept and being rendered
         # frames are copied out of the host buffers on threads (memcpy without the GIL) and encoded in
@@ -119,6 +120,8 @@ class LiveEngine:
             avatar = load_avatar(avatar, self.device, vae_fingerprint=self.m.fingerprints.get("vae"))
         with self._lock:
             index = self.engine.add_avatar(avatar)
+        avatar.wait_frames(1)
+        self._rest0[index] = avatar.frames[0].cpu().numpy()
         if self._thread is not None:
             self.runner.warm_sizes()
             self._keep_idle_loop(index)
@@ -231,8 +234,7 @@ class LiveEngine:
             sid = self._next_id
             self._next_id += 1
         try:
-            a.wait_frames(1)
-            rest = a.frames[int(ping_pong(start_frame, a.num_frames))].cpu().numpy().copy()  # before frame 0 is ready
+            rest = self._rest_frame(avatar, int(ping_pong(start_frame, a.num_frames)))  # before frame 0 is ready
             o = self.o if playout_delay_s is None else self.o.replace(playout_delay_s=playout_delay_s)
             session = self._new_session(sid, ring, avatar, fps, o, rest, start_frame)
             if self.o.encode if encode is None else encode:
@@ -250,6 +252,16 @@ class LiveEngine:
             self.sessions[sid] = session
         self._wake.set()
         return session
+
+    def _rest_frame(self, avatar: int, frame: int) -> np.ndarray:
+        """A loop frame on the host, for a session's first picture. Frame 0 is copied once, on the
+        thread that added the avatar: the callers' threads make no CUDA call, so a library that changes
+        their current CUDA context (LiveKit's FFI does, livekit/rust-sdks#712) cannot break the engine."""
+        if frame == 0 and avatar in self._rest0:
+            return self._rest0[avatar].copy()
+        a = self.engine.avatars[avatar]
+        a.wait_frames(frame + 1)
+        return a.frames[frame].cpu().numpy().copy()
 
     def _new_session(self, sid: int, ring: int, avatar: int, fps: Fraction, o: LiveOptions, rest: np.ndarray,
                      start_frame: int) -> Session:
