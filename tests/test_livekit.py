@@ -40,7 +40,7 @@ from lipstream.fixtures import speech_like  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from lipstream.integrations.livekit import (  # noqa: E402
     AvatarError, AvatarSession, AvatarWorker, route_audio_to_worker, start_in_process)
-from lipstream.live import LiveEngine, LiveOptions  # noqa: E402
+from lipstream.live import LiveEngine, LiveFrame, LiveOptions  # noqa: E402
 
 FPS = Fraction(4)
 RATE = 48_000
@@ -154,7 +154,7 @@ def test_in_process_avatar_plays_speech_with_its_pictures(engine):
     room, pcm, pushes, finished, started, ended, local = asyncio.run(run())
     assert local.session.closed
     pictures = [(t, f) for t, f in pushes if isinstance(f, rtc.VideoFrame)]
-    assert all((f.width, f.height, f.type) == (160, 90, rtc.VideoBufferType.RGBA) for _, f in pictures)
+    assert all((f.width, f.height, f.type) == (160, 90, rtc.VideoBufferType.I420) for _, f in pictures)
     # pictures at the session's fps from the first (one playout delay after the start) to the end
     span = pictures[-1][0] - pictures[0][0]
     assert abs(len(pictures) - (1 + span * float(FPS))) <= 2, (len(pictures), span)
@@ -234,6 +234,28 @@ def test_generator_offers_what_the_runner_needs(engine):
         assert LipStreamVideoGenerator(session, size=(640, 360)).avatar_options().video_width == 640
         with pytest.raises(ValueError, match="size"):
             LipStreamVideoGenerator(session, size=(641, 360))
+
+
+def test_pictures_go_as_the_sessions_i420_and_show_what_its_rgb_shows(engine):
+    """A BT.601 session's pictures go to LiveKit as its own I420 (resized plane by plane); LiveKit's
+    conversion of them to RGBA is the session's own RGB picture, within rounding."""
+    import numpy as np
+
+    from lipstream.integrations.livekit import LipStreamVideoGenerator
+
+    async def first_frame(session):
+        async for item in session:
+            if isinstance(item, LiveFrame):
+                return item
+
+    with engine.open_session("anna", fps=FPS, encode=False) as session:
+        frame = asyncio.run(first_frame(session))
+        for size in [(320, 180), (160, 90)]:
+            picture = LipStreamVideoGenerator(session, size=size)._picture(frame)
+            assert (picture.width, picture.height, picture.type) == (*size, rtc.VideoBufferType.I420)
+            shown = np.frombuffer(picture.convert(rtc.VideoBufferType.RGBA).data, np.uint8).reshape(size[1], size[0], 4)
+            expected = session.rgb(frame, size, "RGBA")
+            assert np.abs(shown[..., :3].astype(int) - expected[..., :3]).mean() < 3
 
 
 def test_worker_token_joins_only_its_room_publishing_for_the_agent(engine):

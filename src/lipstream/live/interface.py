@@ -21,6 +21,7 @@ from lipstream.live.items import LiveFrame, SpeechEvent
 class SpeakingSession(Protocol):
     fps: Fraction  # frames a second it hands out
     size: tuple[int, int]  # (width, height) of its pictures
+    matrix: str  # the colour matrix its I420 is in: "bt601" (untagged video's) or "bt709"
 
     def push_audio(self, pcm: np.ndarray | bytes, rate: int, *, channels: int = 1) -> None:
         """Speech of the current utterance (opens one): float, int16 or PCM16 bytes, any rate."""

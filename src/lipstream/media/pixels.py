@@ -80,3 +80,22 @@ def mono_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, channels: int = 1
         raise ValueError(f"pcm: {x.size} samples do not split into {channels} interleaved channels")
     mixed = frames.astype(np.float32).mean(axis=1)
     return mixed.round().astype(np.int16) if x.dtype == np.int16 else mixed
+
+
+def i420_resize(i420: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Packed I420 [H*3/2, W] -> packed I420 of `size` (width, height, both even), plane by plane."""
+    rows, width = i420.shape
+    height = rows * 2 // 3
+    w, h = size
+    if (w, h) == (width, height):
+        return i420
+    if w % 2 or h % 2:
+        raise ValueError(f"size: {size!r}; even width and height are allowed for I420")
+    how = cv2.INTER_AREA if w < width else cv2.INTER_LINEAR
+    chroma = i420[height:].reshape(2, height // 2, width // 2)
+    out = np.empty((h * 3 // 2, w), np.uint8)
+    out[:h] = cv2.resize(i420[:height], (w, h), interpolation=how)
+    planes = out[h:].reshape(2, h // 2, w // 2)
+    for k in range(2):
+        planes[k] = cv2.resize(chroma[k], (w // 2, h // 2), interpolation=how)
+    return out

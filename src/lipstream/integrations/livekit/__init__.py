@@ -10,10 +10,17 @@ Importing this imports livekit-agents; nothing else in lipstream does. It also s
 native FFI server on a thread of its own: at start-up the FFI probes for NVENC by making a CUDA
 context current on the calling thread and leaves it there (livekit/rust-sdks#712), after which
 PyTorch's CUDA calls on that thread fail ("invalid device context"). Started on a throwaway
-thread, it leaves the process's own threads on PyTorch's context.
+thread, it leaves the process's own threads on PyTorch's context; at exit, PyTorch's context is
+made current again on the main thread (the FFI probes again when sources are made), before
+PyTorch's destructors run there (livekit/cuda.py).
 """
 
+import atexit
 import threading
+
+from lipstream.integrations.livekit.cuda import restore_torch_cuda_context
+
+atexit.register(restore_torch_cuda_context)  # before the FFI's own handler: runs after it (atexit is LIFO)
 
 
 def _start_livekit_ffi() -> None:
@@ -32,5 +39,5 @@ from lipstream.integrations.livekit.agent import (  # noqa: E402
 from lipstream.integrations.livekit.generator import LipStreamVideoGenerator  # noqa: E402
 from lipstream.integrations.livekit.worker import AvatarWorker, DispatchError  # noqa: E402
 
-__all__ = ["AvatarError", "AvatarSession", "AvatarWorker", "DispatchError", "LipStreamVideoGenerator", "LocalAvatar",
+__all__ = ["restore_torch_cuda_context", "AvatarError", "AvatarSession", "AvatarWorker", "DispatchError", "LipStreamVideoGenerator", "LocalAvatar",
            "dispatch_token", "route_audio_to_worker", "start_in_process"]

@@ -27,12 +27,13 @@ import os
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+import numpy as np
 from livekit import rtc
 from livekit.agents.voice.avatar import AudioSegmentEnd, AvatarOptions, VideoGenerator
 
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SpeechEvent
-from lipstream.media.pixels import pcm16
+from lipstream.media.pixels import i420_resize, pcm16
 from lipstream.rates import AUDIO_RATE
 
 _POOL: ThreadPoolExecutor | None = None
@@ -117,6 +118,13 @@ class LipStreamVideoGenerator(VideoGenerator):
                     held.set()
 
     def _picture(self, frame: LiveFrame) -> rtc.VideoFrame:
-        """On a pool thread: the frame as an RGBA VideoFrame of this generator's size."""
+        """On a pool thread: the frame as a VideoFrame of this generator's size. BT.601 pictures go as
+        the session's own I420 (what LiveKit's encoder takes: no conversion here, none in the FFI; RGBA
+        cost a conversion on a pool thread and another in the FFI's capture, on the event loop's
+        thread); other matrices as RGBA converted with theirs, since WebRTC's receivers assume BT.601."""
+        w, h = self.size
+        if getattr(self.session, "matrix", "bt601") == "bt601":
+            i420 = np.ascontiguousarray(i420_resize(frame.i420, self.size))
+            return rtc.VideoFrame(w, h, rtc.VideoBufferType.I420, i420.data)
         rgba = self.session.rgb(frame, self.size, "RGBA")
-        return rtc.VideoFrame(rgba.shape[1], rgba.shape[0], rtc.VideoBufferType.RGBA, rgba.data)
+        return rtc.VideoFrame(w, h, rtc.VideoBufferType.RGBA, rgba.data)
