@@ -427,3 +427,56 @@ async def test_example_bot_serves_its_page_and_answers_an_offer_with_the_avatar(
     for task in list(app.state.bots):
         await asyncio.wait_for(task, 10)
     assert len(video) >= 3 and all(v == SIZE for v in video)
+
+
+REMOTE_FPS = Fraction(5)
+REMOTE_KEY = "pipecat-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, avatar):
+    """A real `lipstream serve` (Service behind uvicorn) on loopback, serving the same avatar."""
+    from lipstream.serve.options import ServeOptions
+    from lipstream.serve.server import in_thread
+    from lipstream.serve.service import Service
+
+    options = ServeOptions(avatar.parent, avatar.parent.parent / "serve-data", api_keys=(REMOTE_KEY,),
+                           sessions_per_key=4, live_capacity_fps=12.0, rtc_workers=1)
+    service = Service(options, tiny_models).start()
+    with in_thread(service) as url:
+        yield url
+
+
+@_sync
+async def test_url_mode_speaks_through_a_running_server(server):
+    """`url=`: the same service on a `lipstream serve` session (lipstream.client over WebRTC): a picture per
+    frame of speech, each followed by its own audio (Opus there and back: its energy, not its samples), the
+    stop after the last audio, and the server's session closed at the end."""
+    import httpx
+
+    pcm = _pcm16(speech_like(2.0, 24_000, seed=5))
+    service = LipStreamVideoService(url=server, avatar="anna", api_key=REMOTE_KEY, fps=REMOTE_FPS,
+                                    playout_delay_s=1.5)
+    down, _ = await run_test(service, frames_to_send=[SleepFrame(sleep=0.5), *_tts(pcm, 24_000)],
+                             start_timeout=30.0)
+    per_frame = AUDIO_RATE // int(REMOTE_FPS)
+    images = [f for f in down if isinstance(f, OutputImageRawFrame)]
+    assert images and all(f.size == SIZE and len(f.image) == SIZE[0] * SIZE[1] * 3 for f in images)
+    speech = _speech_images(down)
+    assert len(speech) == num_frames(pcm.size * 16_000 // 24_000, REMOTE_FPS)  # 2 s at 5 fps: 10
+    index = [f.metadata[FRAME_KEY] for f in speech]
+    assert index == list(range(index[0], index[0] + len(index)))
+    for k, f in enumerate(down):
+        if isinstance(f, OutputImageRawFrame) and f.metadata[UTTERANCE_KEY] is not None:
+            audio = down[k + 1]
+            assert isinstance(audio, TTSAudioRawFrame) and len(audio.audio) == 2 * per_frame
+    spoken = _spoken(down)
+    expected = _expected48(pcm, 24_000)
+    assert abs(spoken.size - expected.size) < per_frame
+    rms = lambda x: float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))  # noqa: E731
+    assert rms(spoken) > 0.3 * rms(expected)
+    kinds = [type(f) for f in down]
+    last_audio = max(k for k, f in enumerate(down) if isinstance(f, TTSAudioRawFrame))
+    assert kinds.index(TTSStoppedFrame) == last_audio + 1
+    listed = httpx.get(f"{server}/v1/sessions", headers={"Authorization": f"Bearer {REMOTE_KEY}"}).json()
+    assert listed == [] or listed.get("sessions", []) == []
