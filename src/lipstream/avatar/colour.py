@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lipstream.media.pixels import MATRICES, yuv_to_rgb_affine  # noqa: F401 - the numpy half, kept torch-free there
+from lipstream.media.pixels import yuv_to_rgb_affine  # the numpy half (MATRICES too) lives there, torch-free
 from lipstream.media.pixels import matrix_coefficients as _coefficients
 
 

@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 import torch
 
-from lipstream.avatar.colour import yuv_to_rgb_affine
+from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.models.config import CROP_SIZE, VAE_SCALING_FACTOR
 
 if TYPE_CHECKING:  # diffusers costs seconds to import: rendering never needs it here

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from lipstream.avatar import load_avatar, ping_pong
-from lipstream.avatar.colour import yuv_to_rgb_affine
+from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.audio.features import whisper_features
 from lipstream.audio.windows import audio_windows_loop
 from lipstream.io import atomic_path

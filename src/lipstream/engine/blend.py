@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lipstream.avatar.colour import MATRICES, rgb_to_yuv, split_i420
+from lipstream.avatar.colour import rgb_to_yuv, split_i420
+from lipstream.media.pixels import MATRICES
 
 
 def chroma_span(a: int, b: int) -> tuple[int, int]:

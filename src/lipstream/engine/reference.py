@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import torch
 
-from lipstream.avatar.colour import MATRICES
+from lipstream.media.pixels import MATRICES
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.interface import FrameRequest
 from lipstream.engine.runner import Engine
