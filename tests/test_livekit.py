@@ -61,38 +61,10 @@ def engine(tmp_path_factory, tiny_models):
     live.close()
 
 
-class _Publication:
-    async def wait_for_subscription(self) -> None:
-        return None
+def RoomWithoutServer():  # noqa: N802 (the mock room, the one mock here: bench/livekit_load.py's)
+    from lipstream.bench.livekit_load import RoomWithoutServer as Room
 
-
-class _LocalParticipant:
-    identity = "agent-1"
-
-    def __init__(self):
-        self.published: list = []
-
-    async def publish_track(self, track, options):
-        self.published.append(track)
-        return _Publication()
-
-
-class RoomWithoutServer:
-    """The mock room (the one mock here): connected, with a local participant whose publish_track records."""
-
-    name = "room-1"
-
-    def __init__(self):
-        self.local_participant = _LocalParticipant()
-
-    def isconnected(self) -> bool:
-        return True
-
-    def on(self, event, callback=None):
-        return callback
-
-    def off(self, event, callback) -> None:
-        pass
+    return Room(name="room-1", identity="agent-1")
 
 
 def record_pushes(runner) -> list[tuple[float, object]]:

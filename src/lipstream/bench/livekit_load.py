@@ -44,19 +44,22 @@ class _Publication:
 
 
 class _Participant:
-    identity = "bench-agent"
+    def __init__(self, identity: str):
+        self.identity = identity
+        self.published: list = []  # the tracks AvatarRunner published
 
     async def publish_track(self, track, options) -> _Publication:
+        self.published.append(track)
         return _Publication()
 
 
 class RoomWithoutServer:
-    """What AvatarRunner needs of an rtc.Room when no server is there: connected; published tracks go nowhere."""
+    """What AvatarRunner needs of an rtc.Room when no server is there: connected; published tracks are kept,
+    and go nowhere (the bench's room, and the one mock of tests/test_livekit.py)."""
 
-    name = "bench"
-
-    def __init__(self):
-        self.local_participant = _Participant()
+    def __init__(self, name: str = "bench", identity: str = "bench-agent"):
+        self.name = name
+        self.local_participant = _Participant(identity)
 
     def isconnected(self) -> bool:
         return True

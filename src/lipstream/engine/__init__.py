@@ -5,7 +5,7 @@ The names below load on first use (PEP 562): the CLI's checks read `lipstream.op
 
 from __future__ import annotations
 
-import importlib
+from lipstream.lazy import lazy_names
 
 _LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "Engine": "runner", "CompiledEngine": "runner",
          "StepEngine": "runner", "ReferenceEngine": "reference", "make_engine": "build"}
@@ -13,9 +13,4 @@ _LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "Engine": "run
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, globals(), _LAZY)

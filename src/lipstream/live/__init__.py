@@ -11,8 +11,7 @@ The engine's names load on first use (PEP 562): what a session hands out and the
 
 from __future__ import annotations
 
-import importlib
-
+from lipstream.lazy import lazy_names
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 
@@ -23,9 +22,4 @@ __all__ = ["AdmissionError", "EngineStats", "LiveEngine", "LiveFrame", "LiveOpti
            "SessionStats", "SpeakingSession", "SpeechEvent", "preset", "start_engine"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, globals(), _LAZY)

@@ -6,7 +6,7 @@ can be imported by the CLI's early checks without importing torch and diffusers 
 
 from __future__ import annotations
 
-import importlib
+from lipstream.lazy import lazy_names
 
 _LAZY = {"MODEL_SIZES": "config", "ModelConfig": "config", "model_config": "config", "COMPONENTS": "load",
          "RANDOM_WARNING": "config", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",
@@ -15,9 +15,4 @@ _LAZY = {"MODEL_SIZES": "config", "ModelConfig": "config", "model_config": "conf
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, globals(), _LAZY)
