@@ -11,7 +11,10 @@ speech frame is late. The largest N that holds, per stack, is the figure README.
         --size 1280x720 --seconds 12 --out OUT   (full-size random weights on the GPU)
 
 On the CPU (`--device cpu --random-size tiny --size 320x180 --fps 4 --sessions 2`) it is the
-smoke run of the same code.
+smoke run of the same code. `--serve` (Pipecat only): the engine in a `lipstream serve` process of
+its own on loopback, the pipelines in this one over `url=` (lipstream.client, WebRTC), so the
+pipelines' Python no longer shares a GIL with the engine's core thread; frames late are counted at
+the clients.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--random-size", default="full")
     ap.add_argument("--out", type=Path, default=Path("integrations-bench"))
+    ap.add_argument("--serve", action="store_true", help="the engine in a lipstream serve process (pipecat only)")
     ap.add_argument("--work", type=Path, default=None, help="where the generated avatar is kept (default: OUT/work)")
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
@@ -65,6 +69,10 @@ def main() -> None:
     name = f"p{w}x{h}"
     if not (work / "avatars" / name).exists():
         _avatar(work, name, m, w, h, a.fps, 0)
+    if a.serve:
+        del m
+        serve_rows(a, stacks, counts, work, name, (w, h))
+        return
     options = preset("realtime").replace(capacity_fps=math.inf, max_sessions=max(counts), encode=False)
     if a.device == "cpu":
         options = options.replace(playout_delay_s=3.0, buckets=(1, 2, 4))
@@ -94,6 +102,55 @@ def main() -> None:
         live.close()
     (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
     print("largest N that holds:", report["largest"])
+
+
+def serve_rows(a, stacks: list[str], counts: list[int], work: Path, name: str, size: tuple[int, int]) -> None:
+    """The rows with the engine in `lipstream serve` (a subprocess on loopback) and the pipelines here."""
+    import subprocess
+
+    import httpx
+
+    from lipstream.bench import pipecat_load
+
+    if stacks != ["pipecat"]:
+        raise SystemExit("--serve: only --stacks pipecat runs against a server")
+    url = "http://127.0.0.1:8011"
+    log = open(a.out / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "lipstream.cli", "serve", "--avatars", str(work / "avatars"),
+                               "--random-weights", "--random-size", a.random_size, "--device", a.device,
+                               "--port", "8011", "--data", str(a.out / "serve-data"), "--sessions-per-key", "64"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    t = time.perf_counter()
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"lipstream serve exited ({server.returncode}): {a.out / 'serve.log'}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        report = {"device": a.device, "command": " ".join(["python3", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+                  "commit": os.environ.get("LIPSTREAM_COMMIT", ""), "size": a.size, "fps": a.fps,
+                  "seconds": a.seconds, "server_ready_s": round(time.perf_counter() - t, 1), "rows": [], "largest": {}}
+        if a.warmup:
+            pipecat_load.run(None, name, max(counts), a.warmup, size=size, fps=a.fps, url=url)
+        for n in counts:
+            row = {"stack": "pipecat-url", "n": n, **pipecat_load.run(None, name, n, a.seconds, size=size, fps=a.fps,
+                                                                      url=url)}
+            row["holds"] = holds(row, a.fps)
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
+        held = [r["n"] for r in report["rows"] if r["holds"]]
+        report["largest"]["pipecat-url"] = max(held) if held else None
+        (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
+        print("largest N that holds:", report["largest"])
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
 
 
 if __name__ == "__main__":

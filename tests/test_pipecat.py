@@ -480,3 +480,13 @@ async def test_url_mode_speaks_through_a_running_server(server):
     assert kinds.index(TTSStoppedFrame) == last_audio + 1
     listed = httpx.get(f"{server}/v1/sessions", headers={"Authorization": f"Bearer {REMOTE_KEY}"}).json()
     assert listed == [] or listed.get("sessions", []) == []
+
+
+def test_load_bench_against_a_server(server):
+    """bench/pipecat_load.py with `url`: the pipelines in this process, the engine in `lipstream serve`."""
+    from lipstream.bench.pipecat_load import run
+
+    row = run(None, "anna", 1, 3.0, fps=REMOTE_FPS, playout_delay_s=1.5, url=server, api_key=REMOTE_KEY)
+    assert row["opened"] == 1 and row["errors"] == 0, row["first_error"]
+    assert row["images"] >= 10 and row["speech_images"] > 0 and row["misaligned"] == 0
+    assert row["audio_frames"] == row["speech_images"]

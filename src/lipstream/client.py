@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from lipstream.errors import LipStreamError
-from lipstream.live.items import LiveFrame, SessionClock, SpeechEvent
+from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
 from lipstream.rates import AUDIO_RATE, as_fps
 
@@ -176,6 +176,7 @@ class RemoteSession:
         self.url, self.avatar, self.fps, self.size = url, avatar, fps, size
         self.id = ""
         self.matrix = "bt601"  # the colour matrix its pictures are in: the stream's tag (BT.709 if it says so)
+        self.played = self.late = self.late_speech = 0  # counted at this client (stats)
         self._http, self._pc, self._ws = http, pc, None
         self._scale = scale
         self._clock = SessionClock(0.0, 0.0, fps)  # only its frame -> audio sample arithmetic is used
@@ -441,12 +442,22 @@ class RemoteSession:
             return 0.0
         return AUDIO_WAIT_S if not newer else max(0.0, AUDIO_WAIT_S - (now - min(newer)))
 
+    @property
+    def stats(self) -> SessionStats:
+        """What this client saw: frames handed out, and of those late (the server sent no picture in time);
+        the server's own counters are at GET /v1/sessions/{id}."""
+        return SessionStats(played=self.played, late=self.late, late_speech=self.late_speech)
+
     def _hand_out(self, f: int, i420: np.ndarray, late: bool) -> None:
         self._release_events(f)
         a, b = self._clock.samples48(f)
         audio = self._audio.take(a, b)
         audio.flags.writeable = False
-        self._out.append(LiveFrame(f, self.fps, i420, audio, self._utterance_at(f), late=late))
+        utterance = self._utterance_at(f)
+        self._out.append(LiveFrame(f, self.fps, i420, audio, utterance, late=late))
+        self.played += 1
+        self.late += late
+        self.late_speech += late and utterance is not None
         self._last, self._next = i420, f + 1
         self._release_events(f, after=True)
 

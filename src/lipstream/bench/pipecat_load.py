@@ -106,10 +106,11 @@ def _pipeline_figures(sink: PictureSink, window: tuple[float, float]) -> dict:
             "interval_max_ms": round(float(gaps.max()) * 1000, 1)}
 
 
-async def _run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, size: tuple[int, int] | None,
-               fps: float, playout_delay_s: float | None) -> dict:
-    services = [LipStreamVideoService(engine=engine, avatar=avatar, size=size, fps=fps,
-                                      playout_delay_s=playout_delay_s) for _ in range(n)]
+async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: float, size: tuple[int, int] | None,
+               fps: float, playout_delay_s: float | None, url: str | None, api_key: str | None) -> dict:
+    where = dict(engine=engine) if url is None else dict(url=url, api_key=api_key)
+    services = [LipStreamVideoService(**where, avatar=avatar, size=size, fps=fps, playout_delay_s=playout_delay_s)
+                for _ in range(n)]
     sinks = [PictureSink(int((seconds + 10) * fps)) for _ in range(n)]
     workers = [PipelineWorker(Pipeline([s, k]), params=PipelineParams(audio_out_sample_rate=48_000),
                               cancel_on_idle_timeout=False, check_dangling_tasks=False)
@@ -127,7 +128,7 @@ async def _run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, si
 
     async def drive() -> None:
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        delay = playout_delay_s or engine.o.playout_delay_s
+        delay = playout_delay_s or (engine.o.playout_delay_s if engine is not None else 0.25)
         window[0] = time.monotonic() + delay
         await asyncio.gather(*(_feed(w, seconds, seed=k) for k, w in enumerate(workers)))
         await asyncio.sleep(delay + 0.5)  # the last speech plays out
@@ -165,15 +166,20 @@ def _when_started(worker: PipelineWorker, event: asyncio.Event) -> None:
         event.set()
 
 
-def run(engine: LiveEngine, avatar: str | int, n: int, seconds: float, size: tuple[int, int] | None = None,
-        fps: float = 25, playout_delay_s: float | None = None) -> dict:
-    """N pipelines for `seconds` of real-time TTS each, on a started engine; the figures of this N.
-    Runs its own event loop (call it from synchronous code)."""
+def run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: float, size: tuple[int, int] | None = None,
+        fps: float = 25, playout_delay_s: float | None = None, *, url: str | None = None,
+        api_key: str | None = None) -> dict:
+    """N pipelines for `seconds` of real-time TTS each, on a started engine in this process, or (`url`,
+    engine None) on a `lipstream serve` in another (frames late: counted at the client); the figures of
+    this N. Runs its own event loop (call it from synchronous code)."""
+    if (engine is None) == (url is None):
+        raise ValueError("engine, url: exactly one is allowed")
     if n < 1:
         raise ValueError(f"n: {n}; 1 or more pipelines are allowed")
     if seconds <= 0:
         raise ValueError(f"seconds: {seconds}; more than 0 is allowed")
-    return asyncio.run(_run(engine, avatar, n, seconds, size, Fraction(fps).limit_denominator(1001), playout_delay_s))
+    return asyncio.run(_run(engine, avatar, n, seconds, size, Fraction(fps).limit_denominator(1001), playout_delay_s,
+                            url, api_key))
 
 
 def main(argv: list[str] | None = None) -> None:

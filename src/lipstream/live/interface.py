@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from lipstream.live.items import LiveFrame, SpeechEvent
+from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 
 
 @runtime_checkable
@@ -31,6 +31,10 @@ class SpeakingSession(Protocol):
 
     def clear(self) -> None:
         """Interrupt: queued speech dropped, the next frame handed out is idle."""
+
+    @property
+    def stats(self) -> SessionStats:
+        """Its counters (a remote session: what its client saw)."""
 
     def rgb(self, frame: LiveFrame, size: tuple[int, int] | None = None, out_format: str = "RGB") -> np.ndarray:
         """A frame's picture, [h, w, 3] uint8 (4 for RGBA)."""
