@@ -35,6 +35,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pipecat.frames.frames import (
@@ -50,9 +51,13 @@ from pipecat.frames.frames import (
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
-from lipstream.live import LiveEngine, LiveFrame, SpeakingSession, SpeechEvent
+from lipstream.live.interface import SpeakingSession
+from lipstream.live.items import LiveFrame, SpeechEvent
 from lipstream.media.pixels import pcm16
 from lipstream.rates import AUDIO_RATE
+
+if TYPE_CHECKING:
+    from lipstream.live import LiveEngine  # in-process mode only: URL mode runs without torch
 
 FRAME_KEY = "lipstream_frame"  # OutputImageRawFrame.metadata: the frame's index in its session
 UTTERANCE_KEY = "lipstream_utterance"  # ...: the utterance it speaks (None when idle)
