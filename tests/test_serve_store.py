@@ -382,3 +382,126 @@ def test_a_job_running_at_every_crash_fails_after_max_attempts(db: Database):
     failed = store.get(job.id)
     assert failed.status == "failed" and "3 times" in failed.error and failed.finished_at is not None
     assert store.claim_next() is None
+
+
+def test_two_runners_claiming_at_once_never_share_a_job(db: Database):
+    """Two runners (two stores, two ids) with two threads each over 200 jobs: each job once, held by its claimer."""
+    runners = [db.open("runner-a"), db.open("runner-b")]
+    submitted = {runners[0].submit("alice", "render", {"n": n}).id for n in range(200)}
+    start = threading.Barrier(4)
+    claimed: list[list[Job]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def claim_all(worker: int) -> None:
+        try:
+            start.wait()
+            while (job := runners[worker % 2].claim_next()) is not None:
+                claimed[worker].append(job)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=claim_all, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    every_claim = [job.id for worker in claimed for job in worker]
+    assert len(every_claim) == 200 and set(every_claim) == submitted
+    for worker, jobs in enumerate(claimed):
+        assert all(job.runner_id == runners[worker % 2].runner_id for job in jobs)
+    holders = {job.id: job.runner_id for job in runners[1].list(limit=200)}
+    assert holders == {job.id: job.runner_id for worker in claimed for job in worker}  # as each claim said
+
+
+def test_a_runner_whose_lease_expired_loses_its_job_to_the_other(db: Database):
+    a, b = db.open("runner-a", lease_s=0.3), db.open("runner-b", lease_s=0.3)
+    job = a.submit("alice", "render", {"n": 1})
+    claimed = a.claim_next()
+    assert claimed.runner_id == "runner-a" and claimed.lease_until > claimed.started_at
+    for _ in range(4):  # a's heartbeat holds the job past its first lease
+        time.sleep(0.1)
+        assert a.renew(job.id)
+        assert b.requeue_running(own=False) == []
+    a.set_progress(job.id, 0.5)
+    time.sleep(0.4)  # a stops renewing (it died, or lost the database)
+    assert b.requeue_running(max_attempts=3, own=False) == [job.id]
+    retaken = b.claim_next()
+    assert retaken.id == job.id and retaken.runner_id == "runner-b" and retaken.attempts == 2
+    assert retaken.progress == 0 and retaken.result is None
+    assert not a.renew(job.id)  # a finds out at its next heartbeat...
+    for late in (lambda: a.set_progress(job.id, 0.9), lambda: a.finish(job.id, "results/a.mp4"),
+                 lambda: a.fail(job.id, "late"), lambda: a.mark_cancelled(job.id)):
+        with pytest.raises(ValueError, match="held by runner 'runner-b'"):  # ...and can publish nothing
+            late()
+    assert b.get(job.id).result is None
+    done = b.finish(job.id, "results/b.mp4")
+    assert done.status == "done" and done.result == "results/b.mp4" and done.runner_id == "runner-b"
+    assert a.get(job.id) == done
+
+
+def test_a_start_takes_back_its_own_jobs_only(db: Database):
+    """A restarted runner requeues its own running jobs at once; another's, whose lease runs, stay."""
+    a, b = db.open("runner-a"), db.open("runner-b")
+    mine = a.submit("alice", "render", {"n": 1})
+    theirs = a.submit("alice", "render", {"n": 2})
+    assert a.claim_next().id == mine.id and b.claim_next().id == theirs.id
+    a.close()  # runner a dies
+    restarted = db.open("runner-a")
+    assert restarted.requeue_running(max_attempts=3) == [mine.id]
+    assert restarted.get(theirs.id).status == "running" and restarted.get(theirs.id).runner_id == "runner-b"
+    assert restarted.get(mine.id).runner_id is None and restarted.get(mine.id).lease_until is None
+    b.claim_next()
+    assert b.requeue_running(shutdown=True) == sorted([mine.id, theirs.id], key=[mine.id, theirs.id].index)
+    assert b.get(theirs.id).attempts == 0 and b.get(mine.id).attempts == 1  # its own: handed back, not counted
+
+
+def test_open_store_addresses(tmp_path: Path):
+    for address in (tmp_path / "a.db", str(tmp_path / "b.db"), f"sqlite://{tmp_path / 'c.db'}"):
+        store = open_store(address, runner_id="r")
+        assert store.submit("alice", "render", {}).status == "queued"
+        store.close()
+    assert {p.name for p in tmp_path.iterdir()} >= {"a.db", "b.db", "c.db"}
+    for bad, match in (("mysql://u:secret@host/db", "not a job store address"),
+                       ("sqlite://relative.db", "sqlite:///PATH"),
+                       ("postgresql://u:secret@127.0.0.1:1/db", "cannot connect to PostgreSQL")):
+        with pytest.raises(JobStoreError, match=match) as raised:
+            open_store(bad)
+        assert "\n" not in str(raised.value) and "secret" not in str(raised.value)
+
+
+V1_SCHEMA = """
+CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+    kind TEXT NOT NULL, status TEXT NOT NULL, params TEXT NOT NULL, progress REAL NOT NULL DEFAULT 0,
+    result TEXT, error TEXT, cancel_requested INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL,
+    started_at REAL, finished_at REAL, attempts INTEGER NOT NULL DEFAULT 0, version INTEGER NOT NULL DEFAULT 1);
+CREATE INDEX jobs_status ON jobs (status, seq);
+CREATE INDEX jobs_owner ON jobs (owner, seq);
+INSERT INTO jobs (id, owner, kind, status, params, created_at, attempts, result, progress)
+    VALUES ('d', 'alice', 'render', 'done', '{"n": 0}', 1.0, 1, 'results/d.mp4', 1);
+INSERT INTO jobs (id, owner, kind, status, params, created_at, started_at, attempts, progress)
+    VALUES ('r', 'alice', 'render', 'running', '{"n": 1}', 2.0, 3.0, 1, 0.4);
+INSERT INTO jobs (id, owner, kind, status, params, created_at) VALUES ('q', 'bob', 'compile', 'queued', '{}', 4.0);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_file_is_migrated(tmp_path: Path):
+    """A file written by the one-runner store: columns added in place, jobs kept, its running job
+    (a crash's, with no runner) requeued by whichever runner starts first."""
+    path = tmp_path / "jobs.sqlite3"
+    with closing(sqlite3.connect(path)) as raw:
+        raw.executescript(V1_SCHEMA)
+    store = open_store(path, runner_id="new-runner")
+    assert raw_sql(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    columns = {row[1] for row in raw_sql(path, "PRAGMA table_info(jobs)")}
+    assert {"runner_id", "lease_until"} <= columns
+    assert store.get("d").result == "results/d.mp4" and store.get("d").status == "done"
+    assert store.get("r").status == "running" and store.get("r").runner_id is None
+    assert store.requeue_running(max_attempts=3, own=False) == ["r"]
+    assert [store.claim_next().id for _ in range(2)] == ["r", "q"]
+    assert store.get("r").attempts == 2 and store.get("r").runner_id == "new-runner"
+    store.close()
+    again = open_store(path, runner_id="new-runner")  # opening a migrated file changes nothing
+    assert again.get("r").status == "running" and raw_sql(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    again.close()
