@@ -148,3 +148,17 @@ def test_old_spellings_still_work_and_say_they_are_deprecated(desk):
     assert "torch-not-imported" in stdout
     code, _, stderr = run_cli(["serve", "--avatars", "nowhere", "--compile=sometimes", "--random-weights"], desk)
     assert code == 2 and "--compile 'sometimes'" in stderr, stderr
+
+
+def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path):
+    """--database: an unknown scheme, or a PostgreSQL that cannot be reached (no password shown)."""
+    avatars = tmp_path / "avatars"
+    avatars.mkdir()
+    for database, why in (("mysql://u:secret@h/db", "not a job store address"),
+                          ("postgresql://u:secret@127.0.0.1:1/db", "cannot connect to PostgreSQL")):
+        code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
+                                        "--database", database, "--random-weights"], desk)
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1, stderr
+        assert lines[0].startswith("error: --database") and why in lines[0] and "secret" not in lines[0]
+        assert "torch-not-imported" in stdout

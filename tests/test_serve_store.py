@@ -1,26 +1,86 @@
-"""The job store of `lipstream serve`: transitions, claims under contention, restarts (SQLite, no GPU)."""
+"""The job store of `lipstream serve`: transitions, claims under contention, leases, restarts.
+
+The same tests run on SQLite and on a real PostgreSQL server (started once for the session by
+tests/postgres_server.py; skipped, with the reason, where its binaries are missing). No GPU."""
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from lipstream.serve.store import Job, JobStore, JobStoreError
+from lipstream.serve.store import SCHEMA_VERSION, Job, JobStore, JobStoreError, open_store
+from postgres_server import PostgresServer, missing_reason
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(f"no PostgreSQL server for the store tests: {reason}")
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+class Database:
+    """One empty database of a backend: open stores on it (as runners would), or read and write
+    it behind the stores' backs (as another process, or another version, would)."""
+
+    def __init__(self, backend: str, address: str | Path):
+        self.backend, self.address = backend, address
+        self.opened: list[JobStore] = []
+
+    def open(self, runner_id: str = "runner-a", lease_s: float = 30.0) -> JobStore:
+        store = open_store(self.address, runner_id=runner_id, lease_s=lease_s)
+        self.opened.append(store)
+        return store
+
+    def raw(self, sql: str, *args) -> list[tuple]:
+        """`sql` names the table {jobs} and takes ? arguments."""
+        if self.backend == "sqlite":
+            with closing(sqlite3.connect(self.address)) as raw, raw:
+                return raw.execute(sql.format(jobs="jobs"), args).fetchall()
+        import psycopg
+
+        with psycopg.connect(self.address, autocommit=True) as raw:
+            cursor = raw.execute(sql.format(jobs="lipstream_jobs").replace("?", "%s"), args)
+            return cursor.fetchall() if cursor.description else []
+
+    def close_all(self) -> None:
+        for store in self.opened:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - closed by the test already
+                pass
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path: Path):
+    if request.param == "sqlite":
+        database = Database("sqlite", tmp_path / "jobs" / "jobs.db")
+        yield database
+        database.close_all()
+        return
+    server = request.getfixturevalue("postgres_server")
+    url = server.new_database()
+    database = Database("postgresql", url)
+    yield database
+    database.close_all()
+    server.drop_database(url)
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    jobs = JobStore(tmp_path / "jobs" / "jobs.db")
-    yield jobs
-    jobs.close()
+def store(db: Database):
+    return db.open()
 
 
 def raw_sql(path: Path, sql: str, *args) -> list[tuple]:
-    """Read or write the file behind the store's back (as another process, or another version, would)."""
+    """Read or write a SQLite file behind the store's back."""
     with closing(sqlite3.connect(path)) as raw, raw:
         return raw.execute(sql, args).fetchall()
 
@@ -33,11 +93,12 @@ def running_job(store: JobStore, owner: str = "alice") -> Job:
     return claimed
 
 
-def test_submit_get_list(store: JobStore):
+def test_submit_get_list(db: Database, store: JobStore):
     first = store.submit("alice", "render", {"avatar": "anna", "audio": "a.wav", "fps": 25})
     second = store.submit("bob", "compile", {"video": "b.mp4"})
     third = store.submit("alice", "broadcast", {})
-    assert store.folder == store.path.parent and store.path.parent.name == "jobs"
+    if db.backend == "sqlite":
+        assert store.folder == store.path.parent and store.path.parent.name == "jobs"
     assert first.status == "queued" and first.progress == 0 and first.attempts == 0
     assert first.result is None and first.error is None and not first.cancel_requested
     assert first.started_at is None and first.finished_at is None and first.created_at > 0
@@ -56,7 +117,7 @@ def test_submit_get_list(store: JobStore):
     assert store.list(limit=0) == []
 
 
-def test_submit_refuses_bad_input_and_stores_json(store: JobStore):
+def test_submit_refuses_bad_input_and_stores_json(db: Database, store: JobStore):
     with pytest.raises(ValueError, match="kind"):
         store.submit("alice", "paint", {})
     with pytest.raises(ValueError, match="dict"):
@@ -64,7 +125,7 @@ def test_submit_refuses_bad_input_and_stores_json(store: JobStore):
     with pytest.raises(ValueError, match="JSON"):
         store.submit("alice", "render", {"when": object()})
     job = store.submit("alice", "render", {"text": "héllo", "nested": {"a": [1, 2.5, None]}})
-    [(params,)] = raw_sql(store.path, "SELECT params FROM jobs WHERE id = ?", job.id)
+    [(params,)] = db.raw("SELECT params FROM {jobs} WHERE id = ?", job.id)
     assert isinstance(params, str) and '"nested"' in params  # JSON text, nothing pickled
     assert store.counts()["queued"] == 1  # the refused ones left nothing behind
 
@@ -81,10 +142,9 @@ def test_claim_oldest_first_and_by_kind(store: JobStore):
     assert store.claim_next() is None
 
 
-def test_concurrent_claims_take_each_job_once(tmp_path: Path):
-    """4 threads over two stores on one file (as two processes would be): every job exactly once."""
-    path = tmp_path / "jobs.db"
-    stores = [JobStore(path), JobStore(path)]
+def test_concurrent_claims_take_each_job_once(db: Database):
+    """4 threads over two stores on one database (as two processes would be): every job exactly once."""
+    stores = [db.open(), db.open()]
     submitted = {stores[0].submit(f"owner{n % 3}", "render", {"n": n}).id for n in range(20)}
     start = threading.Barrier(4)
     claimed: list[list[str]] = [[] for _ in range(4)]
@@ -187,12 +247,12 @@ def test_cancel(store: JobStore):
     assert store.cancel(cancelled.id) == store.get(cancelled.id)
 
 
-def test_claim_skips_cancel_requested_jobs(store: JobStore):
+def test_claim_skips_cancel_requested_jobs(db: Database, store: JobStore):
     """A queued job with cancel_requested (written by another process, or an older version) is
     never run; a running job asked to cancel is cancelled, not requeued, by requeue_running."""
     skipped = store.submit("alice", "render", {})
     later = store.submit("alice", "render", {})
-    raw_sql(store.path, "UPDATE jobs SET cancel_requested = 1 WHERE id = ?", skipped.id)
+    db.raw("UPDATE {jobs} SET cancel_requested = TRUE WHERE id = ?", skipped.id)
     assert store.claim_next().id == later.id
     assert store.claim_next() is None
 
@@ -203,9 +263,8 @@ def test_claim_skips_cancel_requested_jobs(store: JobStore):
     assert store.claim_next().id == later.id  # the skipped one still is
 
 
-def test_requeue_after_a_crash(tmp_path: Path):
-    path = tmp_path / "jobs.db"
-    before = JobStore(path)
+def test_requeue_after_a_crash(db: Database):
+    before = db.open()
     crashed = before.submit("alice", "render", {"n": 1})
     waiting = before.submit("alice", "render", {"n": 2})
     claimed = before.claim_next()
@@ -213,7 +272,7 @@ def test_requeue_after_a_crash(tmp_path: Path):
     before.set_progress(crashed.id, 0.6)
     before.close()  # the process dies without finishing the job
 
-    after = JobStore(path)
+    after = db.open()  # the same runner, restarted: its own running jobs are orphans at once
     assert after.get(crashed.id).status == "running"  # what the file says until start-up requeues it
     assert after.requeue_running() == [crashed.id]
     requeued = after.get(crashed.id)
@@ -244,6 +303,8 @@ def test_version_changes_with_the_row_only(store: JobStore):
     store.set_progress(job.id, 0.5)
     changed()
     store.set_progress(job.id, 0.5)  # the same value: the row does not change
+    unchanged()
+    assert store.renew(job.id)  # a heartbeat is no change a client sees
     unchanged()
     store.cancel(job.id)
     changed()
@@ -277,44 +338,170 @@ def test_counts_and_active(store: JobStore):
     assert store.counts()["done"] == 1 and store.active("alice") == 1
 
 
-def test_newer_store_refused(tmp_path: Path):
-    path = tmp_path / "jobs.db"
-    JobStore(path).close()
-    assert raw_sql(path, "PRAGMA user_version") == [(1,)]
-    raw_sql(path, "PRAGMA user_version = 2")
-    with pytest.raises(JobStoreError, match="schema version 2 is newer") as raised:
-        JobStore(path)
+def test_newer_store_refused(db: Database):
+    newer = SCHEMA_VERSION + 1
+    db.open().close()
+    if db.backend == "sqlite":
+        read, write = "PRAGMA user_version", f"PRAGMA user_version = {newer}"
+    else:
+        read, write = "SELECT version FROM lipstream_schema", f"UPDATE lipstream_schema SET version = {newer}"
+    assert db.raw(read) == [(SCHEMA_VERSION,)]
+    db.raw(write)
+    with pytest.raises(JobStoreError, match=f"schema version {newer} is newer") as raised:
+        db.open()
     assert "\n" not in str(raised.value)
-    assert raw_sql(path, "PRAGMA user_version") == [(2,)]  # refused, not touched
+    assert db.raw(read) == [(newer,)]  # refused, not touched
 
 
 def test_not_a_database_refused(tmp_path: Path):
     path = tmp_path / "jobs.db"
     path.write_bytes(b"not sqlite at all " * 100)
     with pytest.raises(JobStoreError, match="not a usable job store") as raised:
-        JobStore(path)
+        open_store(path)
     assert "\n" not in str(raised.value)
 
 
-def test_a_job_running_at_every_crash_fails_after_max_attempts(tmp_path: Path):
+def test_a_job_running_at_every_crash_fails_after_max_attempts(db: Database):
     """A job that brings the server down is not run forever: at the third crash it fails, with why.
     A graceful shutdown's requeue does not count as an attempt."""
-    path = tmp_path / "jobs.db"
-    job = JobStore(path).submit("alice", "render", {"n": 1})
+    job = db.open().submit("alice", "render", {"n": 1})
     for crash in (1, 2):
-        store = JobStore(path)
+        store = db.open()
         assert store.requeue_running(max_attempts=3) == ([job.id] if crash > 1 else [])
         assert store.claim_next().attempts == crash
         store.close()  # dies mid-job
-    store = JobStore(path)
+    store = db.open()
     assert store.requeue_running(max_attempts=3) == [job.id]
     assert store.claim_next().attempts == 3
     assert store.requeue_running(shutdown=True) == [job.id]  # SIGTERM: handed back, not counted
     assert store.get(job.id).attempts == 2
     assert store.claim_next().attempts == 3
     store.close()  # the third crash
-    store = JobStore(path)
+    store = db.open()
     assert store.requeue_running(max_attempts=3) == []
     failed = store.get(job.id)
     assert failed.status == "failed" and "3 times" in failed.error and failed.finished_at is not None
     assert store.claim_next() is None
+
+
+def test_two_runners_claiming_at_once_never_share_a_job(db: Database):
+    """Two runners (two stores, two ids) with two threads each over 200 jobs: each job once, held by its claimer."""
+    runners = [db.open("runner-a"), db.open("runner-b")]
+    submitted = {runners[0].submit("alice", "render", {"n": n}).id for n in range(200)}
+    start = threading.Barrier(4)
+    claimed: list[list[Job]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def claim_all(worker: int) -> None:
+        try:
+            start.wait()
+            while (job := runners[worker % 2].claim_next()) is not None:
+                claimed[worker].append(job)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=claim_all, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    every_claim = [job.id for worker in claimed for job in worker]
+    assert len(every_claim) == 200 and set(every_claim) == submitted
+    for worker, jobs in enumerate(claimed):
+        assert all(job.runner_id == runners[worker % 2].runner_id for job in jobs)
+    holders = {job.id: job.runner_id for job in runners[1].list(limit=200)}
+    assert holders == {job.id: job.runner_id for worker in claimed for job in worker}  # as each claim said
+
+
+def test_a_runner_whose_lease_expired_loses_its_job_to_the_other(db: Database):
+    a, b = db.open("runner-a", lease_s=0.3), db.open("runner-b", lease_s=0.3)
+    job = a.submit("alice", "render", {"n": 1})
+    claimed = a.claim_next()
+    assert claimed.runner_id == "runner-a" and claimed.lease_until > claimed.started_at
+    for _ in range(4):  # a's heartbeat holds the job past its first lease
+        time.sleep(0.1)
+        assert a.renew(job.id)
+        assert b.requeue_running(own=False) == []
+    a.set_progress(job.id, 0.5)
+    time.sleep(0.4)  # a stops renewing (it died, or lost the database)
+    assert b.requeue_running(max_attempts=3, own=False) == [job.id]
+    retaken = b.claim_next()
+    assert retaken.id == job.id and retaken.runner_id == "runner-b" and retaken.attempts == 2
+    assert retaken.progress == 0 and retaken.result is None
+    assert not a.renew(job.id)  # a finds out at its next heartbeat...
+    for late in (lambda: a.set_progress(job.id, 0.9), lambda: a.finish(job.id, "results/a.mp4"),
+                 lambda: a.fail(job.id, "late"), lambda: a.mark_cancelled(job.id)):
+        with pytest.raises(ValueError, match="held by runner 'runner-b'"):  # ...and can publish nothing
+            late()
+    assert b.get(job.id).result is None
+    done = b.finish(job.id, "results/b.mp4")
+    assert done.status == "done" and done.result == "results/b.mp4" and done.runner_id == "runner-b"
+    assert a.get(job.id) == done
+
+
+def test_a_start_takes_back_its_own_jobs_only(db: Database):
+    """A restarted runner requeues its own running jobs at once; another's, whose lease runs, stay."""
+    a, b = db.open("runner-a"), db.open("runner-b")
+    mine = a.submit("alice", "render", {"n": 1})
+    theirs = a.submit("alice", "render", {"n": 2})
+    assert a.claim_next().id == mine.id and b.claim_next().id == theirs.id
+    a.close()  # runner a dies
+    restarted = db.open("runner-a")
+    assert restarted.requeue_running(max_attempts=3) == [mine.id]
+    assert restarted.get(theirs.id).status == "running" and restarted.get(theirs.id).runner_id == "runner-b"
+    assert restarted.get(mine.id).runner_id is None and restarted.get(mine.id).lease_until is None
+    b.claim_next()
+    assert b.requeue_running(shutdown=True) == sorted([mine.id, theirs.id], key=[mine.id, theirs.id].index)
+    assert b.get(theirs.id).attempts == 0 and b.get(mine.id).attempts == 1  # its own: handed back, not counted
+
+
+def test_open_store_addresses(tmp_path: Path):
+    for address in (tmp_path / "a.db", str(tmp_path / "b.db"), f"sqlite://{tmp_path / 'c.db'}"):
+        store = open_store(address, runner_id="r")
+        assert store.submit("alice", "render", {}).status == "queued"
+        store.close()
+    assert {p.name for p in tmp_path.iterdir()} >= {"a.db", "b.db", "c.db"}
+    for bad, match in (("mysql://u:secret@host/db", "not a job store address"),
+                       ("sqlite://relative.db", "sqlite:///PATH"),
+                       ("postgresql://u:secret@127.0.0.1:1/db", "cannot connect to PostgreSQL")):
+        with pytest.raises(JobStoreError, match=match) as raised:
+            open_store(bad)
+        assert "\n" not in str(raised.value) and "secret" not in str(raised.value)
+
+
+V1_SCHEMA = """
+CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+    kind TEXT NOT NULL, status TEXT NOT NULL, params TEXT NOT NULL, progress REAL NOT NULL DEFAULT 0,
+    result TEXT, error TEXT, cancel_requested INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL,
+    started_at REAL, finished_at REAL, attempts INTEGER NOT NULL DEFAULT 0, version INTEGER NOT NULL DEFAULT 1);
+CREATE INDEX jobs_status ON jobs (status, seq);
+CREATE INDEX jobs_owner ON jobs (owner, seq);
+INSERT INTO jobs (id, owner, kind, status, params, created_at, attempts, result, progress)
+    VALUES ('d', 'alice', 'render', 'done', '{"n": 0}', 1.0, 1, 'results/d.mp4', 1);
+INSERT INTO jobs (id, owner, kind, status, params, created_at, started_at, attempts, progress)
+    VALUES ('r', 'alice', 'render', 'running', '{"n": 1}', 2.0, 3.0, 1, 0.4);
+INSERT INTO jobs (id, owner, kind, status, params, created_at) VALUES ('q', 'bob', 'compile', 'queued', '{}', 4.0);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_file_is_migrated(tmp_path: Path):
+    """A file written by the one-runner store: columns added in place, jobs kept, its running job
+    (a crash's, with no runner) requeued by whichever runner starts first."""
+    path = tmp_path / "jobs.sqlite3"
+    with closing(sqlite3.connect(path)) as raw:
+        raw.executescript(V1_SCHEMA)
+    store = open_store(path, runner_id="new-runner")
+    assert raw_sql(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    columns = {row[1] for row in raw_sql(path, "PRAGMA table_info(jobs)")}
+    assert {"runner_id", "lease_until"} <= columns
+    assert store.get("d").result == "results/d.mp4" and store.get("d").status == "done"
+    assert store.get("r").status == "running" and store.get("r").runner_id is None
+    assert store.requeue_running(max_attempts=3, own=False) == ["r"]
+    assert [store.claim_next().id for _ in range(2)] == ["r", "q"]
+    assert store.get("r").attempts == 2 and store.get("r").runner_id == "new-runner"
+    store.close()
+    again = open_store(path, runner_id="new-runner")  # opening a migrated file changes nothing
+    assert again.get("r").status == "running" and raw_sql(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    again.close()

@@ -5,6 +5,11 @@ A job's frames go through the same scheduler as the live sessions, after theirs
 (live/offline.py), and its MP4 is written the way `lipstream render` (or `broadcast`) writes one:
 render_program, a temporary name, renamed when complete. On shutdown the running job stops at its next batch and
 goes back to the queue; a restart runs it again from the start. Nothing half-written is kept.
+
+Several runners (servers) may share one store: while a job runs, a heartbeat thread renews its
+lease; a runner whose lease was lost (it stalled, or lost the database, and another requeued the
+job) stops the job at its next batch and leaves the store alone. An idle runner requeues jobs
+whose lease expired (their server died), so another server finishes them.
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ log = logging.getLogger(__name__)
 KINDS = ("render", "broadcast", "compile")
 POLL_S = 0.2  # how often an idle runner looks for queued jobs (a submit wakes it at once)
 PROGRESS_EVERY_S = 0.25  # progress is written to the store at most this often
+REQUEUE_EVERY_S = 5.0  # how often an idle runner looks for jobs whose runner died (expired leases)
 
 
 class JobStopped(JobCancelled):
     """The server is shutting down: the job goes back to the queue."""
+
+
+class JobLost(JobCancelled):
+    """This runner's lease on the job was lost and the job requeued: another runner runs it now."""
 
 
 class JobHost(Protocol):
@@ -73,7 +83,11 @@ class JobRunner:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        last_requeue = time.monotonic()
         while not self._stopping.is_set():
+            if time.monotonic() - last_requeue >= REQUEUE_EVERY_S:
+                last_requeue = time.monotonic()
+                self._requeue_expired()
             job = self.s.store.claim_next(KINDS)
             if job is None:
                 self._wake.wait(POLL_S)
@@ -85,13 +99,49 @@ class JobRunner:
             finally:
                 self.running = None
 
+    def _requeue_expired(self) -> None:
+        try:
+            requeued = self.s.store.requeue_running(max_attempts=self.s.o.max_attempts, own=False)
+        except Exception:  # noqa: BLE001 (the database is away: the next round tries again)
+            log.exception("could not requeue jobs whose lease expired")
+            return
+        if requeued:
+            log.info("requeued %d jobs whose runner stopped renewing their lease", len(requeued))
+
+    def _heartbeat(self, job_id: str, done: threading.Event, lost: threading.Event) -> None:
+        """Renew the job's lease every third of it until the job ends; `lost` when it is no longer ours."""
+        while not done.wait(self.s.store.lease_s / 3):
+            try:
+                if not self.s.store.renew(job_id):
+                    lost.set()
+                    return
+            except Exception:  # noqa: BLE001 (the database is away: the lease may still be renewed in time)
+                log.warning("job %s: could not renew its lease", job_id, exc_info=True)
+
     def _run(self, job: Job) -> None:
+        done, lost = threading.Event(), threading.Event()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(job.id, done, lost),
+                                     name="lipstream-job-lease", daemon=True)
+        heartbeat.start()
+        try:
+            self._run_held(job, lost)
+        except ValueError as e:  # the store refused a change: the job is no longer this runner's
+            if not lost.is_set() and self.s.store.renew(job.id):
+                raise
+            log.warning("job %s: lost to another runner (%s)", job.id, e)
+        finally:
+            done.set()
+            heartbeat.join()
+
+    def _run_held(self, job: Job, lost: threading.Event) -> None:
         store, t0 = self.s.store, time.monotonic()
         last = [0.0]
 
         def cancelled() -> bool:
             if self._stopping.is_set():
                 raise JobStopped("the server is shutting down")
+            if lost.is_set():
+                raise JobLost("this runner's lease expired; another runner has the job")
             current = store.get(job.id)
             return current is None or current.cancel_requested
 
@@ -110,11 +160,17 @@ class JobRunner:
         except JobStopped:
             log.info("job %s: stopped by the shutdown; queued again", job.id)
             return  # still "running" in the store: the shutdown requeues it
+        except JobLost as e:
+            log.warning("job %s: stopped: %s", job.id, e)
+            return
         except JobCancelled:
             store.mark_cancelled(job.id)
             log.info("job %s: cancelled", job.id)
             return
         except Exception as e:  # noqa: BLE001 (a failed job is reported, the server goes on)
+            if lost.is_set() or not store.renew(job.id):
+                log.warning("job %s: stopped (%s); another runner has it", job.id, e)
+                return
             log.exception("job %s failed", job.id)
             store.fail(job.id, f"{type(e).__name__}: {e}".splitlines()[0])
             return

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lipstream.serve.store import JobStoreError, default_runner_id, open_store
+
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
 
@@ -34,7 +36,9 @@ class ServeOptions:
     long (5 ms by default). `python -m lipstream.bench.gil_convoy`: beside one busy thread a
     62 ms eager Whisper call took 725 ms at 5 ms, 143 ms at 0.5 ms (traced: 129 and 71).
     `rtc_workers`: the processes aiortc runs in (serve/rtc.py), so that its Python holds their GILs, not
-    the engine's."""
+    the engine's. `database`: the job store (None: the SQLite file jobs.sqlite3 under `data_dir`; or
+    postgresql://... shared by servers on several machines). `runner_id`: this server's name among
+    those sharing the store (serve/store.py: leases), the same across its restarts."""
 
     avatars_dir: Path
     data_dir: Path
@@ -51,6 +55,19 @@ class ServeOptions:
     playout_delay_s: float | None = None  # None: the preset's (realtime: 0.25 s)
     switch_interval_ms: float = 0.5
     rtc_workers: int | None = None  # WebRTC worker processes (None: one per 4 cores, 1 to 8)
+    database: str | None = None  # None: data_dir / "jobs.sqlite3"
+    runner_id: str = field(default_factory=default_runner_id)
+
+    def job_database(self) -> str | Path:
+        return self.database or self.data_dir / "jobs.sqlite3"
+
+    def check_database(self) -> None:
+        """Open the job store once (a PostgreSQL server reached, the schema created or checked) and
+        close it: one-line error naming --database before anything heavy loads."""
+        try:
+            open_store(self.job_database(), runner_id=self.runner_id).close()
+        except JobStoreError as e:
+            raise ValueError(f"--database: {e}") from None
 
     def check(self) -> None:
         """One-line errors before anything loads."""
@@ -75,5 +92,7 @@ class ServeOptions:
             raise ValueError(f"--switch-interval-ms {self.switch_interval_ms:g}: 0.1 to 10 is allowed")
         if self.rtc_workers is not None and not 1 <= self.rtc_workers <= 64:
             raise ValueError(f"--rtc-workers {self.rtc_workers}: 1 to 64 is allowed")
+        if not self.runner_id or len(self.runner_id) > 200:
+            raise ValueError(f"--runner-id {self.runner_id!r}: a name of 1 to 200 characters is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")

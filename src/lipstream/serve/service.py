@@ -16,7 +16,7 @@ from lipstream.models import MuseTalk
 from lipstream.serve.jobs import JobRunner
 from lipstream.serve.metrics import Metrics
 from lipstream.serve.options import AVATAR_NAME, ServeOptions
-from lipstream.serve.store import JobStore
+from lipstream.serve.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Service:
         self.results_dir = options.data_dir / "results"
         for d in (self.uploads_dir, self.results_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self.store = JobStore(options.data_dir / "jobs.sqlite3")
+        self.store = open_store(options.job_database(), runner_id=options.runner_id)
         # sessions whose client takes H.264 send the engine's own video packets (encoded in its worker
         # processes, started with the engine); the others hand aiortc raw frames; the audio always goes
         # raw (serve/live.py says why)
@@ -46,7 +46,8 @@ class Service:
         self._switch_interval: float | None = None
 
     def start(self) -> Service:
-        """Load every avatar, capture and measure the steps, requeue what a crash left running."""
+        """Load every avatar, capture and measure the steps, requeue what a crash of this server
+        left running (and any job whose runner's lease expired)."""
         names = sorted(p.name for p in self.o.avatars_dir.iterdir() if (p / META).is_file()
                        and AVATAR_NAME.fullmatch(p.name))
         if not names:
@@ -82,7 +83,7 @@ class Service:
                 p.unlink(missing_ok=True)
 
     def stop(self) -> None:
-        """Graceful: stop taking work, the running job back to the queue, sessions closed."""
+        """Graceful: stop taking work, this server's running job back to the queue, sessions closed."""
         self.ready = False
         self.metrics.ready.set(0)
         self.runner.stop()

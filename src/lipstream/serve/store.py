@@ -1,73 +1,50 @@
-"""The job store of `lipstream serve`: render, broadcast and compile jobs in one SQLite file.
+"""The job store of `lipstream serve`: what every store does, and `open_store` to pick one.
 
-Why SQLite: it is in the standard library (nothing to install or run beside the service), the
-whole queue is one file next to the outputs, and its transactions are atomic and survive a crash
-of the process: a job is never half-claimed or half-finished, and two threads or two processes
-on the same file never claim the same job (claims take the write lock with BEGIN IMMEDIATE).
-The file is in WAL mode, so readers (the /jobs listing, the server-sent-event polls) do not wait
-for a writer; synchronous=NORMAL: a crash of the process loses nothing, a power cut may lose the
-last commits but never corrupts the file.
+Two stores implement `JobStore`: SQLite (serve/store_sqlite.py, the default: one file beside the
+outputs, nothing to install or run, one machine) and PostgreSQL (serve/store_postgres.py: one
+database that servers on several machines share). The service uses only this interface.
 
-What survives a restart: every job with its owner, parameters, status, progress, result path,
-error, timestamps and attempt count. What does not: the work of a job that was running; the
-service calls `requeue_running` at start-up (after a crash) and on a graceful shutdown, so such
-a job is queued again and starts over, its claims counted in `attempts`. The store assumes one
-runner process per file: `requeue_running` treats every running job as orphaned.
+Several runners may share one store. A claim records the runner's id and a lease (`lease_until`),
+which the runner renews while the job runs (its heartbeat). `requeue_running` hands back only jobs
+whose lease expired (their runner died or lost the database) and, at a runner's start or shutdown,
+its own: a job is never run by two runners at once, and a dead runner's job is finished by another.
+A runner id must be unique among the servers sharing a store and the same across a server's
+restarts, so that a restart takes back its own jobs at once instead of waiting for their leases.
+Only the runner that holds a job may move it on (progress, finish, fail, cancelled), so a runner that
+lost its lease cannot publish a result: a result path is set only by `finish`, nothing partial is served.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sqlite3
-import threading
-import time
-import uuid
-from collections.abc import Iterable
+import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from lipstream.errors import LipStreamError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: runner_id and lease_until (several runners on one store)
 KINDS = ("render", "broadcast", "compile")
 STATUSES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATUSES = ("queued", "running")
 MAX_ERROR_CHARS = 500
-BUSY_TIMEOUT_S = 10.0  # another process holding the write lock: wait this long before "database is locked"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- submission order: oldest first without ties on created_at
-    id TEXT NOT NULL UNIQUE,
-    owner TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    status TEXT NOT NULL,
-    params TEXT NOT NULL,                   -- JSON
-    progress REAL NOT NULL DEFAULT 0,
-    result TEXT,
-    error TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    version INTEGER NOT NULL DEFAULT 1      -- + 1 on every change of the row (server-sent-event polling)
-);
-CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
-CREATE INDEX IF NOT EXISTS jobs_owner ON jobs (owner, seq);
-"""
+LEASE_S = 30.0  # a claim lasts this long unless renewed; the runner renews it every LEASE_S / 3
+DATABASES = "a SQLite file path (or sqlite:///PATH) or postgresql://USER@HOST/DB"
 
 
 class JobStoreError(LipStreamError):
-    """The store file cannot be used: not a database, or written by a newer lipstream."""
+    """The store cannot be used: not a database, unreachable, or written by a newer lipstream."""
 
 
 @dataclass(frozen=True)
 class Job:
-    """One job as the store holds it. `result` is relative to the store's folder (set only when
+    """One job as the store holds it. `result` is relative to the data folder (set only when
     done); `error` is one line (set only when failed); `attempts` counts claims, so a job requeued
-    after a crash or a shutdown counts again."""
+    after a crash or a shutdown counts again. `runner_id` and `lease_until` (seconds since the
+    epoch) name the runner that holds a running job and until when, unless it renews the lease."""
 
     id: str
     owner: str
@@ -82,279 +59,152 @@ class Job:
     started_at: float | None
     finished_at: float | None
     attempts: int
+    runner_id: str | None = None
+    lease_until: float | None = None
 
 
-class JobStore:
-    """Jobs on disk (SQLite, WAL): survive a restart; every status change is one transaction.
+class JobStore(Protocol):
+    """What the service and the runner use of a store (SQLite's and PostgreSQL's alike)."""
 
-    One connection per store, guarded by a lock (check_same_thread=False), rather than one per
-    thread: every call is a short transaction (microseconds), so the lock costs nothing next to the
-    jobs, and `close` can close the one connection from any thread (connections opened by worker
-    threads could not be closed from the thread that shuts the service down). Between processes
-    the file's own lock does the work: writes run in BEGIN IMMEDIATE transactions.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.folder = self.path.parent
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                                       check_same_thread=False)
-        except sqlite3.Error as e:
-            raise JobStoreError(f"{self.path}: cannot open the job store ({e})") from None
-        self._db.row_factory = sqlite3.Row
-        try:
-            self._open_schema()
-        except BaseException:
-            self._db.close()
-            raise
-
-    def _open_schema(self) -> None:
-        """Create the schema in a new file, accept this version, refuse a newer one (in one
-        transaction, so two processes opening a new file at once do not both create it)."""
-        try:
-            self._refuse_newer()  # before WAL: a newer store is left exactly as it is
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                found = self._refuse_newer()
-                if found < SCHEMA_VERSION:
-                    for statement in _SCHEMA.split(";"):
-                        if statement.strip():
-                            self._db.execute(statement)
-                    self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise JobStoreError(f"{self.path}: not a usable job store ({e})") from None
-
-    def _refuse_newer(self) -> int:
-        found = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if found > SCHEMA_VERSION:
-            raise JobStoreError(f"{self.path}: job store schema version {found} is newer than this "
-                                f"lipstream reads ({SCHEMA_VERSION}); upgrade lipstream or use another file")
-        return found
-
-    # -- reads ---------------------------------------------------------------------------------
+    runner_id: str
+    lease_s: float
 
     def get(self, job_id: str, owner: str | None = None) -> Job | None:
-        """The job, or None when there is none of that id or (owner given) it is someone else's:
-        the service answers both with 404, so ids of other keys' jobs are not revealed."""
-        with self._lock:
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None or (owner is not None and row["owner"] != owner):
-            return None
-        return _job(row)
+        """The job, or None when there is none or (owner given) it is someone else's."""
 
     def list(self, owner: str | None = None, limit: int = 100) -> list[Job]:
         """The newest `limit` jobs (of `owner` when given), newest first."""
-        if limit <= 0:
-            return []
-        with self._lock:
-            if owner is None:
-                rows = self._db.execute("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
-            else:
-                rows = self._db.execute("SELECT * FROM jobs WHERE owner = ? ORDER BY seq DESC LIMIT ?",
-                                        (owner, limit)).fetchall()
-        return [_job(row) for row in rows]
 
     def active(self, owner: str) -> int:
-        """Queued + running jobs of `owner`: what a per-key cap counts."""
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN (?, ?)",
-                                    (owner, *ACTIVE_STATUSES)).fetchone()[0]
+        """Queued + running jobs of `owner`."""
 
     def counts(self) -> dict[str, int]:
-        """Jobs per status, every status present (0 when none), for /metrics."""
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
-        found = {status: n for status, n in rows}
-        return {status: found.get(status, 0) for status in STATUSES}
+        """Jobs per status, every status present."""
 
     def version(self, job_id: str) -> int:
-        """A number that changes whenever the job's row changes (one primary-key read, so an event
-        stream can poll it every 100 ms and read the job only when it moved); 0 for no such job."""
-        with self._lock:
-            row = self._db.execute("SELECT version FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return 0 if row is None else row[0]
-
-    # -- changes -------------------------------------------------------------------------------
+        """A number that changes whenever the job's row does (0: no such job)."""
 
     def submit(self, owner: str, kind: str, params: dict) -> Job:
-        """A new queued job. ValueError for an unknown kind or parameters that are not a JSON object."""
-        if kind not in KINDS:
-            raise ValueError(f"job kind must be one of {KINDS}, not {kind!r}")
-        if not isinstance(params, dict):
-            raise ValueError(f"job params must be a dict, not {type(params).__name__}")
-        try:
-            params_json = json.dumps(params, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"job params must be JSON-able: {e}") from None
-        job_id = uuid.uuid4().hex
-        with self._lock, self._transaction():
-            row = self._db.execute(
-                "INSERT INTO jobs (id, owner, kind, status, params, created_at) VALUES (?, ?, ?, 'queued', ?, ?)"
-                " RETURNING *", (job_id, owner, kind, params_json, time.time())).fetchall()[0]
-        return _job(row)
+        """A new queued job."""
 
     def claim_next(self, kinds: tuple[str, ...] | None = None) -> Job | None:
-        """The oldest queued job (of `kinds`, when given) that no one asked to cancel, now running
-        with attempts + 1; None when there is none. Atomic across threads and processes: the select
-        and the update are one statement in a BEGIN IMMEDIATE transaction."""
-        if kinds is not None and not kinds:
-            return None
-        kind_filter, kind_args = ("", ()) if kinds is None else (f" AND kind IN ({_marks(kinds)})", tuple(kinds))
-        with self._lock, self._transaction():
-            rows = self._db.execute(
-                "UPDATE jobs SET status = 'running', started_at = ?, progress = 0, attempts = attempts + 1,"
-                " version = version + 1 WHERE id = (SELECT id FROM jobs WHERE status = 'queued'"
-                f" AND cancel_requested = 0{kind_filter} ORDER BY seq LIMIT 1) RETURNING *",
-                (time.time(), *kind_args)).fetchall()
-        return _job(rows[0]) if rows else None
+        """The oldest queued job, now running under this runner with a fresh lease."""
+
+    def renew(self, job_id: str) -> bool:
+        """Extend this runner's lease on a running job; False when it no longer holds it."""
 
     def set_progress(self, job_id: str, progress: float) -> None:
-        """Progress of a running job, clamped to 0..1 (an unchanged value leaves the row, and so its
-        version, alone). ValueError when the job is not running: a runner whose job was requeued or
-        cancelled under it finds out here."""
-        if math.isnan(progress):
-            raise ValueError(f"job {job_id}: progress must be a number in 0..1, not NaN")
-        progress = min(1.0, max(0.0, float(progress)))
-        with self._lock, self._transaction():
-            row = self._db.execute("SELECT status, progress FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            _require(job_id, row, ("running",), "set progress")
-            if row["progress"] != progress:
-                self._db.execute("UPDATE jobs SET progress = ?, version = version + 1 WHERE id = ?",
-                                 (progress, job_id))
+        """Progress of a job this runner holds."""
 
     def finish(self, job_id: str, result: str) -> Job:
-        """running -> done, with the output's path relative to the store's folder (ValueError for an
-        absolute path or one that climbs out with "..": the service serves files by this path)."""
-        parts = PurePosixPath(result.replace("\\", "/"))
-        if not result or parts.is_absolute() or Path(result).is_absolute() or ".." in parts.parts:
-            raise ValueError(f"job {job_id}: result must be a path inside the store's folder, not {result!r}")
-        return self._move(job_id, ("running",), "finish",
-                          "status = 'done', progress = 1, result = ?, finished_at = ?", (result, time.time()))
+        """running -> done with its result path (this runner's job only)."""
 
     def fail(self, job_id: str, error: str) -> Job:
-        """running -> failed, with the error as one line of at most 500 characters."""
-        return self._move(job_id, ("running",), "fail", "status = 'failed', error = ?, finished_at = ?",
-                          (_one_line(error), time.time()))
+        """running -> failed with a one-line error (this runner's job only)."""
 
     def mark_cancelled(self, job_id: str) -> Job:
-        """running -> cancelled: the runner stopped the job (after `cancel` asked it to)."""
-        return self._move(job_id, ("running",), "mark cancelled", "status = 'cancelled', finished_at = ?",
-                          (time.time(),))
+        """running -> cancelled after a cancel request (this runner's job only)."""
 
     def cancel(self, job_id: str, owner: str | None = None) -> Job | None:
-        """Ask for a job to stop: a queued one is cancelled at once; a running one gets
-        cancel_requested (its runner stops it and calls `mark_cancelled`); a finished one is left
-        as it is. None when there is no such job or (owner given) it is someone else's."""
-        now = time.time()
-        with self._lock, self._transaction():
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None or (owner is not None and row["owner"] != owner):
-                return None
-            if row["status"] == "queued":
-                row = self._db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, version = version + 1"
-                                       " WHERE id = ? RETURNING *", (now, job_id)).fetchall()[0]
-            elif row["status"] == "running" and not row["cancel_requested"]:
-                row = self._db.execute("UPDATE jobs SET cancel_requested = 1, version = version + 1"
-                                       " WHERE id = ? RETURNING *", (job_id,)).fetchall()[0]
-        return _job(row)
+        """Ask a job to stop (any server may)."""
 
-    def requeue_running(self, *, max_attempts: int | None = None, shutdown: bool = False) -> list[str]:
-        """Every running job back to queued (progress 0, started_at cleared), oldest first.
-
-        At start-up after a crash, with `max_attempts`: a job that was running at that many crashes
-        fails instead (it may be what brings the server down). On a graceful shutdown (`shutdown`)
-        the interrupted claim is not counted. A running job someone asked to cancel is cancelled
-        instead of run again (and not returned)."""
-        now = time.time()
-        with self._lock, self._transaction():
-            if max_attempts is not None:
-                self._db.execute(
-                    "UPDATE jobs SET status = 'failed', finished_at = ?, error = ?, version = version + 1"
-                    " WHERE status = 'running' AND cancel_requested = 0 AND attempts >= ?",
-                    (now, f"the server stopped {max_attempts} times while running this job; not run again",
-                     max_attempts))
-            uncount = ", attempts = MAX(0, attempts - 1)" if shutdown else ""
-            requeued = self._db.execute(
-                f"UPDATE jobs SET status = 'queued', started_at = NULL, progress = 0{uncount}, version = version + 1"
-                " WHERE status = 'running' AND cancel_requested = 0 RETURNING seq, id").fetchall()
-            self._db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, version = version + 1"
-                             " WHERE status = 'running' AND cancel_requested = 1", (now,))
-        return [row["id"] for row in sorted(requeued, key=lambda row: row["seq"])]
+    def requeue_running(self, *, max_attempts: int | None = None, shutdown: bool = False,
+                        own: bool = True) -> list[str]:
+        """Running jobs whose lease expired (and, with `own`, this runner's) back to the queue."""
 
     def close(self) -> None:
-        """Close the connection (the WAL is checkpointed into the file); calls after it fail."""
-        with self._lock:
-            self._db.close()
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _move(self, job_id: str, allowed: tuple[str, ...], action: str, assignments: str,
-              args: tuple) -> Job:
-        """One status change: update the row if its status allows it, else ValueError naming the
-        job and the status it is in (the check and the update are one transaction)."""
-        with self._lock, self._transaction():
-            row = self._db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            _require(job_id, row, allowed, action)
-            row = self._db.execute(f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ? RETURNING *",
-                                   (*args, job_id)).fetchall()[0]
-        return _job(row)
-
-    def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
+        """Close the connection."""
 
 
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception: the write lock is taken up front, so
-    a read-then-write never races another writer (and never fails half-way with SQLITE_BUSY).
-    Statements with RETURNING are read with fetchall: SQLite will not commit while one is still
-    being stepped."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if kind is None:
-            try:
-                self._db.execute("COMMIT")
-                return
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        self._db.execute("ROLLBACK")
+def default_runner_id() -> str:
+    """The machine's name: unique among servers on different machines, the same across restarts."""
+    return socket.gethostname() or "lipstream"
 
 
-def _require(job_id: str, row: sqlite3.Row | None, allowed: tuple[str, ...], action: str) -> None:
-    if row is None:
+def open_store(database: str | Path, *, runner_id: str | None = None, lease_s: float = LEASE_S) -> JobStore:
+    """A path or sqlite:///PATH: the SQLite store; postgresql://...: the PostgreSQL store.
+    JobStoreError (one line, no password) for anything else or a database that cannot be used."""
+    runner_id = runner_id or default_runner_id()
+    if not lease_s > 0:
+        raise ValueError(f"lease_s must be > 0, not {lease_s}")
+    if isinstance(database, Path):
+        from lipstream.serve.store_sqlite import SqliteJobStore
+
+        return SqliteJobStore(database, runner_id=runner_id, lease_s=lease_s)
+    scheme = database.split("://", 1)[0].lower() if "://" in database else ""
+    if scheme in ("postgresql", "postgres"):
+        from lipstream.serve.store_postgres import PostgresJobStore
+
+        return PostgresJobStore(database, runner_id=runner_id, lease_s=lease_s)
+    if scheme == "sqlite":
+        path = database.split("://", 1)[1]
+        if not path.startswith("/") or path == "/":
+            raise JobStoreError(f"{database}: expected sqlite:///PATH (three slashes, then the file's path)")
+        return open_store(Path(path[1:] if path.startswith("//") else path), runner_id=runner_id, lease_s=lease_s)
+    if scheme or not database:
+        raise JobStoreError(f"{redact(database)}: not a job store address; expected {DATABASES}")
+    return open_store(Path(database), runner_id=runner_id, lease_s=lease_s)
+
+
+def redact(database: str | Path) -> str:
+    """The address without its password, for messages and logs."""
+    return re.sub(r"(://[^/@:]*):[^/@]*@", r"\1:***@", str(database))
+
+
+# -- what both stores check the same way -----------------------------------------------------------
+
+def params_json(kind: str, params: dict) -> str:
+    """The parameters as JSON text. ValueError for an unknown kind or parameters that are not a JSON object."""
+    if kind not in KINDS:
+        raise ValueError(f"job kind must be one of {KINDS}, not {kind!r}")
+    if not isinstance(params, dict):
+        raise ValueError(f"job params must be a dict, not {type(params).__name__}")
+    try:
+        return json.dumps(params, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"job params must be JSON-able: {e}") from None
+
+
+def checked_progress(job_id: str, progress: float) -> float:
+    if math.isnan(progress):
+        raise ValueError(f"job {job_id}: progress must be a number in 0..1, not NaN")
+    return min(1.0, max(0.0, float(progress)))
+
+
+def check_result(job_id: str, result: str) -> None:
+    """ValueError for an absolute path or one that climbs out with "..": the service serves files by this path."""
+    parts = PurePosixPath(result.replace("\\", "/"))
+    if not result or parts.is_absolute() or Path(result).is_absolute() or ".." in parts.parts:
+        raise ValueError(f"job {job_id}: result must be a path inside the store's folder, not {result!r}")
+
+
+def require_held(job_id: str, status: str | None, holder: str | None, runner_id: str,
+                 allowed: tuple[str, ...], action: str) -> None:
+    """ValueError unless the job exists, is in an allowed status and (when running) is this runner's."""
+    if status is None:
         raise ValueError(f"job {job_id}: no such job, cannot {action}")
-    if row["status"] not in allowed:
-        raise ValueError(f"job {job_id} is {row['status']}, not {' or '.join(allowed)}: cannot {action}")
+    if status not in allowed:
+        raise ValueError(f"job {job_id} is {status}, not {' or '.join(allowed)}: cannot {action}")
+    if status == "running" and holder != runner_id:
+        raise ValueError(f"job {job_id} is held by runner {holder!r}, not {runner_id!r} (its lease expired): "
+                         f"cannot {action}")
 
 
-def _one_line(error: str) -> str:
+def one_line(error: str) -> str:
     """Whitespace (newlines included) collapsed to single spaces, cut to MAX_ERROR_CHARS."""
     line = " ".join(str(error).split()) or "unknown error"
     return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
 
 
-def _marks(values: Iterable) -> str:
-    return ", ".join("?" for _ in values)
+def crashed_error(max_attempts: int) -> str:
+    return f"the server stopped {max_attempts} times while running this job; not run again"
 
 
-def _job(row: sqlite3.Row) -> Job:
+def job_from_row(row) -> Job:
+    """A Job from a row of either database (a mapping of column names)."""
+    params = row["params"]
     return Job(id=row["id"], owner=row["owner"], kind=row["kind"], status=row["status"],
-               params=json.loads(row["params"]), progress=row["progress"], result=row["result"],
-               error=row["error"], cancel_requested=bool(row["cancel_requested"]),
+               params=json.loads(params) if isinstance(params, str) else params, progress=row["progress"],
+               result=row["result"], error=row["error"], cancel_requested=bool(row["cancel_requested"]),
                created_at=row["created_at"], started_at=row["started_at"], finished_at=row["finished_at"],
-               attempts=row["attempts"])
+               attempts=row["attempts"], runner_id=row["runner_id"], lease_until=row["lease_until"])
