@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lipstream-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install browser demo test clean
+.PHONY: install browser postgres demo test clean
 
 install: $(STAMP)
 
@@ -37,7 +37,20 @@ browser:
 	  fi; \
 	  command -v chromium >/dev/null 2>&1 || echo "no chromium (apt-get as root could not install it): the page test will skip"; }
 
-test: $(STAMP) browser
+# tests/test_serve_store.py runs the store tests on a real PostgreSQL (Debian's package, started by the test
+# as the postgres user): installed here when missing and apt-get can run as root; without it that half skips
+postgres:
+	@{ command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else sudo=no; fi; \
+	  if [ "$$sudo" != no ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's postgresql for the job store tests"; \
+	    apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -qq"; \
+	    $$apt install --no-install-recommends postgresql >/dev/null 2>&1 || \
+	    { $$apt update && $$apt install --no-install-recommends postgresql >/dev/null; }; \
+	  fi; \
+	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || echo "no PostgreSQL (apt-get as root could not install it): its store tests will skip"; }
+
+test: $(STAMP) browser postgres
 	$(PY) -m pytest -q
 
 clean:
