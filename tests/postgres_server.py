@@ -7,6 +7,7 @@ package creates it; else `nobody`) through runuser, in a folder that user owns."
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import pwd
 import shutil
@@ -36,9 +37,7 @@ def missing_reason() -> str | None:
         return "running as root and neither a postgres nor a nobody user to run PostgreSQL as"
     if os.geteuid() == 0 and shutil.which("runuser") is None:
         return "running as root without runuser to run PostgreSQL as another user"
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("psycopg") is None:
         return "psycopg is not installed (pip install 'psycopg[binary]')"
     return None
 

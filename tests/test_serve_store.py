@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lipstream.serve.store import SCHEMA_VERSION, Job, JobStore, JobStoreError, open_store
+from lipstream.serve.database import open_store
+from lipstream.serve.store import SCHEMA_VERSION, Job, JobStore, JobStoreError
 from postgres_server import PostgresServer, missing_reason
 
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lipstream.serve.store import JobStoreError, default_runner_id, open_store
+from lipstream.serve.store import JobStoreError, default_runner_id
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
@@ -65,6 +65,8 @@ class ServeOptions:
         """Open the job store once (a PostgreSQL server reached, the schema created or checked) and
         close it: one-line error naming --database before anything heavy loads."""
         try:
+            from lipstream.serve.database import open_store  # psycopg only when it is asked for
+
             open_store(self.job_database(), runner_id=self.runner_id).close()
         except JobStoreError as e:
             raise ValueError(f"--database: {e}") from None

@@ -16,7 +16,7 @@ from lipstream.models import MuseTalk
 from lipstream.serve.jobs import JobRunner
 from lipstream.serve.metrics import Metrics
 from lipstream.serve.options import AVATAR_NAME, ServeOptions
-from lipstream.serve.store import open_store
+from lipstream.serve.database import open_store
 
 log = logging.getLogger(__name__)
 

@@ -121,31 +121,6 @@ def default_runner_id() -> str:
     return socket.gethostname() or "lipstream"
 
 
-def open_store(database: str | Path, *, runner_id: str | None = None, lease_s: float = LEASE_S) -> JobStore:
-    """A path or sqlite:///PATH: the SQLite store; postgresql://...: the PostgreSQL store.
-    JobStoreError (one line, no password) for anything else or a database that cannot be used."""
-    runner_id = runner_id or default_runner_id()
-    if not lease_s > 0:
-        raise ValueError(f"lease_s must be > 0, not {lease_s}")
-    if isinstance(database, Path):
-        from lipstream.serve.store_sqlite import SqliteJobStore
-
-        return SqliteJobStore(database, runner_id=runner_id, lease_s=lease_s)
-    scheme = database.split("://", 1)[0].lower() if "://" in database else ""
-    if scheme in ("postgresql", "postgres"):
-        from lipstream.serve.store_postgres import PostgresJobStore
-
-        return PostgresJobStore(database, runner_id=runner_id, lease_s=lease_s)
-    if scheme == "sqlite":
-        path = database.split("://", 1)[1]
-        if not path.startswith("/") or path == "/":
-            raise JobStoreError(f"{database}: expected sqlite:///PATH (three slashes, then the file's path)")
-        return open_store(Path(path[1:] if path.startswith("//") else path), runner_id=runner_id, lease_s=lease_s)
-    if scheme or not database:
-        raise JobStoreError(f"{redact(database)}: not a job store address; expected {DATABASES}")
-    return open_store(Path(database), runner_id=runner_id, lease_s=lease_s)
-
-
 def redact(database: str | Path) -> str:
     """The address without its password, for messages and logs."""
     return re.sub(r"(://[^/@:]*):[^/@]*@", r"\1:***@", str(database))
