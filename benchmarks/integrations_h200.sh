@@ -6,6 +6,8 @@
 #   .whl-livekit (livekit, livekit-agents without its sound resources, openai, ...); .whl-extra (Pillow,
 #   aiohttp) only if the image lacks them.
 #   STACKS=pipecat NS=8,16,20,24 SECONDS_=12 COMMIT=<sha> bash benchmarks/integrations_h200.sh
+#   SERVE=1 STACKS=pipecat NS=8,16,20,24 ...: the engine in a `lipstream serve` of its own (carry .whl too:
+#   fastapi, uvicorn and aiortc for the server and lipstream.client), the pipelines here over url=
 # livekit-agents imports livekit-local-inference (35 MB) at import, so .whl-livekit does not travel
 # with .whl-base: carry .whl-base + .whl-pipecat first, then .whl-livekit in a call right after (the
 # machine stays warm 30 s; what the first installed in /tmp/site is still there). opentelemetry-api
@@ -23,5 +25,5 @@ STACKS=${STACKS:-pipecat}
 for s in ${STACKS//,/ }; do
   python3 -c "import importlib; m = importlib.import_module('lipstream.bench.${s}_load'); print('$s load module imports')" 2>&1 | tail -2
 done
-python3 benchmarks/integrations.py --stacks $STACKS --sessions ${NS:-8,16,20,24} \
+python3 benchmarks/integrations.py --stacks $STACKS ${SERVE:+--serve} --sessions ${NS:-8,16,20,24} \
   --size ${SIZE:-1280x720} --seconds ${SECONDS_:-12} --out $OUT/integrations --work /tmp/lipstream-int-work 2>&1 | grep -v "| DEBUG" | tail -40
