@@ -6,7 +6,8 @@
 #   .whl-livekit (livekit, livekit-agents without its sound resources, openai, ...); .whl-extra (Pillow,
 #   aiohttp) only if the image lacks them.
 #   STACKS=pipecat NS=8,16,20,24 SECONDS_=12 COMMIT=<sha> bash benchmarks/integrations_h200.sh
-#   SERVE=1 STACKS=pipecat NS=8,16,20,24 ...: the engine in a `lipstream serve` of its own (carry .whl too:
+#   SERVE=1 STACKS=pipecat NS=8,16,20,24 ...: the engine in a `lipstream serve` of its own (carry .whl-serve,
+#   which is .whl without dlib-bin, and .whl-pipecat:
 #   fastapi, uvicorn and aiortc for the server and lipstream.client), the pipelines here over url=
 # livekit-agents imports livekit-local-inference (35 MB) at import, so .whl-livekit does not travel
 # with .whl-base: carry .whl-base + .whl-pipecat first, then .whl-livekit in a call right after (the
@@ -15,7 +16,8 @@
 set -u
 mkdir -p /tmp/site
 # one pip call: with --target, a second call replaces the first's shared namespace folders (opentelemetry/)
-whl=$(ls -d .whl .whl-base .whl-pipecat .whl-livekit .whl-extra 2>/dev/null | sed 's#$#/*.whl#')
+# a wheel in two carried folders is installed once (pip refuses a double requirement)
+whl=$(ls .whl/*.whl .whl-serve/*.whl .whl-base/*.whl .whl-pipecat/*.whl .whl-livekit/*.whl .whl-extra/*.whl 2>/dev/null | awk -F/ '!seen[$NF]++')
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade $whl 2>&1 | grep -v "^$" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
 python3 -m pip list 2>/dev/null > $OUT/pip_list.txt
