@@ -143,19 +143,18 @@ def test_claim_oldest_first_and_by_kind(store: JobStore):
     assert store.claim_next() is None
 
 
-def test_concurrent_claims_take_each_job_once(db: Database):
-    """4 threads over two stores on one database (as two processes would be): every job exactly once."""
-    stores = [db.open(), db.open()]
-    submitted = {stores[0].submit(f"owner{n % 3}", "render", {"n": n}).id for n in range(20)}
+def _claim_concurrently(stores: list[JobStore], timeout_s: float) -> list[list[Job]]:
+    """Four threads, two on each store, claim until the queue is empty, all starting at once: each
+    thread's claims (thread k claims through stores[k % 2])."""
     start = threading.Barrier(4)
-    claimed: list[list[str]] = [[] for _ in range(4)]
+    claimed: list[list[Job]] = [[] for _ in range(4)]
     errors: list[BaseException] = []
 
     def claim_all(worker: int) -> None:
         try:
             start.wait()
             while (job := stores[worker % 2].claim_next()) is not None:
-                claimed[worker].append(job.id)
+                claimed[worker].append(job)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -163,9 +162,17 @@ def test_concurrent_claims_take_each_job_once(db: Database):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=timeout_s)
     assert not errors
-    every_claim = [job_id for worker in claimed for job_id in worker]
+    return claimed
+
+
+def test_concurrent_claims_take_each_job_once(db: Database):
+    """4 threads over two stores on one database (as two processes would be): every job exactly once."""
+    stores = [db.open(), db.open()]
+    submitted = {stores[0].submit(f"owner{n % 3}", "render", {"n": n}).id for n in range(20)}
+    claimed = _claim_concurrently(stores, timeout_s=30)
+    every_claim = [job.id for worker in claimed for job in worker]
     assert len(every_claim) == 20 and set(every_claim) == submitted
     for job in stores[1].list():
         assert job.status == "running" and job.attempts == 1
@@ -389,24 +396,7 @@ def test_two_runners_claiming_at_once_never_share_a_job(db: Database):
     """Two runners (two stores, two ids) with two threads each over 200 jobs: each job once, held by its claimer."""
     runners = [db.open("runner-a"), db.open("runner-b")]
     submitted = {runners[0].submit("alice", "render", {"n": n}).id for n in range(200)}
-    start = threading.Barrier(4)
-    claimed: list[list[Job]] = [[] for _ in range(4)]
-    errors: list[BaseException] = []
-
-    def claim_all(worker: int) -> None:
-        try:
-            start.wait()
-            while (job := runners[worker % 2].claim_next()) is not None:
-                claimed[worker].append(job)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=claim_all, args=(worker,)) for worker in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors
+    claimed = _claim_concurrently(runners, timeout_s=60)
     every_claim = [job.id for worker in claimed for job in worker]
     assert len(every_claim) == 200 and set(every_claim) == submitted
     for worker, jobs in enumerate(claimed):
