@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lipstream.serve.store import JobStoreError, default_runner_id
+from lipstream.serve.store import LEASE_S, JobStoreError, default_runner_id
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
@@ -38,7 +38,9 @@ class ServeOptions:
     `rtc_workers`: the processes aiortc runs in (serve/rtc.py), so that its Python holds their GILs, not
     the engine's. `database`: the job store (None: the SQLite file jobs.sqlite3 under `data_dir`; or
     postgresql://... shared by servers on several machines). `runner_id`: this server's name among
-    those sharing the store (serve/store.py: leases), the same across its restarts."""
+    those sharing the store (serve/store.py: leases), the same across its restarts. `lease_s`: how long
+    a claim on a job lasts unless its runner renews it (every third of it): a dead server's job is
+    taken by another this long after its last renewal."""
 
     avatars_dir: Path
     data_dir: Path
@@ -57,6 +59,7 @@ class ServeOptions:
     rtc_workers: int | None = None  # WebRTC worker processes (None: one per 4 cores, 1 to 8)
     database: str | None = None  # None: data_dir / "jobs.sqlite3"
     runner_id: str = field(default_factory=default_runner_id)
+    lease_s: float = LEASE_S
 
     def job_database(self) -> str | Path:
         return self.database or self.data_dir / "jobs.sqlite3"
@@ -67,7 +70,7 @@ class ServeOptions:
         try:
             from lipstream.serve.database import open_store  # psycopg only when it is asked for
 
-            open_store(self.job_database(), runner_id=self.runner_id).close()
+            open_store(self.job_database(), runner_id=self.runner_id, lease_s=self.lease_s).close()
         except JobStoreError as e:
             raise ValueError(f"--database: {e}") from None
 
@@ -96,5 +99,7 @@ class ServeOptions:
             raise ValueError(f"--rtc-workers {self.rtc_workers}: 1 to 64 is allowed")
         if not self.runner_id or len(self.runner_id) > 200:
             raise ValueError(f"--runner-id {self.runner_id!r}: a name of 1 to 200 characters is allowed")
+        if not 0.1 <= self.lease_s <= 3600:
+            raise ValueError(f"lease_s {self.lease_s:g}: 0.1 to 3600 s is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")

@@ -28,7 +28,7 @@ class Service:
         self.results_dir = options.data_dir / "results"
         for d in (self.uploads_dir, self.results_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self.store = open_store(options.job_database(), runner_id=options.runner_id)
+        self.store = open_store(options.job_database(), runner_id=options.runner_id, lease_s=options.lease_s)
         # sessions whose client takes H.264 send the engine's own video packets (encoded in its worker
         # processes, started with the engine); the others hand aiortc raw frames; the audio always goes
         # raw (serve/live.py says why)
@@ -74,13 +74,20 @@ class Service:
         return index
 
     def _sweep(self) -> None:
-        """Temporary files a killed server left behind (half uploads, half results)."""
+        """Temporary files a killed server left behind (half uploads, half results). Servers sharing the
+        store share the data folder: a half result (".JOBID....part") of a job that is running is being
+        written by the runner holding it (this server's own were requeued just before), so it is kept."""
         for d in (self.uploads_dir, self.results_dir):
             for p in d.glob("*.part*"):
-                p.unlink(missing_ok=True)
+                if not self._being_written(p):
+                    p.unlink(missing_ok=True)
         for p in self.results_dir.glob(".*"):
-            if p.is_file():
+            if p.is_file() and not self._being_written(p):
                 p.unlink(missing_ok=True)
+
+    def _being_written(self, path) -> bool:
+        job = self.store.get(path.name.lstrip(".").split(".", 1)[0])
+        return job is not None and job.status == "running"
 
     def stop(self) -> None:
         """Graceful: stop taking work, this server's running job back to the queue, sessions closed."""
