@@ -65,6 +65,8 @@ class JobRunner:
         self.s = host
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._killed = threading.Event()  # kill(): heartbeat dead, worker halted
+        self._unfrozen = threading.Event()  # unfreeze(): the halted worker goes on
         self._thread: threading.Thread | None = None
         self.running: str | None = None  # the job id being rendered
 
@@ -82,10 +84,25 @@ class JobRunner:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def kill(self) -> None:
+        """What a crashed server amounts to, for tests of several runners on one store in one process: the
+        heartbeat stops renewing at once, the worker halts at its running job's next batch and the runner
+        claims nothing more. The store is left as it is (nothing finished, failed or requeued): another
+        runner requeues the job once its lease has expired."""
+        self._killed.set()
+        self._wake.set()
+
+    def unfreeze(self) -> None:
+        """After `kill`: the halted worker goes on, its heartbeat still dead, as a server that froze
+        (SIGSTOP, a stalled disk or network) and came back after its lease expired would. Whatever it
+        tries then, the store refuses (the job is another runner's): its first progress write stops it."""
+        self._unfrozen.set()
+
     def _loop(self) -> None:
         last_requeue = time.monotonic()
-        while not self._stopping.is_set():
-            if time.monotonic() - last_requeue >= REQUEUE_EVERY_S:
+        while not self._stopping.is_set() and not self._killed.is_set():
+            # a short lease is looked after as often as it needs (half of it), a long one every REQUEUE_EVERY_S
+            if time.monotonic() - last_requeue >= min(REQUEUE_EVERY_S, self.s.store.lease_s / 2):
                 last_requeue = time.monotonic()
                 self._requeue_expired()
             job = self.s.store.claim_next(KINDS)
@@ -111,6 +128,8 @@ class JobRunner:
     def _heartbeat(self, job_id: str, done: threading.Event, lost: threading.Event) -> None:
         """Renew the job's lease every third of it until the job ends; `lost` when it is no longer ours."""
         while not done.wait(self.s.store.lease_s / 3):
+            if self._killed.is_set():
+                return  # dead: the lease runs out
             try:
                 if not self.s.store.renew(job_id):
                     lost.set()
@@ -138,6 +157,8 @@ class JobRunner:
         last = [0.0]
 
         def cancelled() -> bool:
+            while self._killed.is_set() and not self._unfrozen.is_set() and not self._stopping.is_set():
+                self._unfrozen.wait(0.05)  # killed: halted here
             if self._stopping.is_set():
                 raise JobStopped("the server is shutting down")
             if lost.is_set():
