@@ -198,6 +198,16 @@ class LiveEngine:
 
     # --- sessions and jobs ----------------------------------------------------------------------
 
+    def room(self) -> tuple[float | None, int]:
+        """(frames/s another session may still take: None when admission has no capacity figure, session
+        places free): what a fleet routes new sessions by."""
+        with self._lock:
+            places = len(self._free_rings)
+            if self.capacity_fps is None:
+                return None, places
+            load = sum(float(s.fps) for s in self.sessions.values())
+            return max(0.0, self.o.utilisation * self.capacity_fps - load), places
+
     def avatar_index(self, avatar: int | str) -> int:
         """A resident avatar's index from its index or its name."""
         if isinstance(avatar, str):
@@ -305,6 +315,10 @@ class LiveEngine:
             self.scheduler.add_offline(job)
         self._wake.set()
         return job.future
+
+    def failed(self) -> bool:
+        """The core thread stopped on an error (every session has ended with it)."""
+        return self._error is not None
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -89,8 +89,9 @@ PRESETS: dict[str, LiveOptions] = {
     # whole utterances (a TTS that hands over complete sentences): the offline features exactly
     "utterance": LiveOptions(playout_delay_s=1.0, features="utterance"),
     # a machine without a GPU: Whisper every 200 ms over 0.5 s of context (5 runs a second, not 50)
-    # and 1 s behind the speech, so a 2-core CPU keeps a small presenter on time
-    "cpu": LiveOptions(playout_delay_s=1.0, context_s=0.5, hop_steps=10),
+    # and 1 s behind the speech, so a 2-core CPU keeps a small presenter on time; steps of at most 4
+    # frames (a CPU runs no more frames/s at 16, and measuring the 16-frame step at start takes 30 s)
+    "cpu": LiveOptions(playout_delay_s=1.0, context_s=0.5, hop_steps=10, buckets=(1, 2, 4)),
 }
 
 

@@ -3,13 +3,13 @@ the request log and counter, health, readiness, metrics, and the web page at / (
 build step).
 
 Every /v1 route takes a bearer key when the server has keys (serve/auth.py); the routers reach the
-Service through app.state (serve/state.py). Uploads are refused by their Content-Length here,
+server behind them through app.state (serve/state.py): a ServerHost (serve/interface.py), this
+process's Service or a fleet's front. Uploads are refused by their Content-Length here,
 before any route reads them (serve/uploads.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -23,10 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lipstream.serve import routes_avatars, routes_jobs, routes_sessions
 from lipstream.serve.auth import use_keys
-from lipstream.serve.live import LiveSessions
+from lipstream.serve.interface import ServerHost
 from lipstream.serve.options import RETRY_AFTER_S
-from lipstream.serve.rtc import default_workers
-from lipstream.serve.service import Service
 from lipstream.serve.state import get_service, use_service
 from lipstream.serve.uploads import refused_by_length
 
@@ -38,10 +36,9 @@ ROUTERS = (routes_avatars.router, routes_jobs.router, routes_sessions.router)
 probes = APIRouter()  # the page and what operators poll: no key needed
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: ServerHost) -> FastAPI:
     app = FastAPI(title="LipStream", version="0.1", lifespan=lifespan,
                   description="MuseTalk lip-sync as a service: render jobs and live presenter sessions.")
-    service.sessions = LiveSessions(service, service.o.rtc_workers or default_workers())
     use_service(app, service)
     use_keys(app, service.o.api_keys)
     app.middleware("http")(count)
@@ -55,10 +52,9 @@ def create_app(service: Service) -> FastAPI:
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     service = app.state.service
-    await service.sessions.start_workers()
+    await service.start_serving()
     yield
-    await service.sessions.close_all()
-    await asyncio.to_thread(service.stop)  # SIGTERM: the running job requeued, sessions closed
+    await service.stop_serving()  # SIGTERM: the running job requeued, sessions closed
 
 
 async def count(request: Request, call_next):
@@ -69,7 +65,7 @@ async def count(request: Request, call_next):
     if request.url.path == "/" or request.url.path.startswith("/static/"):
         response.headers["Cache-Control"] = "no-cache"  # revalidated: an upgraded server's page shows at once
     route = request.scope.get("route")
-    service.metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
+    service.count_request(getattr(route, "path", "other"), response.status_code)
     log.info(json.dumps({"event": "request", "method": request.method, "path": request.url.path,
                          "status": response.status_code, "ms": round(1000 * (time.perf_counter() - t), 1)}))
     return response
@@ -86,12 +82,12 @@ def healthz() -> dict:
 
 
 @probes.get("/readyz")
-def readyz(service: Service = Depends(get_service)) -> Response:
-    if not service.ready:
+async def readyz(service: ServerHost = Depends(get_service)) -> Response:
+    if not service.is_ready():
         return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
-    return JSONResponse({"status": "ready", "avatars": len(service.avatars)})
+    return JSONResponse({"status": "ready", "avatars": len(await service.avatar_list())})
 
 
 @probes.get("/metrics")
-def metrics(service: Service = Depends(get_service)) -> Response:
-    return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(service: ServerHost = Depends(get_service)) -> Response:
+    return Response(await service.metrics_text(), media_type=CONTENT_TYPE_LATEST)

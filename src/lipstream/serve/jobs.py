@@ -59,6 +59,8 @@ class JobHost(Protocol):
 
     def add_avatar(self, name: str) -> int: ...
 
+    def add_new_avatars(self) -> list[str]: ...
+
 
 class JobRunner:
     def __init__(self, host: JobHost):
@@ -105,6 +107,7 @@ class JobRunner:
             if time.monotonic() - last_requeue >= min(REQUEUE_EVERY_S, self.s.store.lease_s / 2):
                 last_requeue = time.monotonic()
                 self._requeue_expired()
+                self._add_new_avatars()
             job = self.s.store.claim_next(KINDS)
             if job is None:
                 self._wake.wait(POLL_S)
@@ -124,6 +127,15 @@ class JobRunner:
             return
         if requeued:
             log.info("requeued %d jobs whose runner stopped renewing their lease", len(requeued))
+
+    def _add_new_avatars(self) -> None:
+        try:
+            added = self.s.add_new_avatars()
+        except Exception:  # noqa: BLE001 (a half-copied folder, say: the next round tries again)
+            log.exception("could not load the avatars compiled elsewhere")
+            return
+        if added:
+            log.info("resident now: %s (compiled by another server)", ", ".join(added))
 
     def _heartbeat(self, job_id: str, done: threading.Event, lost: threading.Event) -> None:
         """Renew the job's lease every third of it until the job ends; `lost` when it is no longer ours."""

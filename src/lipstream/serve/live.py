@@ -20,6 +20,7 @@ make its sound late (its packets would be), and Opus costs little next to video.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
@@ -28,8 +29,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from lipstream.live import LiveFrame, Session, SpeechEvent
+from lipstream.live import AdmissionError, LiveFrame, Session, SpeechEvent
 from lipstream.rates import AUDIO_RATE
+from lipstream.serve.auth import Caller
+from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway
 
 log = logging.getLogger(__name__)
@@ -118,13 +121,45 @@ class LiveSession:
             self.peer.video(p.data, p.pts, p.dts, p.time_base, p.keyframe)
 
 
-class LiveSessions:
-    """The server's live sessions, by id, and the WebRTC workers their peer connections live in."""
+class LocalSpeech:
+    """A session of this process as the speech socket drives it (serve/interface.py's SpeechLink)."""
 
-    def __init__(self, service, rtc_workers: int):
+    def __init__(self, sessions: LiveSessions, live: LiveSession):
+        self.sessions, self.live = sessions, live
+
+    def _session(self) -> Session:
+        if self.sessions.open.get(self.live.id) is not self.live:
+            raise SessionGone(f"session {self.live.id} has ended")
+        return self.live.session
+
+    async def push(self, pcm16: bytes, rate: int) -> None:
+        pcm = np.frombuffer(pcm16, "<i2")
+        session = self._session()
+        if pcm.size:
+            session.push_audio(pcm, rate)
+
+    async def command(self, kind: str) -> None:
+        session = self._session()
+        if kind == "end":
+            session.end_utterance()
+        elif kind == "interrupt":
+            session.clear()
+
+    async def events(self):
+        while True:
+            yield await self.live.events.get()
+
+
+class LiveSessions:
+    """The server's live sessions, by id, and the WebRTC workers their peer connections live in: the
+    SessionHost (serve/interface.py) of one process, or of one engine replica of a fleet, whose session
+    ids begin with `id_prefix` (the replica's name: the fleet's front reaches a session through it)."""
+
+    def __init__(self, service, rtc_workers: int, id_prefix: str = ""):
         self.s = service
         self.open: dict[str, LiveSession] = {}
         self.gateway = RtcGateway(rtc_workers)
+        self.id_prefix = id_prefix
 
     async def start_workers(self) -> None:
         await self.gateway.start()
@@ -140,7 +175,7 @@ class LiveSessions:
         encoded = h264_offer is not None
         session = self.s.live.open_session(self.s.avatars[avatar], fps=fps, encode=encoded,
                                            playout_delay_s=playout_delay_s)
-        live = LiveSession(secrets.token_hex(8), owner, avatar, session, encoded=encoded,
+        live = LiveSession(self.id_prefix + secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
         handlers = PeerHandlers(keyframe=session.request_keyframe, mic=session.push_audio,
@@ -172,6 +207,47 @@ class LiveSessions:
             await live.peer.close()
         log.info('{"event": "session_closed", "id": "%s", "frames_late": %d}', sid, live.session.stats.late)
         return True
+
+    # the SessionHost interface (serve/interface.py), what the routes use
+
+    async def open_for(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
+                       fps: Fraction | None) -> tuple[str, str]:
+        try:
+            live, answer = await self.start(owner, avatar, offer, playout_delay_s, fps)
+        except AdmissionError as e:
+            raise SessionRefused(503, str(e)) from None
+        except ValueError as e:
+            raise SessionRefused(422, f"offer: {str(e).splitlines()[0]}") from None
+        except RuntimeError as e:  # its WebRTC worker died under it: a new one takes the next session
+            raise SessionRefused(503, str(e)) from None
+        return live.id, answer
+
+    async def owned(self, owner: str) -> int:
+        return self.count(owner)
+
+    def _own(self, sid: str, who: Caller) -> LiveSession | None:
+        live = self.open.get(sid)
+        return live if live is not None and who.sees(live.owner) else None
+
+    async def listing(self, who: Caller) -> list[dict]:
+        return [{"id": x.id, "avatar": x.avatar, "frames_played": x.session.stats.played,
+                 "frames_late": x.session.stats.late} for x in list(self.open.values()) if who.sees(x.owner)]
+
+    async def status(self, sid: str, who: Caller) -> dict | None:
+        live = self._own(sid, who)
+        if live is None:
+            return None
+        s = live.session
+        return {"id": live.id, "avatar": live.avatar, "playout_delay_ms": round(s.o.playout_delay_s * 1000, 1),
+                "video": "h264" if live.encoded else "vp8", "stats": dataclasses.asdict(s.stats),
+                "timings_ms": s.timings_ms()}
+
+    async def close_for(self, sid: str, who: Caller) -> bool:
+        return self._own(sid, who) is not None and await self.close(sid)
+
+    async def speech(self, sid: str, who: Caller) -> LocalSpeech | None:
+        live = self._own(sid, who)
+        return None if live is None else LocalSpeech(self, live)
 
     async def close_all(self) -> None:
         for sid in list(self.open):

@@ -15,8 +15,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from lipstream.serve.auth import Caller, caller, caller_or_token
 from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S
-from lipstream.serve.routes_avatars import known_avatar, resident_avatars
-from lipstream.serve.service import Service
+from lipstream.serve.interface import ServerHost
+from lipstream.serve.routes_avatars import known_avatar
 from lipstream.serve.state import get_service
 from lipstream.serve.store import Job
 from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
@@ -37,29 +37,29 @@ def job_json(job: Job) -> dict:
     return out
 
 
-def check_cap(service: Service, who: Caller) -> None:
+def check_cap(service: ServerHost, who: Caller) -> None:
     if service.store.active(who.owner) >= service.o.jobs_per_key:
         raise HTTPException(429, f"this key has {service.o.jobs_per_key} jobs queued or running already",
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def own_job(service: Service, job_id: str, who: Caller) -> Job:
+def own_job(service: ServerHost, job_id: str, who: Caller) -> Job:
     job = service.store.get(job_id, who.scope)
     if job is None:
         raise HTTPException(404, f"no job {job_id}")
     return job
 
 
-def submitted(service: Service, who: Caller, kind: str, params: dict) -> dict:
+def submitted(service: ServerHost, who: Caller, kind: str, params: dict) -> dict:
     """The job stored, the runner woken."""
     job = service.store.submit(who.owner, kind, params)
-    service.runner.wake()
+    service.wake_runner()
     return job_json(job)
 
 
 @router.post("/v1/jobs/render", status_code=202)
 async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
-                        who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+                        who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4."""
     known_avatar(service, avatar)
     suffix = Path(audio.filename or "").suffix.lower()
@@ -82,7 +82,7 @@ async def submit_render(request: Request, avatar: str = Form(...), audio: Upload
 
 @router.post("/v1/jobs/broadcast", status_code=202)
 async def submit_broadcast(request: Request, script: UploadFile = File(...), audio: list[UploadFile] = File(...),
-                           who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+                           who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names."""
     from lipstream.errors import LipStreamError
     from lipstream.script import load_script
@@ -120,11 +120,11 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...), aud
 
 @router.post("/v1/jobs/compile", status_code=202)
 async def submit_compile(request: Request, name: str = Form(...), video: UploadFile = File(...),
-                         who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+                         who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     """A new avatar from an uploaded action loop (a video of the presenter): resident once compiled."""
     if not AVATAR_NAME.fullmatch(name):
         raise HTTPException(422, "name: letters, digits, '_', '.' and '-' are allowed")
-    if name in service.avatars or (service.o.avatars_dir / name).exists():
+    if service.has_avatar(name) or (service.o.avatars_dir / name).exists():
         raise HTTPException(409, f"avatar {name!r} exists already")
     suffix = Path(video.filename or "").suffix.lower()
     if suffix not in VIDEO_SUFFIXES:
@@ -141,24 +141,24 @@ async def submit_compile(request: Request, name: str = Form(...), video: UploadF
 
 
 @router.get("/v1/jobs")
-def list_jobs(who: Caller = Depends(caller), limit: int = 100, service: Service = Depends(get_service)) -> list[dict]:
+def list_jobs(who: Caller = Depends(caller), limit: int = 100, service: ServerHost = Depends(get_service)) -> list[dict]:
     return [job_json(j) for j in service.store.list(who.scope, limit=max(1, min(limit, 1000)))]
 
 
 @router.get("/v1/jobs/{job_id}")
-def get_job(job_id: str, who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+def get_job(job_id: str, who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     return job_json(own_job(service, job_id, who))
 
 
 @router.delete("/v1/jobs/{job_id}")
-def cancel_job(job_id: str, who: Caller = Depends(caller), service: Service = Depends(get_service)) -> dict:
+def cancel_job(job_id: str, who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     own_job(service, job_id, who)
     return job_json(service.store.cancel(job_id))
 
 
 @router.get("/v1/jobs/{job_id}/events")
 async def job_events(job_id: str, who: Caller = Depends(caller_or_token),
-                     service: Service = Depends(get_service)) -> StreamingResponse:
+                     service: ServerHost = Depends(get_service)) -> StreamingResponse:
     """Server-sent events: the job as JSON each time it changes, until it is done, failed or cancelled."""
     own_job(service, job_id, who)
     store = service.store
@@ -182,14 +182,14 @@ async def job_events(job_id: str, who: Caller = Depends(caller_or_token),
 
 
 @router.get("/v1/jobs/{job_id}/result")
-def job_result(job_id: str, who: Caller = Depends(caller_or_token),
-               service: Service = Depends(get_service)) -> Response:
+async def job_result(job_id: str, who: Caller = Depends(caller_or_token),
+                     service: ServerHost = Depends(get_service)) -> Response:
     """The MP4 (HTTP Range works: players seek in it); a compile job's avatar, as /v1/avatars lists it."""
     job = own_job(service, job_id, who)
     if job.status != "done" or not job.result:
         raise HTTPException(409, f"job {job_id} is {job.status}: no result yet")
     if job.kind == "compile":
-        return JSONResponse(next(a for a in resident_avatars(service) if a["name"] == job.params["name"]))
+        return JSONResponse(next(a for a in await service.avatar_list() if a["name"] == job.params["name"]))
     path = service.o.data_dir / job.result
     if not path.is_file():
         raise HTTPException(410, f"job {job_id}: its result is gone")

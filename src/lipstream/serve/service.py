@@ -1,11 +1,14 @@
 """One `lipstream serve` process: networks, live engine and avatars resident; jobs on disk.
 
 Started once (every cache warm before it reports ready), then shared by the HTTP app's
-requests: render jobs run through the live engine's offline lane, after the live sessions.
+requests: render jobs run through the live engine's offline lane, after the live sessions. It is
+the ServerHost (serve/interface.py) of a single-process server, and the engine of each replica of
+a fleet (serve/fleet.py), whose front is the HTTP app instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -14,15 +17,19 @@ from lipstream.avatar.resident import resident_avatar
 from lipstream.live import LiveEngine, preset
 from lipstream.models import MuseTalk
 from lipstream.serve.jobs import JobRunner
+from lipstream.serve.database import open_store
+from lipstream.serve.live import LiveSessions
 from lipstream.serve.metrics import Metrics
 from lipstream.serve.options import AVATAR_NAME, ServeOptions
-from lipstream.serve.database import open_store
+from lipstream.serve.rtc import default_workers
 
 log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off"):
+    """`session_prefix` begins every live session id (a fleet's replica: its name)."""
+
+    def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off", session_prefix: str = ""):
         self.o, self.models = options, models
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
@@ -41,15 +48,15 @@ class Service:
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
-        self.sessions = None  # the app's LiveSessions (serve/live.py), set by create_app
+        self.sessions = LiveSessions(self, options.rtc_workers or default_workers(), session_prefix)
         self.ready = False
+        self._stopped = False
         self._switch_interval: float | None = None
 
     def start(self) -> Service:
         """Load every avatar, capture and measure the steps, requeue what a crash of this server
         left running (and any job whose runner's lease expired)."""
-        names = sorted(p.name for p in self.o.avatars_dir.iterdir() if (p / META).is_file()
-                       and AVATAR_NAME.fullmatch(p.name))
+        names = self.compiled_avatars()
         if not names:
             raise ValueError(f"--avatars: {self.o.avatars_dir} holds no compiled avatar")
         for name in names:
@@ -65,6 +72,18 @@ class Service:
         self.ready = True
         self.metrics.ready.set(1)
         return self
+
+    def compiled_avatars(self) -> list[str]:
+        return sorted(p.name for p in self.o.avatars_dir.iterdir() if (p / META).is_file()
+                      and AVATAR_NAME.fullmatch(p.name))
+
+    def add_new_avatars(self) -> list[str]:
+        """Make resident what another server sharing --avatars compiled since this one started (a fleet's
+        replica compiles a job's avatar; the others take it up here)."""
+        added = [name for name in self.compiled_avatars() if name not in self.avatars]
+        for name in added:
+            self.add_avatar(name)
+        return added
 
     def add_avatar(self, name: str) -> int:
         """Keep the compiled avatar --avatars/name resident (its idle loop too, once started)."""
@@ -90,7 +109,10 @@ class Service:
         return job is not None and job.status == "running"
 
     def stop(self) -> None:
-        """Graceful: stop taking work, this server's running job back to the queue, sessions closed."""
+        """Graceful: stop taking work, this server's running job back to the queue, sessions closed. Once."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.ready = False
         self.metrics.ready.set(0)
         self.runner.stop()
@@ -103,3 +125,39 @@ class Service:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
 
+
+    # the ServerHost interface (serve/interface.py): what the HTTP app needs of this server
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def has_avatar(self, name: str) -> bool:
+        return name in self.avatars
+
+    def avatar_rows(self) -> list[dict]:
+        out = []
+        for name, index in sorted(self.avatars.items()):
+            a = self.live.engine.avatars[index]
+            out.append({"name": name, "width": a.size[0], "height": a.size[1], "fps": str(a.fps),
+                        "loop_frames": a.num_frames})
+        return out
+
+    async def avatar_list(self) -> list[dict]:
+        return self.avatar_rows()
+
+    def wake_runner(self) -> None:
+        self.runner.wake()
+
+    def count_request(self, route: str, status: int) -> None:
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+    async def start_serving(self) -> None:
+        await self.sessions.start_workers()
+
+    async def stop_serving(self) -> None:
+        """SIGTERM: sessions closed, the running job requeued."""
+        await self.sessions.close_all()
+        await asyncio.to_thread(self.stop)

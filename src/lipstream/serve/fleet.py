@@ -1,0 +1,322 @@
+"""`lipstream serve --replicas N`: the server as a Ray Serve application, one engine replica per GPU.
+
+Two deployments:
+- **engine** (serve/fleet_replica.py): N replicas (or Ray Serve's autoscaling between a min and a max),
+  each owning a GPU (`num_gpus: 1`) and holding a warm Service: networks, avatars, LiveEngine, WebRTC
+  workers, a job runner. Routed by SessionAffineRouter (serve/fleet_router.py).
+- **front**: the HTTP app of a single server (serve/app.py, the same routes and page), behind Ray's
+  HTTP proxy. It is the ServerHost (serve/interface.py) of the fleet: jobs go to the shared store and
+  data folder, where the replicas' runners claim them (a claim is atomic: one replica a job; a dead
+  replica's lease expires and another takes the job); a new live session goes to the replica with the
+  most room (the replicas' own admission figures), and later calls for it to that replica only (its
+  id begins with the replica's); the whole fleet answers 503 only when every replica is full.
+
+Ray's proxy carries the signalling and the speech socket; a session's media flows by ICE between
+the client and its replica's host. Shared across machines: the job store (`--database
+postgresql://...`) and the data folder (`--data` on a shared filesystem: uploads and results; object
+stores are not supported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from fractions import Fraction
+
+import ray
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from lipstream.serve.auth import Caller
+from lipstream.serve.database import open_store
+from lipstream.serve.fleet_replica import EngineReplica, EngineWeights
+from lipstream.serve.fleet_router import fleet_replicas
+from lipstream.serve.interface import SessionGone, SessionRefused
+from lipstream.serve.options import ServeOptions
+
+log = logging.getLogger("lipstream.serve")
+APP = "lipstream"
+ENGINE = "engine"
+CALL_TIMEOUT_S = 30.0  # a call to a named replica that does not answer by then: it is gone
+ROUTER = "lipstream.serve.fleet_router:SessionAffineRouter"
+STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
+FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
+                "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
+
+
+def replica_of(sid: str) -> str:
+    """The replica a session id names ("<replica>.<token>")."""
+    return sid.split(".", 1)[0] if "." in sid else ""
+
+
+class FleetSpeech:
+    """A session's speech socket, forwarded to its replica (serve/interface.py's SpeechLink)."""
+
+    def __init__(self, sessions: FleetSessions, sid: str):
+        self.sessions, self.sid = sessions, sid
+
+    async def push(self, pcm16: bytes, rate: int) -> None:
+        if not await self.sessions.call(self.sid, "push", self.sid, pcm16, rate):
+            raise SessionGone(f"session {self.sid} has ended")
+
+    async def command(self, kind: str) -> None:
+        if not await self.sessions.call(self.sid, "command", self.sid, kind):
+            raise SessionGone(f"session {self.sid} has ended")
+
+    async def events(self):
+        stream = self.sessions.front.replica(replica_of(self.sid)).options(stream=True).events.remote(self.sid)
+        try:
+            async for event in stream:
+                yield event
+        except Exception:  # noqa: BLE001 (its replica died: the socket's sends end; its pushes see it)
+            return
+
+
+class FleetSessions:
+    """The fleet's live sessions (serve/interface.py's SessionHost): each call goes to the replica the
+    session id names; a new one to the replica with the most room."""
+
+    def __init__(self, front: FleetFront):
+        self.front = front
+
+    async def call(self, sid: str, method: str, *args):
+        """`method` on the session's replica; None when that replica is gone (or never was)."""
+        name = replica_of(sid)
+        if name not in self.front.replicas():
+            return None
+        try:
+            return await asyncio.wait_for(getattr(self.front.replica(name), method).remote(*args), CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+            log.warning(json.dumps({"event": "replica_call_failed", "replica": name, "method": method,
+                                    "error": type(e).__name__}))
+            return None
+
+    async def each(self, method: str, *args) -> dict[str, object]:
+        """`method` on every replica, by replica; one that fails is left out. One after the other: calls made
+        while serving one HTTP request share its request id, and Ray's router hands a chosen replica to the
+        pending call of that id, so two at once to two replicas may each get the other's."""
+        out = {}
+        for name in list(self.front.replicas()):
+            try:
+                out[name] = await asyncio.wait_for(getattr(self.front.replica(name), method).remote(*args),
+                                                   CALL_TIMEOUT_S)
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                continue
+        return out
+
+    async def open_for(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
+                       fps: Fraction | None) -> tuple[str, str]:
+        """The replicas by the room they last reported (every second), most first; each one's own admission
+        decides. A replica reported full is still asked (it may have closed sessions since), so the fleet
+        refuses only when every replica has refused."""
+        replicas = self.front.replicas()
+        ranked = sorted((n for n, stats in replicas.items() if avatar in stats.get("avatars", ())),
+                        key=lambda n: room_of_stats(replicas[n]), reverse=True)
+        tried = []
+        for name in ranked:
+            try:
+                answer = await asyncio.wait_for(self.front.replica(name).open_session.remote(
+                    owner, avatar, offer, playout_delay_s, fps), CALL_TIMEOUT_S)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                tried.append(f"{name}: {type(e).__name__}")
+                continue
+            if "sid" in answer:
+                return answer["sid"], answer["answer"]
+            if answer["status"] != 503:
+                raise SessionRefused(answer["status"], answer["detail"])
+            tried.append(f"{name}: {answer['detail']}")  # full since it last reported: the next one
+        raise SessionRefused(503, f"every replica is full ({len(replicas)} replicas"
+                                  + (f"; {'; '.join(tried)})" if tried else ")"))
+
+    async def owned(self, owner: str) -> int:
+        return sum((await self.each("owned", owner)).values())
+
+    async def listing(self, who: Caller) -> list[dict]:
+        return [row for rows in (await self.each("listing", who)).values() for row in rows]
+
+    async def status(self, sid: str, who: Caller) -> dict | None:
+        return await self.call(sid, "status", sid, who)
+
+    async def close_for(self, sid: str, who: Caller) -> bool:
+        return bool(await self.call(sid, "close_for", sid, who))
+
+    async def speech(self, sid: str, who: Caller) -> FleetSpeech | None:
+        return FleetSpeech(self, sid) if await self.call(sid, "has_session", sid, who) else None
+
+
+def room_of_stats(stats: dict) -> float:
+    """serve/fleet_router.py's room_of, from the stats dict."""
+    if not stats.get("ready") or stats.get("places", 0) <= 0:
+        return -1.0
+    room = stats.get("room_fps")
+    return float("inf") if room is None else float(room)
+
+
+class FleetFront:
+    """The fleet's ServerHost: the HTTP app's routes run here, in a replica of the front deployment."""
+
+    def __init__(self, options: ServeOptions, engine):
+        self.o = options
+        self.engine = engine
+        self.uploads_dir = options.data_dir / "uploads"
+        self.results_dir = options.data_dir / "results"
+        for d in (self.uploads_dir, self.results_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.store = open_store(options.job_database(), runner_id=f"{options.runner_id}-front", lease_s=options.lease_s)
+        self.sessions = FleetSessions(self)
+        self._handles: dict[str, object] = {}
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lipstream_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+
+    def __serve_build_asgi_app__(self):
+        from lipstream.serve.app import create_app
+
+        return create_app(self)
+
+    def replicas(self) -> dict[str, dict]:
+        return fleet_replicas(ENGINE)
+
+    def replica(self, name: str):
+        """The engine handle that reaches replica `name` only (SessionAffineRouter)."""
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self._handles[name] = self.engine.options(session_id=name)
+        return handle
+
+    # --- ServerHost -------------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return any(stats.get("ready") for stats in self.replicas().values())
+
+    def has_avatar(self, name: str) -> bool:
+        return any(name in stats.get("avatars", ()) for stats in self.replicas().values())
+
+    async def avatar_list(self) -> list[dict]:
+        rows: dict[str, dict] = {}
+        for listing in (await self.sessions.each("avatar_list")).values():
+            for row in listing:
+                rows.setdefault(row["name"], row)
+        return [rows[k] for k in sorted(rows)]
+
+    def wake_runner(self) -> None:
+        """Nothing to do: the replicas' runners look at the store every 0.2 s."""
+
+    def count_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    async def metrics_text(self) -> bytes:
+        """The front's requests and the jobs (the shared store, once), each replica's own figures labelled
+        `replica`, and their sums labelled replica="all"."""
+        texts = await self.sessions.each("metrics_text")
+        lines = [generate_latest(self.registry).decode()]
+        lines.append("# HELP lipstream_jobs jobs by status\n# TYPE lipstream_jobs gauge\n")
+        lines += [f'lipstream_jobs{{status="{k}"}} {v}\n' for k, v in self.store.counts().items()]
+        lines.append("# HELP lipstream_fleet_replicas engine replicas ready\n# TYPE lipstream_fleet_replicas gauge\n"
+                     f"lipstream_fleet_replicas {sum(1 for s in self.replicas().values() if s.get('ready'))}\n")
+        lines.append(merged_metrics({n: t.decode() for n, t in texts.items()}))
+        return "".join(lines).encode()
+
+    async def start_serving(self) -> None:
+        """The first call makes this process's router, which then follows the replicas."""
+        await asyncio.wait_for(self.engine.avatar_list.remote(), CALL_TIMEOUT_S)
+
+    async def stop_serving(self) -> None:
+        self.store.close()
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def merged_metrics(texts: dict[str, str]) -> str:
+    """The replicas' exposition texts as one: each sample with its replica's name, and for the figures in
+    FLEET_TOTALS a replica="all" sample with their sum (their jobs gauge is the front's to give: one store)."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    totals: dict[str, float] = {}
+    for replica, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            if family.name in ("lipstream_jobs", "lipstream_http_requests"):
+                continue
+            entry = families.setdefault(family.name, (family.documentation, family.type, []))
+            for sample in family.samples:
+                labels = {**sample.labels, "replica": replica}
+                body = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+                entry[2].append(f"{sample.name}{{{body}}} {sample.value!r}")
+                if family.name in FLEET_TOTALS and not sample.labels:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    out = []
+    for name, (doc, kind, samples) in families.items():
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
+        out += [s + "\n" for s in samples]
+        if name in totals:
+            out.append(f'{name}{{replica="all"}} {totals[name]!r}\n')
+    return "".join(out)
+
+
+Front = serve.ingress()(FleetFront)
+
+
+def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | None = 1, *,
+              min_replicas: int = 1, max_replicas: int = 1, gpus_per_replica: float = 1.0,
+              cpus_per_replica: float = 1.0):
+    """The Ray Serve application: `replicas` engine replicas (None: autoscaling between `min_replicas` and
+    `max_replicas` on the live sessions and jobs they hold) behind one front."""
+    if replicas is None:
+        scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
+                                                           target_ongoing_requests=8)}
+    else:
+        scaling = {"num_replicas": replicas}
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE, max_ongoing_requests=10_000, health_check_period_s=2.0,
+        health_check_timeout_s=30.0, graceful_shutdown_timeout_s=60.0, graceful_shutdown_wait_loop_s=0.5,
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+                                                  request_routing_stats_period_s=STATS_PERIOD_S,
+                                                  request_routing_stats_timeout_s=10.0),
+        **scaling)
+    front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=10_000,
+                             ray_actor_options={"num_cpus": 0})
+    return front.bind(options, engine.bind(options, weights))
+
+
+def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
+              min_replicas: int = 1, max_replicas: int = 1) -> None:
+    """`lipstream serve --replicas`: Ray (a local one started here, or the cluster at `ray_address`), the
+    application deployed and warm, then served until SIGTERM or Ctrl-C, when it is deleted gracefully
+    (each replica's running job back to the queue)."""
+    t = time.perf_counter()
+    ray.init(address=ray_address, namespace="lipstream", include_dashboard=False, logging_level="WARNING")
+    try:
+        if weights.device == "cpu":
+            gpus = 0.0
+        elif weights.device.startswith("cuda"):
+            gpus = 1.0
+        else:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        serve.start(http_options={"host": options.host, "port": options.port})
+        serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                            gpus_per_replica=gpus),
+                  name=APP, route_prefix="/", blocking=False)
+        log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
+                             or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "host": options.host,
+                             "port": options.port, "ray": ray_address or "local"}))
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        serve.delete(APP)  # graceful: each replica's sessions closed, its running job requeued
+    finally:
+        if ray_address is None:
+            serve.shutdown()
+        ray.shutdown()
+    log.info(json.dumps({"event": "stopped"}))

@@ -1,0 +1,156 @@
+"""One engine replica of a `lipstream serve` fleet (serve/fleet.py): a Ray Serve replica that owns a GPU
+and holds what a single-process server holds (the networks, the resident avatars, a LiveEngine, the
+WebRTC workers, a job runner on the shared store), warm before Ray sends it anything.
+
+Its methods are what the fleet's front calls through the engine deployment's handle: the live
+session calls (each named by the session's id, whose first part is this replica's unique id), the
+avatars, the metrics. Jobs need no call: the runner pulls them from the shared store. A live
+session's media goes from this replica's WebRTC workers straight to the client (ICE gives the
+client this host's addresses); only signalling and speech pass through the front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from lipstream.serve.auth import Caller
+from lipstream.serve.interface import SessionGone, SessionRefused
+from lipstream.serve.options import ServeOptions
+
+EVENT_POLL_S = 0.5  # how often an event stream looks whether its session has ended
+
+
+@dataclass(frozen=True)
+class EngineWeights:
+    """The networks each replica loads: the CLI's --models / --random-weights / --random-size / --device /
+    --compile, resolved in the replica (its own GPU)."""
+
+    models: Path | None = None
+    random_weights: bool = False
+    random_size: str = "auto"
+    device: str = "auto"
+    compile: str = "auto"  # on, off, auto (on for CUDA)
+
+    def load(self):
+        from lipstream.preflight import random_size_for
+        from lipstream.models import load_musetalk
+        from lipstream.startup import pick_device
+
+        device = pick_device(self.device)
+        size = random_size_for(self.random_size, device.type)
+        return load_musetalk(self.models, device=device, random_weights=self.random_weights, size=size, warn=False)
+
+    def inductor(self, device_type: str) -> str:
+        from lipstream.engine.runner import FAST_INDUCTOR
+
+        return FAST_INDUCTOR if self.compile == "on" or (self.compile == "auto" and device_type == "cuda") else "off"
+
+
+class EngineReplica:
+    """A Service in a Ray Serve replica. Session ids begin with "<replica id>."."""
+
+    async def __init__(self, options: ServeOptions, weights: EngineWeights):
+        from ray import serve
+
+        from lipstream.serve.server import json_logs
+        from lipstream.serve.service import Service
+
+        json_logs()
+        self.name = serve.get_replica_context().replica_id.unique_id
+        options = dataclasses.replace(options, runner_id=f"{options.runner_id}-{self.name}")
+
+        def start() -> Service:
+            models = weights.load()
+            return Service(options, models, inductor=weights.inductor(models.device.type),
+                           session_prefix=f"{self.name}.").start()
+
+        self.service = await asyncio.to_thread(start)
+        await self.service.start_serving()
+
+    async def __del__(self) -> None:
+        """Ray Serve's graceful stop (a rolling update, scale-down, `serve.delete`): sessions closed, the
+        running job back to the queue for another replica."""
+        service = getattr(self, "service", None)
+        if service is not None:
+            self.service = None
+            await service.stop_serving()
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: a failed engine makes this replica be replaced."""
+        if self.service is None or self.service.live.failed():
+            raise RuntimeError(f"engine replica {self.name}: its live engine has failed")
+
+    def record_routing_stats(self) -> dict:
+        """What SessionAffineRouter and the front read (serve/fleet_router.py)."""
+        s = self.service
+        room, places = s.live.room()
+        return {"ready": s.ready, "room_fps": room, "places": places, "sessions": len(s.sessions.open),
+                "job": s.runner.running, "avatars": sorted(s.avatars), "runner_id": s.o.runner_id}
+
+    # --- live sessions: serve/interface.py's SessionHost, over the handle ---------------------------
+
+    async def open_session(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
+                           fps: Fraction | None) -> dict:
+        """{"sid", "answer"}, or {"status", "detail"} when refused (an exception's class would not cross
+        the handle reliably)."""
+        try:
+            sid, answer = await self.service.sessions.open_for(owner, avatar, offer, playout_delay_s, fps)
+        except SessionRefused as e:
+            return {"status": e.status, "detail": e.detail}
+        return {"sid": sid, "answer": answer}
+
+    async def owned(self, owner: str) -> int:
+        return await self.service.sessions.owned(owner)
+
+    async def listing(self, who: Caller) -> list[dict]:
+        return await self.service.sessions.listing(who)
+
+    async def status(self, sid: str, who: Caller) -> dict | None:
+        return await self.service.sessions.status(sid, who)
+
+    async def close_for(self, sid: str, who: Caller) -> bool:
+        return await self.service.sessions.close_for(sid, who)
+
+    async def has_session(self, sid: str, who: Caller) -> bool:
+        return await self.service.sessions.speech(sid, who) is not None
+
+    async def push(self, sid: str, pcm16: bytes, rate: int) -> bool:
+        """False once the session has ended."""
+        return await self._speak(sid, lambda link: link.push(pcm16, rate))
+
+    async def command(self, sid: str, kind: str) -> bool:
+        return await self._speak(sid, lambda link: link.command(kind))
+
+    async def _speak(self, sid: str, act) -> bool:
+        live = self.service.sessions.open.get(sid)
+        if live is None:
+            return False
+        from lipstream.serve.live import LocalSpeech
+
+        try:
+            await act(LocalSpeech(self.service.sessions, live))
+        except SessionGone:
+            return False
+        return True
+
+    async def events(self, sid: str):
+        """The session's speech events as they come (a streaming call); ends when the session does."""
+        sessions = self.service.sessions
+        live = sessions.open.get(sid)
+        while live is not None and sessions.open.get(sid) is live:
+            try:
+                yield await asyncio.wait_for(live.events.get(), EVENT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+    # --- the rest of ServerHost, per replica --------------------------------------------------------
+
+    async def avatar_list(self) -> list[dict]:
+        return self.service.avatar_rows()
+
+    async def metrics_text(self) -> bytes:
+        return self.service.metrics.text()

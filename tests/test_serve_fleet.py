@@ -1,0 +1,290 @@
+"""`lipstream serve --replicas 2` for real (issue 26): a local Ray started once for the module with two
+logical GPUs, the fleet application (serve/fleet.py) deployed on it with two engine replicas of tiny
+networks, reached through Ray's HTTP proxy on loopback by real clients (httpx; lipstream.client's
+aiortc WebRTC and speech socket). Jobs go to both replicas and equal a single server's; live sessions
+land on both and a third over capacity is refused with 503; a replica killed mid-job loses the job to
+the other and its session ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
+pytest.importorskip("aiortc")
+
+from lipstream.fixtures import speech_like, write_audio  # noqa: E402
+from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
+
+KEY = "fleet-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LEASE_S = 2.0  # short: a killed replica's job is taken over within seconds
+CAPACITY_FPS = 30.0  # each replica admits one 25 fps session (95% of 30 is 28.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tiny_models) -> Path:
+    root = tmp_path_factory.mktemp("fleet")
+    tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    write_audio(root / "hello.wav", speech_like(1.6, 16_000, seed=3), 16_000)
+    write_audio(root / "talk.wav", speech_like(2.4, 16_000, seed=5), 16_000)
+    write_audio(root / "long.wav", speech_like(12.0, 16_000, seed=4), 16_000)
+    return root
+
+
+def _options(root: Path, data: str):
+    from lipstream.serve.options import ServeOptions
+
+    return ServeOptions(root / "avatars", root / data, api_keys=(KEY,), jobs_per_key=8, sessions_per_key=8,
+                        live_preset="cpu", live_capacity_fps=CAPACITY_FPS, rtc_workers=1, runner_id="fleet",
+                        lease_s=LEASE_S)
+
+
+@pytest.fixture(scope="module")
+def fleet(root):
+    """The base URL of a two-replica fleet, once both replicas are ready. Ray starts once for the module."""
+    import ray
+    from ray import serve
+
+    from lipstream.serve.fleet import APP, EngineWeights, fleet_app
+
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test", logging_level="ERROR",
+             log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        weights = EngineWeights(random_weights=True, random_size="tiny", device="cpu", compile="off")
+        serve.run(fleet_app(_options(root, "data"), weights, 2, gpus_per_replica=1.0), name=APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait_replicas(url, 2)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def _replicas(text: str) -> dict[str, float]:
+    """replica -> lipstream_ready, from the fleet's /metrics."""
+    return {m[0]: float(m[1]) for m in re.findall(r'^lipstream_ready\{replica="(\w+)"\} (\S+)$', text, re.M)
+            if m[0] != "all"}
+
+
+def _wait_replicas(url: str, n: int, timeout: float = 240.0, without: str | None = None) -> dict[str, float]:
+    t = time.monotonic()
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=10).status_code == 200:
+                ready = {k: v for k, v in _replicas(_metrics(url)).items() if v == 1 and k != without}
+                if len(ready) >= n:
+                    return ready
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t < timeout, f"{n} ready replicas never came up"
+        time.sleep(0.5)
+
+
+def _submit(url: str, audio: Path) -> dict:
+    with open(audio, "rb") as f:
+        r = httpx.post(f"{url}/v1/jobs/render", data={"avatar": "anna"}, files={"audio": (audio.name, f, "audio/wav")},
+                       headers=AUTH, timeout=60)
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+def _job(url: str, job_id: str) -> dict:
+    return httpx.get(f"{url}/v1/jobs/{job_id}", headers=AUTH, timeout=30).json()
+
+
+def _wait_job(url: str, job_id: str, until, timeout: float = 180.0, what: str = "") -> dict:
+    t = time.monotonic()
+    while True:
+        job = _job(url, job_id)
+        if until(job):
+            return job
+        assert job["status"] not in ("failed", "cancelled"), job
+        assert time.monotonic() - t < timeout, f"job {job_id} never {what}: {job}"
+        time.sleep(0.1)
+
+
+def _offline_frames(text: str) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(r'^lipstream_offline_frames\{replica="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def _store(root: Path):
+    from lipstream.serve.database import open_store
+
+    return open_store(root / "data" / "jobs.sqlite3", runner_id="test", lease_s=LEASE_S)
+
+
+def test_jobs_run_on_both_replicas_and_equal_a_single_server(fleet, root, tiny_models):
+    """Jobs submitted together: both replicas claim some (their runner ids, their own frame counters), each
+    job once; every MP4 holds what one `lipstream serve` process makes of the same input."""
+    from lipstream.serve.server import in_thread
+    from lipstream.serve.service import Service
+
+    audios = [root / "talk.wav", root / "hello.wav", root / "talk.wav", root / "hello.wav"]
+    jobs = [_submit(fleet, a) for a in audios]
+    done = [_wait_job(fleet, j["id"], lambda j: j["status"] == "done", what="done") for j in jobs]
+    store = _store(root)
+    try:
+        rows = [store.get(j["id"]) for j in jobs]
+    finally:
+        store.close()
+    assert all(r.attempts == 1 for r in rows), rows
+    runners = {r.runner_id for r in rows}
+    assert len(runners) == 2 and all(r.startswith("fleet-") for r in runners), runners
+    frames = _offline_frames(_metrics(fleet))
+    total = frames.pop("all")
+    assert len(frames) == 2 and all(v > 0 for v in frames.values()) and total == sum(frames.values()), frames
+    assert {f"fleet-{k}" for k in frames} == runners
+    fleet_mp4 = [httpx.get(f"{fleet}{d['result']}", headers=AUTH, timeout=60).content for d in done]
+
+    service = Service(_options(root, "single"), tiny_models).start()
+    try:
+        with in_thread(service) as url:
+            single = [_submit(url, a) for a in audios[:2]]
+            single_done = [_wait_job(url, j["id"], lambda j: j["status"] == "done", what="done") for j in single]
+            single_mp4 = [httpx.get(f"{url}{d['result']}", headers=AUTH, timeout=60).content for d in single_done]
+    finally:
+        service.stop()
+    for k in range(4):
+        _same_media(fleet_mp4[k], single_mp4[k % 2])
+
+
+def _decoded(mp4: bytes) -> tuple[list[np.ndarray], np.ndarray]:
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(mp4)) as c:
+        video = [f.to_ndarray(format="yuv420p") for f in c.decode(video=0)]
+    with av.open(io.BytesIO(mp4)) as c:
+        audio = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    return video, audio
+
+
+def _same_media(a: bytes, b: bytes) -> None:
+    """The same pictures and the same sound. As in test_serve's job-against-CLI check: the engine's steps
+    batch as the moment allows (a code value apart here and there on the CPU) and x264 spreads that a
+    little, so each picture is compared by PSNR (equal ones are well over 40 dB)."""
+    (va, aa), (vb, ab) = _decoded(a), _decoded(b)
+    assert len(va) == len(vb) > 10
+    psnr = [10 * np.log10(255 ** 2 / max(1e-9, np.mean((x.astype(np.float64) - y) ** 2))) for x, y in zip(va, vb)]
+    assert min(psnr) > 40, psnr
+    assert aa.shape == ab.shape
+    np.testing.assert_allclose(aa, ab, atol=1e-4)
+
+
+def test_two_sessions_land_on_two_replicas_and_a_third_is_refused(fleet):
+    from lipstream.client import SessionRefused, connect
+
+    async def main():
+        a = await connect(fleet, "anna", api_key=KEY, fps=25)
+        b = await connect(fleet, "anna", api_key=KEY, fps=25)
+        try:
+            assert a.id.split(".")[0] != b.id.split(".")[0], (a.id, b.id)  # the id names its replica
+            with pytest.raises(SessionRefused, match="503"):
+                await connect(fleet, "anna", api_key=KEY, fps=25)
+            for s in (a, b):
+                await _speaks(s)
+            listed = httpx.get(f"{fleet}/v1/sessions", headers=AUTH, timeout=30).json()
+            assert sorted(x["id"] for x in listed) == sorted([a.id, b.id])
+            status = httpx.get(f"{fleet}/v1/sessions/{a.id}", headers=AUTH, timeout=30)
+            assert status.status_code == 200 and status.json()["id"] == a.id
+        finally:
+            await a.aclose()
+            await b.aclose()
+        assert httpx.get(f"{fleet}/v1/sessions", headers=AUTH, timeout=30).json() == []
+        assert httpx.get(f"{fleet}/v1/sessions/{a.id}", headers=AUTH, timeout=30).status_code == 404
+
+    asyncio.run(main())
+
+
+async def _speaks(session, seconds: float = 1.0) -> None:
+    """Speech pushed over the session's socket comes back as pictures, each with its audio, and speech
+    events."""
+    from lipstream.live import LiveFrame, SpeechEvent
+
+    session.push_audio(speech_like(seconds, 16_000, seed=1), 16_000)
+    session.end_utterance()
+    frames, loud, events = 0, 0, set()
+    deadline = time.monotonic() + 60
+    async for item in session:
+        if isinstance(item, LiveFrame):
+            frames += 1
+            loud += bool(item.audio is not None and np.abs(item.audio).max() > 1e-3)
+        elif isinstance(item, SpeechEvent):
+            events.add(item.kind)
+        if "finished" in events or time.monotonic() > deadline:
+            break
+    assert "started" in events and "finished" in events, events
+    assert frames >= 20 and loud >= 10, (frames, loud)
+
+
+def test_a_replica_killed_mid_job(fleet, root):
+    """ray.kill of the replica running a job: the other replica takes the job once its lease expires and
+    finishes it; the dead replica's live session ends (its speech socket closes, the client's iteration
+    stops) while the other replica's goes on; Ray Serve starts a replacement."""
+    import ray
+
+    from lipstream.client import connect
+
+    async def main():
+        a = await connect(fleet, "anna", api_key=KEY, fps=25)
+        b = await connect(fleet, "anna", api_key=KEY, fps=25)
+        try:
+            job = _submit(fleet, root / "long.wav")
+            _wait_job(fleet, job["id"], lambda j: j["status"] == "running" and j["progress"] > 0.05,
+                      what="running")
+            store = _store(root)
+            try:
+                runner = store.get(job["id"]).runner_id
+            finally:
+                store.close()
+            victim = runner.split("-", 1)[1]
+            dead, alive = (a, b) if a.id.startswith(victim + ".") else (b, a)
+            assert dead.id.startswith(victim + "."), (victim, a.id, b.id)
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::lipstream#engine#{victim}", namespace="serve"), no_restart=True)
+
+            async def drained(session):
+                async for _ in session:
+                    pass
+
+            await asyncio.wait_for(drained(dead), 60)  # its socket closed: iteration ends
+            await _speaks(alive)
+            finished = await asyncio.to_thread(_wait_job, fleet, job["id"], lambda j: j["status"] == "done",
+                                               240.0, "done")
+            store = _store(root)
+            try:
+                row = store.get(job["id"])
+            finally:
+                store.close()
+            assert row.attempts == 2 and row.runner_id != runner, row
+            r = httpx.get(f"{fleet}{finished['result']}", headers=AUTH, timeout=60)
+            assert r.status_code == 200 and len(r.content) > 1000
+            listed = [x["id"] for x in httpx.get(f"{fleet}/v1/sessions", headers=AUTH, timeout=30).json()]
+            assert dead.id not in listed and alive.id in listed
+        finally:
+            await a.aclose()
+            await b.aclose()
+        _wait_replicas(fleet, 2, without=victim)  # Ray Serve replaced the dead one
+
+    asyncio.run(main())
