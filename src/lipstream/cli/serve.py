@@ -11,7 +11,7 @@ import typer
 
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
-    load_models, out, renamed)
+    load_models, out, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.preflight import UsageError, check_models, in_range, machine_options
 
@@ -47,6 +47,15 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               runner_id: Annotated[Optional[str], typer.Option(
                   help="This server's name among those sharing --database, the same across its restarts "
                        "(default: the host name).")] = None,
+              replicas: Annotated[Optional[str], typer.Option(
+                  help="Engine replicas under Ray Serve, one GPU each: a number, or 'auto' (Ray Serve's "
+                       "autoscaling between --min-replicas and --max-replicas). Default: one process, no Ray.")] = None,
+              ray_address: Annotated[Optional[str], typer.Option(
+                  help="With --replicas: the Ray cluster to join (ray://HOST:10001 or HOST:6379; default: a "
+                       "local Ray started here). --data must then be a folder every node shares.")] = None,
+              min_replicas: Annotated[int, typer.Option(help="--replicas auto: the fewest replicas.")] = 1,
+              max_replicas: Annotated[Optional[int], typer.Option(
+                  help="--replicas auto: the most replicas (default: the GPUs Ray sees).")] = None,
               compile: CompileOpt = None,
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -63,6 +72,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
                            **({} if runner_id is None else {"runner_id": runner_id}))
     try:
         options.check()
+        fleet = fleet_size(replicas, ray_address, min_replicas, max_replicas)
         options.check_database()
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -72,12 +82,48 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     from lipstream.serve.server import json_logs, serve
 
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
+    if fleet is not None:
+        from lipstream.serve.fleet import run_fleet
+        from lipstream.serve.fleet_replica import EngineWeights
+
+        if random_weights:
+            warn_random_weights()
+        run_fleet(options, EngineWeights(models, random_weights, random_size, device, compile_choice(compile)),
+                  fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2])
+        return
     from lipstream.engine.runner import FAST_INDUCTOR
 
     m = load_models(models, device, random_weights, random_size)
     choice = compile_choice(compile)
     serve(options, m, inductor=FAST_INDUCTOR if choice == "on" or (choice == "auto" and m.device.type == "cuda")
           else "off")
+
+
+def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
+               max_replicas: int | None) -> tuple[int | None, int, int | None] | None:
+    """--replicas as (fixed count or None for autoscaling, min, max); None: one process, no Ray. Checked
+    before anything loads, Ray's presence included."""
+    if replicas is None:
+        if ray_address is not None:
+            raise ValueError("--ray-address: only with --replicas N or --replicas auto")
+        return None
+    if replicas == "auto":
+        count = None
+        if min_replicas < 0 or (max_replicas is not None and max_replicas < max(1, min_replicas)):
+            raise ValueError(f"--min-replicas {min_replicas} / --max-replicas {max_replicas}: 0 <= min <= max, "
+                             "max >= 1 is allowed")
+    else:
+        try:
+            count = int(replicas)
+        except ValueError:
+            count = 0
+        if not 1 <= count <= 1024:
+            raise ValueError(f"--replicas {replicas!r}: a number from 1 to 1024, or auto, is allowed")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise ValueError("--replicas: Ray Serve is not installed; pip install 'lipstream[ray]'")
+    return count, min_replicas, max_replicas
 
 
 @app.command("serve-bench")

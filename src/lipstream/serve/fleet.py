@@ -287,7 +287,7 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
 
 
 def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
-              min_replicas: int = 1, max_replicas: int = 1) -> None:
+              min_replicas: int = 1, max_replicas: int | None = None) -> None:
     """`lipstream serve --replicas`: Ray (a local one started here, or the cluster at `ray_address`), the
     application deployed and warm, then served until SIGTERM or Ctrl-C, when it is deleted gracefully
     (each replica's running job back to the queue)."""
@@ -300,6 +300,8 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
             gpus = 1.0
         else:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        if max_replicas is None:
+            max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
                             gpus_per_replica=gpus),

@@ -1,0 +1,56 @@
+#!/bin/bash
+# Issue 26 on one H200: plain `lipstream serve` against `lipstream serve --replicas 1` (Ray Serve: the front
+# and one engine replica), the same avatars (4 of 1280x720@25) and the same serve-bench rows: N live
+# sessions from aiortc clients in their own processes speaking over the WebSocket, a render job beside them.
+# Default flags otherwise (Inductor on the GPU; the second server starts with its cache warm).
+# The wheels travel in three device calls, issued one after the other (the machine stays warm 30 s):
+#   1. any call that installs .whl into /tmp/site (the suite's: docs/NOTES.md);
+#   2. STAGE=ray1, carrying .whl-ray1: Ray's wheel, first half, and its dependencies, staged in /tmp/raywheel;
+#   3. STAGE=bench, carrying .whl-ray2: the second half; Ray installed into /tmp/site-ray, then the rows.
+#   STAGE=bench NS=16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+set -u
+if [ "${STAGE:-bench}" = ray1 ]; then bash .whl-ray1/INSTALL.sh | tail -3; exit 0; fi
+bash .whl-ray2/INSTALL.sh | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray /tmp/raywheel/*.whl 2>&1 \
+  | grep -v "^$" | tail -3
+export PYTHONPATH=/tmp/site:/tmp/site-ray:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
+  PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+python3 -c "import av, aiortc, fastapi, ray, ray.serve, torch; print('ray', ray.__version__, 'fastapi', fastapi.__version__, 'torch', torch.__version__)" || exit 0
+W=$PWD/.h200-fleet; mkdir -p $W
+NS=${NS:-16,20}
+t=$(date +%s.%N)
+python3 - <<PY 2>&1 | tail -2
+from pathlib import Path
+from lipstream.cli import load_models
+from lipstream.bench.scenarios import _avatar
+from lipstream.fixtures import speech_like, write_audio
+m = load_models(None, "cuda", True, "auto")
+for k in range(4):
+    _avatar(Path("$W"), f"p{k}", m, 1280, 720, 25, k)
+write_audio("$W/job.wav", speech_like(20.0, 16000, seed=7), 16000)
+print("avatars built")
+PY
+echo "avatars_s $(python3 -c "import time; print(round(time.time()-$t,1))")"
+start_server() {  # log name, extra serve flags
+  rm -rf $W/data
+  t0=$(date +%s.%N)
+  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data $2 \
+    > $OUT/$1.log 2>&1 &
+  SPID=$!
+  for i in $(seq 800); do
+    python3 -c "import httpx,sys; sys.exit(0 if httpx.get('http://127.0.0.1:8000/readyz').status_code==200 else 1)" 2>/dev/null && break
+    kill -0 $SPID 2>/dev/null || { echo "server died"; tail -20 $OUT/$1.log; return 1; }
+    sleep 0.5
+  done
+  echo "$1: ready after $(python3 -c "import time; print(round(time.time()-$t0,1))") s (process start to /readyz 200)"
+}
+stop_server() {
+  t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"
+}
+row() {  # name: serve-bench rows $NS with the render job
+  timeout ${BENCH_T:-170} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
+    -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
+}
+start_server plain "" && { row plain; stop_server; }
+start_server replicas1 "--replicas 1" && { row replicas1; curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas1_metrics.txt; stop_server; }
+find $OUT -size +15M -delete
