@@ -118,21 +118,21 @@ class EngineReplica:
     async def has_session(self, sid: str, who: Caller) -> bool:
         return await self.service.sessions.speech(sid, who) is not None
 
-    async def push(self, sid: str, pcm16: bytes, rate: int) -> bool:
-        """False once the session has ended."""
-        return await self._speak(sid, lambda link: link.push(pcm16, rate))
+    async def speak(self, sid: str, items: list[tuple]) -> bool:
+        """What the session's speech socket sent since the last call, in order: ("audio", PCM16 bytes, rate),
+        ("end",), ("interrupt",). False once the session has ended."""
+        from lipstream.serve.live import LocalSpeech
 
-    async def command(self, sid: str, kind: str) -> bool:
-        return await self._speak(sid, lambda link: link.command(kind))
-
-    async def _speak(self, sid: str, act) -> bool:
         live = self.service.sessions.open.get(sid)
         if live is None:
             return False
-        from lipstream.serve.live import LocalSpeech
-
+        link = LocalSpeech(self.service.sessions, live)
         try:
-            await act(LocalSpeech(self.service.sessions, live))
+            for item in items:
+                if item[0] == "audio":
+                    await link.push(item[1], item[2])
+                else:
+                    await link.command(item[0])
         except SessionGone:
             return False
         return True
