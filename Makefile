@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	  else $(PYTHON) -m venv $(VENV); fi; \
 	fi
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e '.[test,pipecat,livekit]'
+	$(PY) -m pip install -q -e '.[test,pipecat,livekit,ray]'
 	@touch $@
 
 demo: $(STAMP)

@@ -162,3 +162,28 @@ def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path
         assert code == 2 and len(lines) == 1, stderr
         assert lines[0].startswith("error: --database") and why in lines[0] and "secret" not in lines[0]
         assert "torch-not-imported" in stdout
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--replicas", "0"], ["--replicas '0'", "1 to 1024, or auto"]),
+    (["--replicas", "x"], ["--replicas 'x'", "1 to 1024, or auto"]),
+    (["--ray-address", "auto"], ["--ray-address", "only with --replicas"]),
+    (["--replicas", "auto", "--min-replicas", "3", "--max-replicas", "2"],
+     ["--min-replicas 3 / --max-replicas 2", "min <= max"]),
+], ids=["replicas-0", "replicas-x", "ray-address-alone", "min-over-max"])
+def test_serve_fleet_options_are_one_line_errors_before_anything_loads(desk, tmp_path, extra, fragments):
+    """--replicas, --ray-address, --min/--max-replicas: checked before Ray or the networks load."""
+    avatars = tmp_path / "avatars"
+    avatars.mkdir()
+    code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
+                                    "--random-weights", *extra], desk)
+    assert_early_one_line_error(code, stdout, stderr, 2, fragments)
+    assert not (tmp_path / "data").exists()
+
+
+def test_fleet_size_reads_a_fixed_count():
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
+    from lipstream.cli.serve import fleet_size
+
+    assert fleet_size("2", None, 1, None) == (2, 1, None)
+    assert fleet_size(None, None, 1, None) is None
