@@ -19,7 +19,7 @@ python3 -c "import av, aiortc, fastapi, ray, ray.serve, torch; print('ray', ray.
 W=$PWD/.h200-fleet; mkdir -p $W
 NS=${NS:-16,20}
 t=$(date +%s.%N)
-python3 - <<PY 2>&1 | tail -2
+[ -d $W/avatars ] || python3 - <<PY 2>&1 | tail -2
 from pathlib import Path
 from lipstream.cli import load_models
 from lipstream.bench.scenarios import _avatar
@@ -51,6 +51,6 @@ row() {  # name: serve-bench rows $NS with the render job
   timeout ${BENCH_T:-170} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
 }
-start_server plain "" && { row plain; stop_server; }
+[ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; stop_server; }
 start_server replicas1 "--replicas 1" && { row replicas1; curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas1_metrics.txt; stop_server; }
 find $OUT -size +15M -delete

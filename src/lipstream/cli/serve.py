@@ -109,9 +109,9 @@ def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
         return None
     if replicas == "auto":
         count = None
-        if min_replicas < 0 or (max_replicas is not None and max_replicas < max(1, min_replicas)):
-            raise ValueError(f"--min-replicas {min_replicas} / --max-replicas {max_replicas}: 0 <= min <= max, "
-                             "max >= 1 is allowed")
+        if min_replicas < 1 or (max_replicas is not None and max_replicas < min_replicas):
+            raise ValueError(f"--min-replicas {min_replicas} / --max-replicas {max_replicas}: 1 <= min <= max is "
+                             "allowed (the front learns the avatars from a running replica)")
     else:
         try:
             count = int(replicas)

@@ -294,8 +294,9 @@ Front = serve.ingress()(FleetFront)
 def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | None = 1, *,
               min_replicas: int = 1, max_replicas: int = 1, gpus_per_replica: float = 1.0,
               cpus_per_replica: float = 1.0):
-    """The Ray Serve application: `replicas` engine replicas (None: autoscaling between `min_replicas` and
-    `max_replicas` on the live sessions and jobs they hold) behind one front."""
+    """The Ray Serve application: `replicas` engine replicas (None: Ray Serve's autoscaling between
+    `min_replicas` and `max_replicas` on the calls in flight, which are the open speech sockets: jobs are
+    pulled from the store, not called, and do not count) behind one front."""
     if replicas is None:
         scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
                                                            target_ongoing_requests=8)}
