@@ -9,6 +9,7 @@ import json
 
 from fastapi import APIRouter, Depends, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
+from starlette.websockets import WebSocketState
 
 from lipstream.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
@@ -97,7 +98,7 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
         async for event in link.events():
             await ws.send_json(event)
         # the events end with the session (a fleet's replica that died, say): the socket with them
-        await ws.close(code=4410, reason="the session has ended")
+        await _ended(ws)
 
     sender = asyncio.ensure_future(send_events())
     try:
@@ -123,8 +124,17 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
             else:
                 await ws.send_json({"type": "error", "message": "expected start, end or interrupt"})
     except SessionGone:  # the session ended under the socket (its client left, its replica died)
-        await ws.close(code=4410, reason="the session has ended")
+        await _ended(ws)
     except WebSocketDisconnect:
         pass
     finally:
         sender.cancel()
+
+
+async def _ended(ws: WebSocket) -> None:
+    """Close the socket with 4410 unless it is closed already (its events and its reader both see the end)."""
+    if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
+        try:
+            await ws.close(code=4410, reason="the session has ended")
+        except (RuntimeError, WebSocketDisconnect):
+            pass
