@@ -36,7 +36,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from lipstream.serve.auth import Caller
 from lipstream.serve.database import open_store
 from lipstream.serve.fleet_replica import EngineReplica, EngineWeights
-from lipstream.serve.fleet_router import fleet_replicas
+from lipstream.serve.fleet_router import fleet_replicas, room
 from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.options import ServeOptions
 
@@ -142,7 +142,7 @@ class FleetSessions:
         refuses only when every replica has refused."""
         replicas = self.front.replicas()
         ranked = sorted((n for n, stats in replicas.items() if avatar in stats.get("avatars", ())),
-                        key=lambda n: room_of_stats(replicas[n]), reverse=True)
+                        key=lambda n: room(replicas[n]), reverse=True)
         tried = []
         for name in ranked:
             try:
@@ -173,14 +173,6 @@ class FleetSessions:
 
     async def speech(self, sid: str, who: Caller) -> FleetSpeech | None:
         return FleetSpeech(self, sid) if await self.call(sid, "has_session", sid, who) else None
-
-
-def room_of_stats(stats: dict) -> float:
-    """serve/fleet_router.py's room_of, from the stats dict."""
-    if not stats.get("ready") or stats.get("places", 0) <= 0:
-        return -1.0
-    room = stats.get("room_fps")
-    return float("inf") if room is None else float(room)
 
 
 class FleetFront:

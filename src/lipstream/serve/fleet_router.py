@@ -18,14 +18,17 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 _routers: weakref.WeakSet = weakref.WeakSet()  # this process's routers (the front's handle has one)
 
 
-def room_of(replica: RunningReplica) -> float:
-    """Frames/s of live sessions the replica can still take (inf: it has no capacity figure); -1 before it
-    has reported."""
-    stats = replica.routing_stats or {}
+def room(stats: dict) -> float:
+    """Frames/s of live sessions a replica can still take, from its routing stats (inf: it has no capacity
+    figure); -1 before it has reported, or with no session place free."""
     if not stats.get("ready") or stats.get("places", 0) <= 0:
         return -1.0
-    room = stats.get("room_fps")
-    return float("inf") if room is None else float(room)
+    free = stats.get("room_fps")
+    return float("inf") if free is None else float(free)
+
+
+def room_of(replica: RunningReplica) -> float:
+    return room(replica.routing_stats or {})
 
 
 class SessionAffineRouter(RequestRouter):
