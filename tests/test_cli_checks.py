@@ -151,11 +151,15 @@ def test_old_spellings_still_work_and_say_they_are_deprecated(desk):
 
 
 def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path):
-    """--database: an unknown scheme, or a PostgreSQL that cannot be reached (no password shown)."""
+    """--database: an unknown scheme, or a PostgreSQL that cannot be reached (no password shown); without
+    psycopg installed, the PostgreSQL address says what to install instead."""
+    import importlib.util
+
     avatars = tmp_path / "avatars"
     avatars.mkdir()
+    unreachable = "cannot connect to PostgreSQL" if importlib.util.find_spec("psycopg") else "pip install 'psycopg'"
     for database, why in (("mysql://u:secret@h/db", "not a job store address"),
-                          ("postgresql://u:secret@127.0.0.1:1/db", "cannot connect to PostgreSQL")):
+                          ("postgresql://u:secret@127.0.0.1:1/db", unreachable)):
         code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
                                         "--database", database, "--random-weights"], desk)
         lines = stderr.strip().splitlines()
