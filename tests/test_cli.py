@@ -23,8 +23,9 @@ def _noise(n: int) -> bytes:
 
 def lipstream(*args, env=None):
     """Run the installed console script the way a user does."""
-    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or "lipstream"
-    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300,
+    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or shutil.which("lipstream")
+    cmd = [exe] if exe else [sys.executable, "-m", "lipstream"]  # no console script: lipstream on PYTHONPATH only
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 

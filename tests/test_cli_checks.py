@@ -7,6 +7,7 @@ even imported (the networks take 6-20 s to build, torch and diffusers seconds to
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]);
 
 def run_cli(args: list[str], cwd: Path) -> tuple[int, str, str]:
     p = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                       timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "COLUMNS": "200"})
+                       timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "COLUMNS": "200",
+                                         **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
     return p.returncode, p.stdout, p.stderr
 
 
