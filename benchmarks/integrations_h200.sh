@@ -21,7 +21,7 @@ whl=$(ls .whl/*.whl .whl-serve/*.whl .whl-base/*.whl .whl-pipecat/*.whl .whl-liv
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade $whl 2>&1 | grep -v "^$" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
 python3 -m pip list 2>/dev/null > $OUT/pip_list.txt
-python3 -c "import av, diffusers, numpy, torch; print('av', av.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+python3 -c "import av, numpy, torch; print('av', av.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
 [ "${STAGE:-bench}" = install ] && exit 0  # the first of two calls: wheels into /tmp/site only
 STACKS=${STACKS:-pipecat}
 for s in ${STACKS//,/ }; do

@@ -11,7 +11,8 @@ from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
 from lipstream.errors import InputError
 from lipstream.engine.blend import untouched
-from lipstream.engine.decode import HALO, NEAR, CroppedDecoder, CutGroupNorm, first_mask_row
+from lipstream.engine.decode import HALO, first_mask_row
+from lipstream.models.blocks import NEAR, GroupNorm
 from lipstream.options import EngineOptions
 
 ROW = 12
@@ -21,13 +22,12 @@ def test_cropped_decode_is_the_full_decode_below_its_reach_when_groupnorm_is_tak
     """With GroupNorm (the one global statistic) replaced by identity, the crop is exact below the
     zero-padded edge's receptive field, and zero above the crop."""
     decoder = copy.deepcopy(tiny_models.vae.decoder)
-    for name, module in list(decoder.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.GroupNorm):
-                setattr(module, child_name, torch.nn.Identity())
+    for module in decoder.modules():
+        if isinstance(module, GroupNorm):
+            module.forward = lambda x, near=False: x
     z = torch.randn(3, 4, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        full, crop = decoder(z), CroppedDecoder(decoder, ROW)(z)
+        full, crop = decoder(z), decoder(z, row=ROW)
     assert crop.shape == full.shape
     assert torch.count_nonzero(crop[:, :, :8 * ROW]) == 0
     reach = 8 * (ROW + 6)  # 3x3 convs after the crop: 6 latent rows at most in this layout
@@ -39,7 +39,7 @@ def test_cropped_decode_with_groupnorm_stays_close(tiny_models):
     z = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         full = tiny_models.vae.decoder(z)
-        crop = CroppedDecoder(tiny_models.vae.decoder, ROW)(z)
+        crop = tiny_models.vae.decoder(z, row=ROW)
     below = slice(8 * (ROW + HALO), None)
     err = (crop[:, :, below] - full[:, :, below]).abs().mean() / full[:, :, below].abs().mean()
     assert err < 0.25  # the statistics of the lower rows only: close, not equal
@@ -100,31 +100,28 @@ def test_auto_decode_crops_the_avatars_that_allow_it_and_decodes_the_others_whol
 
 
 def test_cut_groupnorm_is_groupnorm_of_the_map_with_its_cut_rows_like_their_neighbours():
-    norm = torch.nn.GroupNorm(4, 8)
+    norm = GroupNorm(4, 8)
     torch.nn.init.normal_(norm.weight)
     torch.nn.init.normal_(norm.bias)
     x = torch.randn(2, 8, 10, 10, generator=torch.Generator().manual_seed(3))
-    cut_norm = CutGroupNorm(norm)
-    torch.testing.assert_close(cut_norm(x), norm(x))  # nothing cut: a plain GroupNorm
+    torch.testing.assert_close(norm(x, near=True), norm(x))  # nothing cut: a plain GroupNorm
     h = 8  # 2 rows cut; "near" takes them to look like the first 8 // NEAR = 2 decoded rows
     assert h // NEAR == 10 - h
     decoded = x[:, :, 2:]
     stand_in = torch.cat([decoded[:, :, :2], decoded], dim=2)
-    torch.testing.assert_close(cut_norm(decoded), norm(stand_in)[:, :, 2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm(decoded, near=True), norm(stand_in)[:, :, 2:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(norm(decoded, near=True), norm(decoded))
 
 
-def test_near_statistics_leave_the_decoder_alone_and_differ_from_the_rows_alone(tiny_models):
+def test_near_statistics_differ_from_the_rows_alone_and_change_nothing_uncut(tiny_models):
     decoder = tiny_models.vae.decoder
     z = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(4))
-    near = CroppedDecoder(decoder, ROW, stats="near")
-    assert not any(isinstance(m, CutGroupNorm) for m in decoder.modules())
-    assert sum(isinstance(m, CutGroupNorm) for m in near.modules()) > 0
-    assert near.decoder.conv_in.weight is decoder.conv_in.weight
     with torch.inference_mode():
-        a, b = near(z), CroppedDecoder(decoder, ROW, stats="rows")(z)
+        a, b = decoder(z, row=ROW, near=True), decoder(z, row=ROW)
+        assert torch.equal(decoder(z, near=True), decoder(z))  # square maps: near changes nothing
     assert a.shape == b.shape and not torch.allclose(a, b)
-    with pytest.raises(ValueError, match="stats"):
-        CroppedDecoder(decoder, ROW, stats="mean")
+    with pytest.raises(ValueError, match="decode_stats"):
+        Engine(tiny_models, EngineOptions(batch=4, decode_stats="mean"))
 
 
 class _ReplayGraph:

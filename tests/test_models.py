@@ -22,19 +22,32 @@ UPSTREAM_FILES = [
 ]
 
 
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 8, 32, 32, generator=g), torch.randn(2, 50, 384, generator=g),
+            torch.rand(2, 3, 256, 256, generator=g) * 2 - 1, torch.randn(1, 80, 3000, generator=g))
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference against the reference's largest magnitude."""
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1e-30))
+
+
 def run_all(m, seed=1):
     """Deterministic forward passes through every network."""
-    g = torch.Generator().manual_seed(seed)
-    latents = torch.randn(2, 8, 32, 32, generator=g)
-    audio = torch.randn(2, 50, 384, generator=g)
-    image = torch.rand(2, 3, 256, 256, generator=g) * 2 - 1
-    mel = torch.randn(1, 80, 3000, generator=g)
+    latents, audio, image, mel = _inputs(seed)
     with torch.inference_mode():
-        unet = m.unet(latents, 0, encoder_hidden_states=m.pe(audio)).sample
-        decoded = m.vae.decode(latents[:, :4] / 0.18215).sample
-        encoded = m.vae.encode(image).latent_dist.mean
-        hidden = torch.stack(m.whisper(mel, output_hidden_states=True).hidden_states, 2)
-    return {"unet": unet, "decoded": decoded, "encoded": encoded, "hidden": hidden}
+        return {"unet": m.unet(latents, m.pe(audio)), "decoded": m.vae.decode(latents[:, :4] / 0.18215),
+                "encoded": m.vae.encode(image), "hidden": m.whisper(mel)}
+
+
+def run_reference(unet, vae, whisper, seed=1):
+    """The same passes through diffusers' and transformers' modules."""
+    latents, audio, image, mel = _inputs(seed)
+    with torch.inference_mode():
+        return {"unet": unet(latents, 0, encoder_hidden_states=PositionalEncoding()(audio)).sample,
+                "decoded": vae.decode(latents[:, :4] / 0.18215).sample, "encoded": vae.encode(image).latent_dist.mean,
+                "hidden": torch.stack(whisper(mel, output_hidden_states=True).hidden_states, 2)}
 
 
 def test_full_architectures_have_upstream_sizes():
@@ -85,11 +98,14 @@ def test_safetensors_layout_round_trips(tmp_path, tiny_models):
     assert (root / "whisper/model.safetensors").is_file()
     loaded = load_musetalk(root)
     assert loaded.fingerprints == tiny_models.fingerprints
-    assert torch.equal(run_all(loaded)["unet"], run_all(tiny_models)["unet"])
+    # the same weights; safetensors' tensors are unaligned views of the file's buffer, where the CPU's
+    # convolution kernels add in another order (cloned into aligned memory they give the same bits)
+    torch.testing.assert_close(run_all(loaded)["unet"], run_all(tiny_models)["unet"], rtol=1e-5, atol=1e-5)
 
 
 def test_files_load_with_the_libraries_upstream_uses(tiny_checkpoint, tiny_models):
-    """The folder is a genuine diffusers / transformers folder and unet.pth loads as upstream does."""
+    """The folder is a genuine diffusers / transformers folder, unet.pth loads as upstream does, and the
+    libraries' modules compute what LipStream's own compute from the same files."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import WhisperModel
 
@@ -98,12 +114,9 @@ def test_files_load_with_the_libraries_upstream_uses(tiny_checkpoint, tiny_model
     unet.load_state_dict(torch.load(tiny_checkpoint / "musetalkV15/unet.pth", weights_only=True))
     vae = AutoencoderKL.from_pretrained(tiny_checkpoint / "sd-vae")
     whisper = WhisperModel.from_pretrained(tiny_checkpoint / "whisper").encoder
-    upstream = type(tiny_models)(config=tiny_models.config, device=tiny_models.device, dtype=torch.float32,
-                                 feature_extractor=tiny_models.feature_extractor, pe=PositionalEncoding(),
-                                 unet=unet.eval(), vae=vae.eval(), whisper=whisper.eval())
-    want, got = run_all(tiny_models), run_all(upstream)
+    want, got = run_all(tiny_models), run_reference(unet.eval(), vae.eval(), whisper.eval())
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+        assert relative_error(got[k], want[k]) < 1e-5, k
 
 
 def test_old_vae_attention_names_are_converted(tmp_path, tiny_checkpoint, tiny_models):

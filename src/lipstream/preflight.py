@@ -1,6 +1,6 @@
 """Checks that run before anything heavy is imported or loaded: options, paths, avatars, models.
 
-Building the full-size networks takes 6-20 s, and importing torch and diffusers several more; a
+Building the full-size networks takes 6-20 s, and importing torch several more; a
 wrong avatar name or a typo in an option must not wait for that. Nothing here imports torch, so
 every mistake below is reported in a fraction of a second, as one line.
 """

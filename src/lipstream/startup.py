@@ -98,18 +98,14 @@ def load_networks(models: str | Path | None, device: torch.device, random_weight
             note = f"{e}: rendering with the uncompiled networks"
             if e.buildable:
                 note += "; `lipstream warmup` builds the compiled engine once for this machine (a few minutes)"
-    if device.type == "cuda":  # create the CUDA context while diffusers and transformers import (seconds)
+    if device.type == "cuda":  # create the CUDA context while the modules are built and the weights read
         import threading
 
         threading.Thread(target=torch.zeros, args=(1,), kwargs={"device": device}, daemon=True).start()
-    t1 = time.perf_counter()
-    from lipstream.models import load_musetalk  # imports diffusers and transformers: what t2 - t1 measures
+    from lipstream.models import load_musetalk
 
-    t2 = time.perf_counter()
     m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False, dtype=dtype)
-    t3 = time.perf_counter()
-    return Networks(m, "uncompiled", note, {"networks_s": t3 - t0, "diffusers and transformers import_s": t2 - t1,
-                                            "build or load_s": t3 - t2})
+    return Networks(m, "uncompiled", note, {"networks_s": time.perf_counter() - t0})
 
 
 def warmup(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,

@@ -223,7 +223,7 @@ def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOption
         "face_box_median": list(result.face),
         "tracker": "track-file" if track_file else "dlib-68",
         "parameters": asdict(options),
-        "latents": "VAE latent_dist.mean x 0.18215; [masked lower half, reference] = 8 channels",
+        "latents": "VAE latent mean x 0.18215; [masked lower half, reference] = 8 channels",
         "vae": {"fingerprint": vae_fingerprint, "dtype": str(next(vae.parameters()).dtype).removeprefix("torch."),
                 "random": vae_random},
         "timings_s": {k: round(v, 4) for k, v in result.timings.items()},

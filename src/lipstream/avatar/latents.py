@@ -18,8 +18,8 @@ import torch
 from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.models.config import CROP_SIZE, VAE_SCALING_FACTOR
 
-if TYPE_CHECKING:  # diffusers costs seconds to import: rendering never needs it here
-    from diffusers import AutoencoderKL
+if TYPE_CHECKING:
+    from lipstream.models.vae import VAE
 
 
 def face_crop(frame: np.ndarray, box: np.ndarray, width: int, height: int, matrix: str,
@@ -54,7 +54,7 @@ def to_vae_input(crops: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 
 @torch.inference_mode()
-def encode_latents(crops: np.ndarray | torch.Tensor, vae: AutoencoderKL, batch: int = 32) -> torch.Tensor:
+def encode_latents(crops: np.ndarray | torch.Tensor, vae: VAE, batch: int = 32) -> torch.Tensor:
     """[N, 256, 256, 3] uint8 RGB crops -> [N, 8, 32, 32] UNet image input on the VAE's device/dtype."""
     param = next(vae.parameters())
     crops = torch.as_tensor(crops)
@@ -62,7 +62,7 @@ def encode_latents(crops: np.ndarray | torch.Tensor, vae: AutoencoderKL, batch: 
     for start in range(0, crops.shape[0], batch):
         chunk = crops[start:start + batch].to(param.device, non_blocking=True)
         masked, reference = to_vae_input(chunk, param.dtype)
-        both = vae.encode(torch.cat([masked, reference])).latent_dist.mean * VAE_SCALING_FACTOR
+        both = vae.encode(torch.cat([masked, reference])) * VAE_SCALING_FACTOR
         n = chunk.shape[0]
         out.append(torch.cat([both[:n], both[n:]], dim=1))
     return torch.cat(out)

@@ -145,9 +145,8 @@ def render_legacy(program: Program, output: Path, models: MuseTalk, *, fps: Frac
                 latents = avatar.latents[idx].to(models.device, models.dtype)
                 with torch.inference_mode():
                     audio = models.pe(windows[start:start + len(idx)].to(models.device, models.dtype))
-                    pred = models.unet(latents, torch.tensor([0], device=models.device),
-                                       encoder_hidden_states=audio).sample
-                    faces = models.vae.decode(pred / VAE_SCALING_FACTOR).sample
+                    pred = models.unet(latents, audio)
+                    faces = models.vae.decode(pred / VAE_SCALING_FACTOR)
                 faces = ((faces.float() / 2 + 0.5).clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
                 for k, face in zip(idx, faces):
                     x1, y1, x2, y2 = avatar.boxes[k].tolist()

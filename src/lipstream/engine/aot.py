@@ -2,7 +2,7 @@
 
 torch.compile traces and compiles in every process (about 20 s on the H200 even with a warm
 Inductor cache). A package here is compiled once per machine and loads in a fraction of a
-second: no dynamo, no Inductor, and the render path imports neither diffusers nor transformers.
+second: no dynamo, no Inductor.
 
 Three kinds of package: the frame step with the whole decode ("full"), with the decode of the
 face rows only ("crop", engine/decode.py), and the Whisper encoder ("whisper"). Each is keyed
@@ -20,7 +20,7 @@ Layout under the cache folder ($LIPSTREAM_CACHE, default ~/.cache/lipstream):
     aot/weights/<key>.safetensors
 
 Everything there is safe to delete at any time; `lipstream warmup` builds it again
-(engine/aot_build.py: the half that needs diffusers and transformers). The folder
+(engine/aot_build.py: the half that needs the networks' modules). The folder
 is bounded ($LIPSTREAM_CACHE_GB, default 20): the least recently used entries go first. A package
 that does not load (corrupt, truncated, built by another torch) is removed with a warning and
 the caller falls back to the uncompiled engine; the next warmup rebuilds it.
@@ -49,7 +49,7 @@ from lipstream.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the package layout or the step's maths changes: every old entry is ignored
+FORMAT = 2  # bump when the package layout or the step's maths changes: every old entry is ignored
 KINDS = ("crop", "full", "whisper")
 STEP_KINDS = {"full": False, "crop": True}  # kind -> cropped decode
 MAX_BATCH = 256  # the packages take any batch from 1 to this

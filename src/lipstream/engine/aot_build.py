@@ -1,7 +1,7 @@
 """Building the compiled engine (`lipstream warmup`): export, AOTInductor, a check in a child process.
 
-This is the half of engine/aot.py that needs the networks themselves (so diffusers and
-transformers); a render only loads what this wrote.
+This is the half of engine/aot.py that needs the networks' modules and torch.export; a render only
+loads what this wrote.
 """
 
 from __future__ import annotations
@@ -75,12 +75,11 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def _steps_for_export(models: MuseTalk, options: StepOptions) -> dict[str, torch.nn.Module]:
     from lipstream.engine.runner import net_steps
-    from lipstream.engine.step import WhisperStep
 
     steps = net_steps(models, options.upsample, options.decode_row, options.decode_stats)
     out: dict[str, torch.nn.Module] = {"full": steps[False], "crop": steps[True]}
     if models.whisper is not None:
-        out["whisper"] = WhisperStep(models.whisper).eval()
+        out["whisper"] = models.whisper
     return out
 
 

@@ -10,7 +10,7 @@ from lipstream.engine.reference import ReferenceEngine
 from lipstream.engine.runner import CompiledEngine, Engine
 from lipstream.options import EngineOptions
 
-if TYPE_CHECKING:  # the modules' class imports diffusers and transformers: the compiled path never does
+if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
 

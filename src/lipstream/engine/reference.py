@@ -62,7 +62,7 @@ class ReferenceEngine(Engine):
     def __init__(self, models: MuseTalk, batch_size: int = 16):
         if models.dtype != torch.float32:
             raise ValueError("the reference path runs in fp32")
-        # The exact maths whatever the fast defaults are: whole decode, diffusers' own upsamplers.
+        # The exact maths whatever the fast defaults are: whole decode, plain upsamplers.
         super().__init__(models, ENGINE_PRESETS["reference"].replace(batch=batch_size), buckets=(batch_size,))
 
     @torch.inference_mode()

@@ -24,12 +24,12 @@ import torch
 
 from lipstream.avatar import Avatar
 from lipstream.engine.blend import blend_geometry, blend_static, canvas_size
-from lipstream.engine.decode import CroppedDecoder, check_mask_fits, mask_fits
+from lipstream.engine.decode import check_mask_fits, mask_fits
 from lipstream.engine.graphs import IndexRing, _Graph
 from lipstream.engine.interface import FrameRequest
 from lipstream.engine.step import NetStep
 from lipstream.engine.surgery import cached_variant
-from lipstream.engine.upsample import fuse_upsamplers
+from lipstream.models.blocks import fuse_upsamplers
 from lipstream.models.config import WINDOW_STEPS, WINDOW_TOKENS
 from lipstream.options import EngineOptions
 
@@ -49,17 +49,15 @@ def net_steps(models: MuseTalk, upsample: str = "transpose", decode_row: int | N
               decode_stats: str = "rows") -> dict[bool, NetStep]:
     """The network step with the whole decode (False) and, if `decode_row` is set, the cropped one (True).
 
-    The step modules share the networks' weights; the fused upsamplers are copies of the modules
-    made once per network (engine/upsample.py), so every engine and export on the same networks
-    shares them.
+    The steps share the networks' modules; the fused upsamplers' folded weights are buffers of the
+    networks, made once per mode (models/blocks.py), so every engine and export on the same networks
+    shares them too.
     """
-    decoder = fuse_upsamplers(models.vae.decoder, upsample)
-    unet = fuse_upsamplers(models.unet, upsample)
-    steps = {False: NetStep(models.pe, unet, models.vae.post_quant_conv, decoder).eval()}
+    fuse_upsamplers(models.unet, upsample)
+    fuse_upsamplers(models.vae.decoder, upsample)
+    steps = {False: NetStep(models.pe, models.unet, models.vae, upsample).eval()}
     if decode_row is not None:
-        cropped = cached_variant(decoder, ("crop", decode_row, decode_stats),
-                                 lambda: CroppedDecoder(decoder, decode_row, decode_stats))
-        steps[True] = NetStep(models.pe, unet, models.vae.post_quant_conv, cropped).eval()
+        steps[True] = NetStep(models.pe, models.unet, models.vae, upsample, decode_row, decode_stats == "near").eval()
     return steps
 
 
@@ -396,7 +394,7 @@ class Engine(StepEngine):
 
 
 class CompiledEngine(StepEngine):
-    """The fast engine on ahead-of-time compiled packages (engine/aot.py): no diffusers, no transformers,
+    """The fast engine on ahead-of-time compiled packages (engine/aot.py): no network modules built,
     no compile wait. Its maths options (upsample, decode row and statistics) are the packages' own."""
 
     fixed_shapes = True

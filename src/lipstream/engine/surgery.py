@@ -1,33 +1,11 @@
-"""Engine-side variants of the networks' modules, made without touching the networks themselves."""
+"""One compiled variant per network module, shared by every engine on the same networks."""
 
 from __future__ import annotations
 
-import copy
-import itertools
 import weakref
 from collections.abc import Callable
 
 from torch import nn
-
-
-def shared_copy(module: nn.Module) -> nn.Module:
-    """A new module tree that shares every parameter and buffer with `module` (no weights copied).
-
-    Swapping modules in the copy leaves the original alone: the reference path and other engines
-    keep using it.
-    """
-    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(module, memo=shared)
-
-
-def replace_modules(module: nn.Module, make: Callable[[nn.Module], nn.Module | None]) -> None:
-    """Replace, in place, every descendant for which `make` returns a module."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            new = make(child)
-            if new is not None:
-                setattr(parent, name, new)
-
 
 _variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

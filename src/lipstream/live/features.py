@@ -192,25 +192,7 @@ class WindowFeatures(torch.nn.Module):
         peaks.scatter_reduce_(0, index, mel.amax(dim=(1, 2)), "amax")
         mel = (torch.maximum(mel, peaks[index][:, None, None] - 8.0) + 4.0) / 4.0
         positions = (first[:, None] + self.offsets) % FEATURES_PER_SEGMENT
-        return encode_windows(self.encoder, mel.to(self.dtype), positions)
-
-
-def encode_windows(encoder, mel: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[B, 80, 2W] log-mel -> [B, W, 5, 384]: the Whisper encoder's forward on W steps, every hidden state.
-
-    transformers' forward insists on 3000 mel frames; this is the same layers on fewer (checked
-    equal on 3000 in tests/test_live.py).
-    """
-    x = torch.nn.functional.gelu(encoder.conv1(mel))
-    x = torch.nn.functional.gelu(encoder.conv2(x)).permute(0, 2, 1)
-    h = x + encoder.embed_positions.weight[positions]
-    states = [h]
-    for layer in encoder.layers:
-        h = layer(h, None)
-        h = h[0] if isinstance(h, tuple) else h
-        states.append(h)
-    states[-1] = encoder.layer_norm(h)
-    return torch.stack(states, dim=2)
+        return self.encoder(mel.to(self.dtype), positions)
 
 
 def streamed_features(models: MuseTalk, audio: np.ndarray, context: int, hop: int, lookahead: int) -> torch.Tensor:

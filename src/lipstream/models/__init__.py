@@ -1,7 +1,8 @@
-"""The MuseTalk v1.5 networks: upstream checkpoints loaded as they are (diffusers, transformers), or seeded random.
+"""The MuseTalk v1.5 networks in plain torch (unet.py, vae.py, whisper.py), loading the upstream
+checkpoints as they are, or seeded random.
 
 The names below load on first use (PEP 562), so `lipstream.models.layout` (where the files live)
-can be imported by the CLI's early checks without importing torch and diffusers (seconds).
+can be imported by the CLI's early checks without importing torch (seconds).
 """
 
 from __future__ import annotations

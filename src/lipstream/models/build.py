@@ -1,28 +1,15 @@
-"""Construct the three networks from configs: empty (meta) for loading, or seeded random."""
+"""Construct the three networks from their configs: empty (meta) for loading, or seeded random."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
-from transformers import WhisperConfig
-from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-for _name in ("diffusers", "transformers"):  # their per-model info chatter is noise for a CLI
-    logging.getLogger(_name).setLevel(logging.ERROR)
-
-
-def _public(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg.items() if not k.startswith("_")}
-
-
-def whisper_config(cfg: dict[str, Any]) -> WhisperConfig:
-    config = WhisperConfig(**_public(cfg))
-    config._attn_implementation = "sdpa"
-    return config
+from lipstream.models.unet import UNet, UNetConfig
+from lipstream.models.vae import VAE, VAEConfig
+from lipstream.models.whisper import WhisperConfig, WhisperEncoder, init_random_
 
 
 @contextlib.contextmanager
@@ -44,16 +31,21 @@ def _on(device: torch.device | str, seed: int | None):
         yield
 
 
-def build_unet(cfg: dict[str, Any], *, device: torch.device | str = "meta", seed: int | None = None) -> UNet2DConditionModel:
+def build_unet(cfg: dict[str, Any], *, device: torch.device | str = "meta", seed: int | None = None) -> UNet:
+    config = UNetConfig.from_dict(cfg)
     with _on(device, seed):
-        return UNet2DConditionModel.from_config(_public(cfg)).eval().requires_grad_(False)
+        return UNet(config).eval().requires_grad_(False)
 
 
-def build_vae(cfg: dict[str, Any], *, device: torch.device | str = "meta", seed: int | None = None) -> AutoencoderKL:
+def build_vae(cfg: dict[str, Any], *, device: torch.device | str = "meta", seed: int | None = None) -> VAE:
+    config = VAEConfig.from_dict(cfg)
     with _on(device, seed):
-        return AutoencoderKL.from_config(_public(cfg)).eval().requires_grad_(False)
+        return VAE(config).eval().requires_grad_(False)
 
 
-def build_whisper_encoder(cfg: dict[str, Any], *, device: torch.device | str = "meta", seed: int | None = None) -> WhisperEncoder:
+def build_whisper_encoder(cfg: dict[str, Any], *, device: torch.device | str = "meta",
+                          seed: int | None = None) -> WhisperEncoder:
+    config = WhisperConfig.from_dict(cfg)
     with _on(device, seed):
-        return WhisperEncoder(whisper_config(cfg)).eval().requires_grad_(False)
+        encoder = WhisperEncoder(config).eval().requires_grad_(False)
+        return encoder if seed is None or torch.device(device).type == "meta" else init_random_(encoder)

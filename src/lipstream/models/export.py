@@ -1,8 +1,10 @@
 """Write a model set in exactly the upstream download layout (for tests, demos and benchmarks).
 
 The files are what users download: `musetalkV15/unet.pth` (a torch-saved state dict with
-diffusers key names) + `musetalk.json`; `sd-vae/` as diffusers saves an AutoencoderKL; `whisper/`
-as transformers saves WhisperForConditionalGeneration, plus `preprocessor_config.json`.
+diffusers' key names) + `musetalk.json`; `sd-vae/` as diffusers saves an AutoencoderKL (config.json
+and the weights); `whisper/` as transformers saves a Whisper model (config.json, the weights under
+`model.encoder.*`, preprocessor_config.json). Only the encoder is written: MuseTalk never runs
+Whisper's decoder, and transformers initialises the missing decoder when it loads the folder.
 """
 
 from __future__ import annotations
@@ -11,22 +13,35 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from lipstream.models import build
+from lipstream.models.config import HOP_LENGTH, MEL_FRAMES, N_FFT, N_MELS, SAMPLE_RATE, SEGMENT_SAMPLES, SEGMENT_SECONDS
 from lipstream.models.config import model_config
 from lipstream.models.layout import UNET_DIR, VAE_DIR, WHISPER_DIR
 
+PREPROCESSOR = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": N_MELS,
+                "sampling_rate": SAMPLE_RATE, "hop_length": HOP_LENGTH, "chunk_length": SEGMENT_SECONDS,
+                "n_fft": N_FFT, "n_samples": SEGMENT_SAMPLES, "nb_max_frames": MEL_FRAMES, "padding_side": "right",
+                "padding_value": 0.0, "return_attention_mask": False, "processor_class": "WhisperProcessor"}
+
+
+def _save(sd: dict[str, torch.Tensor], folder: Path, binary_name: str, safetensors_name: str, binary: bool) -> None:
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    if binary:
+        torch.save(sd, folder / binary_name)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(sd, str(folder / safetensors_name), metadata={"format": "pt"})
+
 
 def write_random_checkpoint(root: str | Path, *, size: str = "tiny", seed: int = 0, binary: bool = True) -> Path:
-    """Seeded random weights saved in the upstream layout under `root`.
+    """Seeded random weights saved in the upstream layout under `root`: the same networks as
+    `load_musetalk(random_weights=True, size=size, seed=seed)` builds.
 
     `binary=True` writes the legacy formats upstream ships (unet.pth, diffusion_pytorch_model.bin,
     pytorch_model.bin); `False` writes safetensors where upstream also offers them.
     """
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     root = Path(root)
     config = model_config(size)
     for sub in (UNET_DIR, VAE_DIR, WHISPER_DIR):
@@ -34,24 +49,16 @@ def write_random_checkpoint(root: str | Path, *, size: str = "tiny", seed: int =
 
     unet = build.build_unet(config.unet, device="cpu", seed=seed)
     (root / UNET_DIR / "musetalk.json").write_text(json.dumps(config.unet, indent=2))
-    sd = {k: v.contiguous() for k, v in unet.state_dict().items()}
-    if binary:
-        torch.save(sd, root / UNET_DIR / "unet.pth")
-    else:
-        from safetensors.torch import save_file
-
-        save_file(sd, str(root / UNET_DIR / "unet.safetensors"))
+    _save(unet.state_dict(), root / UNET_DIR, "unet.pth", "unet.safetensors", binary)
 
     vae = build.build_vae(config.vae, device="cpu", seed=seed + 1)
-    vae.save_pretrained(root / VAE_DIR, safe_serialization=not binary)
+    (root / VAE_DIR / "config.json").write_text(json.dumps(config.vae, indent=2))
+    _save(vae.state_dict(), root / VAE_DIR, "diffusion_pytorch_model.bin", "diffusion_pytorch_model.safetensors",
+          binary)
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 2)
-        whisper = WhisperForConditionalGeneration(build.whisper_config(config.whisper)).eval()
-    whisper.save_pretrained(root / WHISPER_DIR)  # config.json + model.safetensors
-    if binary:  # openai/whisper-tiny ships pytorch_model.bin: same keys, torch-saved
-        (root / WHISPER_DIR / "model.safetensors").unlink()
-        torch.save({k: v.contiguous() for k, v in whisper.state_dict().items()},
-                   root / WHISPER_DIR / "pytorch_model.bin")
-    WhisperFeatureExtractor().save_pretrained(root / WHISPER_DIR)
+    whisper = build.build_whisper_encoder(config.whisper, device="cpu", seed=seed + 2)
+    (root / WHISPER_DIR / "config.json").write_text(json.dumps({"model_type": "whisper", **config.whisper}, indent=2))
+    _save({f"model.encoder.{k}": v for k, v in whisper.state_dict().items()}, root / WHISPER_DIR,
+          "pytorch_model.bin", "model.safetensors", binary)
+    (root / WHISPER_DIR / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return root

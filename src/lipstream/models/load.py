@@ -9,9 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
-from transformers import WhisperFeatureExtractor
-from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from lipstream.errors import WeightsError
 from lipstream.models import build
@@ -22,6 +19,9 @@ from lipstream.models.config import (
     AUDIO_DIM, HIDDEN_STATES, N_FFT, HOP_LENGTH, N_MELS, SAMPLE_RATE, SEGMENT_SECONDS, ModelConfig, model_config)
 from lipstream.models.layout import HOW_TO_GET, UNET_DIR, VAE_DIR, WHISPER_DIR, find, models_dir, upstream_file
 from lipstream.models.positional import PositionalEncoding
+from lipstream.models.unet import UNet
+from lipstream.models.vae import VAE
+from lipstream.models.whisper import WhisperEncoder, mel_filters
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +34,18 @@ class MuseTalk:
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
-    feature_extractor: WhisperFeatureExtractor
     pe: PositionalEncoding
-    unet: UNet2DConditionModel | None = None
-    vae: AutoencoderKL | None = None
+    unet: UNet | None = None
+    vae: VAE | None = None
     whisper: WhisperEncoder | None = None
     random_weights: bool = False
     source: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def mel_filters(self) -> np.ndarray:
-        """Whisper's mel filter bank [201, 80] (audio.features.AudioNetworks)."""
-        return self.feature_extractor.mel_filters
+    mel_filters: np.ndarray = field(default_factory=mel_filters, repr=False)  # [201, 80], audio.features
 
     def whisper_states(self, mel: torch.Tensor) -> torch.Tensor:
         """[S, 80, 3000] -> [S, 1500, 5, 384]: every hidden state of the Whisper encoder, stacked."""
-        return torch.stack(self.whisper(mel, output_hidden_states=True).hidden_states, dim=2)
+        return self.whisper(mel)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -98,8 +93,7 @@ def load_musetalk(
 
 
 def _random(config: ModelConfig, wanted: set[str], device: torch.device, seed: int) -> MuseTalk:
-    m = MuseTalk(config=config, device=device, dtype=torch.float32, feature_extractor=WhisperFeatureExtractor(),
-                 pe=PositionalEncoding(), random_weights=True, source=f"random weights ({config.name}, seed {seed})")
+    m = MuseTalk(config=config, device=device, dtype=torch.float32, pe=PositionalEncoding(), random_weights=True, source=f"random weights ({config.name}, seed {seed})")
     builders = {"unet": (build.build_unet, config.unet), "vae": (build.build_vae, config.vae),
                 "whisper": (build.build_whisper_encoder, config.whisper)}
     for offset, name in enumerate(COMPONENTS):
@@ -130,9 +124,10 @@ def _from_folder(root: Path, wanted: set[str]) -> MuseTalk:
     unet_cfg = read_json(_require(root, f"{UNET_DIR}/musetalk.json")) if "unet" in wanted else {}
     vae_cfg = read_json(_require(root, f"{VAE_DIR}/config.json")) if "vae" in wanted else {}
     whisper_cfg = read_json(_require(root, f"{WHISPER_DIR}/config.json")) if "whisper" in wanted else {}
-    fe = load_feature_extractor(root) if "whisper" in wanted else WhisperFeatureExtractor()
+    if "whisper" in wanted:
+        check_preprocessor(root)
     m = MuseTalk(config=ModelConfig(f"folder:{root}", unet_cfg, vae_cfg, whisper_cfg), device=torch.device("cpu"),
-                 dtype=torch.float32, feature_extractor=fe, pe=PositionalEncoding(), source=str(root))
+                 dtype=torch.float32, pe=PositionalEncoding(), source=str(root))
     if "unet" in wanted:
         m.unet, m.fingerprints["unet"] = load_unet(root, unet_cfg)
     if "vae" in wanted:
@@ -142,7 +137,7 @@ def _from_folder(root: Path, wanted: set[str]) -> MuseTalk:
     return m
 
 
-def load_unet(root: Path, cfg: dict) -> tuple[UNet2DConditionModel, str]:
+def load_unet(root: Path, cfg: dict) -> tuple[UNet, str]:
     path = _require(root, f"{UNET_DIR}/unet.pth")
     sd = read_state_dict(path)
     unet = _construct(build.build_unet, cfg, root / UNET_DIR / "musetalk.json")
@@ -150,7 +145,7 @@ def load_unet(root: Path, cfg: dict) -> tuple[UNet2DConditionModel, str]:
     return unet, fingerprint(sd)
 
 
-def load_vae(root: Path, cfg: dict) -> tuple[AutoencoderKL, str]:
+def load_vae(root: Path, cfg: dict) -> tuple[VAE, str]:
     path = _require(root, f"{VAE_DIR}/diffusion_pytorch_model.safetensors")
     sd = rename_old_vae_attention(read_state_dict(path))
     vae = _construct(build.build_vae, cfg, root / VAE_DIR / "config.json")
@@ -170,7 +165,8 @@ def load_whisper_encoder(root: Path, cfg: dict) -> tuple[WhisperEncoder, str]:
     if not encoder_sd:
         raise WeightsError(f"{path}: holds no Whisper encoder tensors (no 'model.encoder.*' keys); {HOW_TO_GET}")
     encoder = _construct(build.build_whisper_encoder, cfg, root / WHISPER_DIR / "config.json")
-    if encoder.config.d_model != AUDIO_DIM or encoder.config.encoder_layers + 1 != HIDDEN_STATES:
+    if encoder.config.d_model != AUDIO_DIM or encoder.config.encoder_layers + 1 != HIDDEN_STATES \
+            or encoder.config.num_mel_bins != N_MELS:
         raise WeightsError(f"{root / WHISPER_DIR / 'config.json'}: MuseTalk v1.5 needs whisper-tiny "
                            f"(d_model {AUDIO_DIM}, 4 layers), found d_model {encoder.config.d_model}, "
                            f"{encoder.config.encoder_layers} layers")
@@ -178,18 +174,20 @@ def load_whisper_encoder(root: Path, cfg: dict) -> tuple[WhisperEncoder, str]:
     return encoder, fingerprint(encoder_sd)
 
 
-def load_feature_extractor(root: Path) -> WhisperFeatureExtractor:
+# What WhisperFeatureExtractor assumes where preprocessor_config.json leaves a key out.
+PREPROCESSOR_DEFAULTS = {"feature_size": N_MELS, "sampling_rate": SAMPLE_RATE, "n_fft": N_FFT,
+                         "hop_length": HOP_LENGTH, "chunk_length": SEGMENT_SECONDS}
+
+
+def check_preprocessor(root: Path) -> None:
+    """preprocessor_config.json must describe whisper-tiny's log-mel (what audio/features.py computes)."""
     path = _require(root, f"{WHISPER_DIR}/preprocessor_config.json")
     cfg = read_json(path)
-    try:
-        fe = WhisperFeatureExtractor(**{k: v for k, v in cfg.items() if k != "feature_extractor_type"})
-    except Exception as e:
-        raise WeightsError(f"{path}: not a Whisper feature-extractor config ({e}); {HOW_TO_GET}") from None
-    got = (fe.feature_size, fe.sampling_rate, fe.n_fft, fe.hop_length, fe.chunk_length)
-    want = (N_MELS, SAMPLE_RATE, N_FFT, HOP_LENGTH, SEGMENT_SECONDS)
-    if got != want:
-        raise WeightsError(f"{path}: expected whisper-tiny's (mel bins, rate, n_fft, hop, chunk) = {want}, found {got}")
-    return fe
+    got = {k: cfg.get(k, v) for k, v in PREPROCESSOR_DEFAULTS.items()}
+    if got != PREPROCESSOR_DEFAULTS:
+        keys = ", ".join(PREPROCESSOR_DEFAULTS)
+        raise WeightsError(f"{path}: expected whisper-tiny's ({keys}) = {tuple(PREPROCESSOR_DEFAULTS.values())}, "
+                           f"found {tuple(got.values())}")
 
 
 def _construct(make, cfg: dict, config_path: Path):

@@ -54,7 +54,7 @@ def verify(models: str | Path | None = None, *, sha256: bool = False) -> Report:
     report = Report(root)
     loaders = {"unet": lambda: load.load_unet(root, read_json(root / UNET_DIR / "musetalk.json")),
                "vae": lambda: load.load_vae(root, read_json(root / VAE_DIR / "config.json")),
-               "whisper": lambda: (load.load_feature_extractor(root),
+               "whisper": lambda: (load.check_preprocessor(root),
                                    load.load_whisper_encoder(root, read_json(root / WHISPER_DIR / "config.json")))[1]}
     for name, rel in WEIGHT_FILES.items():
         row = Row(name)
