@@ -2,8 +2,9 @@
 logical GPUs, the fleet application (serve/fleet.py) deployed on it with two engine replicas of tiny
 networks, reached through Ray's HTTP proxy on loopback by real clients (httpx; lipstream.client's
 aiortc WebRTC and speech socket). Jobs go to both replicas and equal a single server's; live sessions
-land on both and a third over capacity is refused with 503; a replica killed mid-job loses the job to
-the other and its session ends.
+land on both and a third over capacity is refused with 503; several sessions of one replica speaking at once
+reach it in one stream of calls (at most one every 40 ms); a replica killed mid-job loses the job to the
+other and its session ends.
 """
 
 from __future__ import annotations
@@ -237,6 +238,78 @@ async def _speaks(session, seconds: float = 1.0) -> None:
             break
     assert "started" in events and "finished" in events, events
     assert frames >= 20 and loud >= 10, (frames, loud)
+
+
+def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
+    """Six sessions (6 fps: up to four a replica) streaming speech at once in 20 ms chunks, as a TTS
+    would: each replica has at most one speech call every SPEECH_BATCH_S whatever its number of sessions
+    (its calls carry several sessions' speech), and every session gets its pictures, audio and events."""
+    from ray import serve
+
+    from lipstream.client import connect
+    from lipstream.serve.fleet import APP, ENGINE
+    from lipstream.serve.fleet_speech import SPEECH_BATCH_S
+
+    engine = serve.get_deployment_handle(ENGINE, app_name=APP)
+
+    async def counts(names):
+        return {n: await asyncio.wait_for(engine.options(session_id=n).speech_counts.remote(), 30) for n in names}
+
+    async def main():
+        sessions = [await connect(fleet, "anna", api_key=KEY, fps=6) for _ in range(6)]
+        try:
+            names = {s.id.split(".")[0] for s in sessions}
+            before = await counts(names)
+            pushing_s = max(await asyncio.gather(*(_streams(s, seconds=2.0) for s in sessions)))
+            after = await counts(names)
+        finally:
+            for s in sessions:
+                await s.aclose()
+        calls = {n: after[n]["calls"] - before[n]["calls"] for n in names}
+        carried = {n: after[n]["session_batches"] - before[n]["session_batches"] for n in names}
+        on = {n: sum(s.id.startswith(n + ".") for s in sessions) for n in names}
+        busiest = max(on, key=on.get)
+        assert on[busiest] >= 3, on
+        print(f"speech calls/s by replica: { {n: round(calls[n] / pushing_s, 1) for n in names} } over "
+              f"{pushing_s:.2f} s of pushing, sessions {on}, calls {calls}, session batches {carried}")
+        for n in names:  # the speech (and its end) went out in at most one call every SPEECH_BATCH_S
+            assert 0 < calls[n] <= (pushing_s + 0.2) / SPEECH_BATCH_S + 2, (calls, on, pushing_s)
+        assert carried[busiest] >= 1.5 * calls[busiest], (carried, calls, on)  # a call carries several sessions
+
+    asyncio.run(main())
+
+
+async def _streams(session, seconds: float) -> float:
+    """`seconds` of speech pushed in 20 ms chunks in real time, then its end: it comes back as pictures with
+    their audio and speech events (the session's fps: a 6 fps one has 12 pictures for 2 s of speech).
+    Returns how long the pushing took (`seconds`, or more on a loaded machine)."""
+    from lipstream.live import LiveFrame, SpeechEvent
+
+    async def push() -> float:
+        pcm, step = speech_like(seconds, 16_000, seed=2), 320
+        t = time.monotonic()
+        for k, i in enumerate(range(0, pcm.size, step)):
+            session.push_audio(pcm[i:i + step], 16_000)
+            await asyncio.sleep(max(0.0, t + (k + 1) * 0.02 - time.monotonic()))
+        session.end_utterance()
+        return time.monotonic() - t
+
+    pushing = asyncio.ensure_future(push())
+    frames, loud, events = 0, 0, set()
+    deadline = time.monotonic() + 60
+    async for item in session:
+        if isinstance(item, LiveFrame):
+            frames += 1
+            loud += bool(item.audio is not None and np.abs(item.audio).max() > 1e-3)
+        elif isinstance(item, SpeechEvent):
+            events.add(item.kind)
+        if "finished" in events or time.monotonic() > deadline:
+            break
+    pushing_s = await pushing
+    assert "started" in events and "finished" in events, (session.id, events)
+    want = int(seconds * float(session.fps))
+    assert frames >= want and loud >= want // 2, (session.id, frames, loud)
+    return pushing_s
 
 
 def test_a_replica_killed_mid_job(fleet, root):

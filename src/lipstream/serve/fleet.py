@@ -11,8 +11,9 @@ Two deployments:
   most room (the replicas' own admission figures), and later calls for it to that replica only (its
   id begins with the replica's); the whole fleet answers 503 only when every replica is full.
 
-Ray's proxy carries the signalling and the speech socket; a session's media flows by ICE between
-the client and its replica's host. Shared across machines: the job store (`--database
+Ray's proxy carries the signalling and the speech socket (the speech of all a replica's sessions goes to
+it as one stream of calls: serve/fleet_speech.py); a session's media flows by ICE between the client and
+its replica's host. Shared across machines: the job store (`--database
 postgresql://...`) and the data folder (`--data` on a shared filesystem: uploads and results; object
 stores are not supported).
 """
@@ -37,7 +38,8 @@ from lipstream.serve.auth import Caller
 from lipstream.serve.database import open_store
 from lipstream.serve.fleet_replica import EngineReplica, EngineWeights
 from lipstream.serve.fleet_router import fleet_replicas, room
-from lipstream.serve.interface import SessionGone, SessionRefused
+from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
+from lipstream.serve.interface import SessionRefused
 from lipstream.serve.options import ServeOptions
 
 log = logging.getLogger("lipstream.serve")
@@ -45,8 +47,7 @@ APP = "lipstream"
 ENGINE = "engine"
 CALL_TIMEOUT_S = 30.0  # a call to a named replica that does not answer by then: it is gone
 ROUTER = "lipstream.serve.fleet_router:SessionAffineRouter"
-STATS_PERIOD_S = 1.0
-SPEECH_BATCH_S = 0.04  # a session's speech goes to its replica at most this often (what came meanwhile, at once)  # how often the replicas report their room to the routers
+STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -56,63 +57,20 @@ def replica_of(sid: str) -> str:
     return sid.split(".", 1)[0] if "." in sid else ""
 
 
-class FleetSpeech:
-    """A session's speech socket, forwarded to its replica (serve/interface.py's SpeechLink). What the client
-    sends goes out in order, one call at a time, each call carrying everything that came while the last
-    was out (at most every SPEECH_BATCH_S): a call a 20 ms chunk would keep the replica's process busy
-    with Ray's request handling beside the engine's core thread (measured on the H200: 16 sessions,
-    800 calls/s, speech 8 s behind)."""
-
-    def __init__(self, sessions: FleetSessions, sid: str):
-        self.sessions, self.sid = sessions, sid
-        self._items: list[tuple] = []
-        self._sender: asyncio.Task | None = None
-        self._gone = False
-
-    def _put(self, item: tuple) -> None:
-        if self._gone:
-            raise SessionGone(f"session {self.sid} has ended")
-        if item[0] == "audio" and self._items and self._items[-1][0] == "audio" and self._items[-1][2] == item[2]:
-            self._items[-1] = ("audio", self._items[-1][1] + item[1], item[2])  # one run of PCM at one rate
-        else:
-            self._items.append(item)
-        if self._sender is None or self._sender.done():
-            self._sender = asyncio.ensure_future(self._send())
-
-    async def _send(self) -> None:
-        while self._items and not self._gone:
-            batch, self._items = self._items, []
-            t = time.monotonic()
-            if not await self.sessions.call(self.sid, "speak", self.sid, batch):
-                self._gone = True
-                return
-            await asyncio.sleep(max(0.0, SPEECH_BATCH_S - (time.monotonic() - t)))
-
-    async def push(self, pcm16: bytes, rate: int) -> None:
-        self._put(("audio", pcm16, rate))
-
-    async def command(self, kind: str) -> None:
-        self._put((kind,))
-
-    async def events(self):
-        stream = self.sessions.front.replica(replica_of(self.sid)).options(stream=True).events.remote(self.sid)
-        try:
-            async for event in stream:
-                yield event
-        except Exception:  # noqa: BLE001 (its replica died: the socket's sends end; its pushes see it)
-            return
-
-
 class FleetSessions:
     """The fleet's live sessions (serve/interface.py's SessionHost): each call goes to the replica the
     session id names; a new one to the replica with the most room."""
 
     def __init__(self, front: FleetFront):
         self.front = front
+        self._speech: dict[str, ReplicaSpeech] = {}  # by replica: its sessions' speech, one stream of calls
 
     async def call(self, sid: str, method: str, *args):
         """`method` on the session's replica; None when that replica is gone (or never was)."""
-        name = replica_of(sid)
+        return await self.call_replica(replica_of(sid), method, *args)
+
+    async def call_replica(self, name: str, method: str, *args):
+        """`method` on replica `name`; None when it is gone (or never was)."""
         if name not in self.front.replicas():
             return None
         try:
@@ -172,7 +130,25 @@ class FleetSessions:
         return bool(await self.call(sid, "close_for", sid, who))
 
     async def speech(self, sid: str, who: Caller) -> FleetSpeech | None:
-        return FleetSpeech(self, sid) if await self.call(sid, "has_session", sid, who) else None
+        if not await self.call(sid, "has_session", sid, who):
+            return None
+        name = replica_of(sid)
+        return FleetSpeech(sid, self.replica_speech(name),
+                           lambda: self.front.replica(name).options(stream=True).events.remote(sid))
+
+    def replica_speech(self, name: str) -> ReplicaSpeech:
+        """Replica `name`'s ReplicaSpeech (made at its first socket; an idle one of a replica gone is let go)."""
+        speech = self._speech.get(name)
+        if speech is None:
+            replicas = self.front.replicas()
+            for gone in [n for n, s in self._speech.items() if n not in replicas and s.idle]:
+                del self._speech[gone]
+
+            async def speak_many(batch: dict[str, list[tuple]]):
+                return await self.call_replica(name, "speak_many", batch)
+
+            speech = self._speech[name] = ReplicaSpeech(speak_many, name=name)
+        return speech
 
 
 class FleetFront:

@@ -61,6 +61,7 @@ class EngineReplica:
 
         json_logs()
         self.name = serve.get_replica_context().replica_id.unique_id
+        self.speech_calls = self.speech_session_batches = 0
         options = dataclasses.replace(options, runner_id=f"{options.runner_id}-{self.name}")
 
         def start() -> Service:
@@ -118,24 +119,35 @@ class EngineReplica:
     async def has_session(self, sid: str, who: Caller) -> bool:
         return await self.service.sessions.speech(sid, who) is not None
 
-    async def speak(self, sid: str, items: list[tuple]) -> bool:
-        """What the session's speech socket sent since the last call, in order: ("audio", PCM16 bytes, rate),
-        ("end",), ("interrupt",). False once the session has ended."""
+    async def speak_many(self, batch: dict[str, list[tuple]]) -> list[str]:
+        """What the front's speech sockets sent since its last call, for every session of this replica with
+        something new (serve/fleet_speech.py's ReplicaSpeech), each session's items in order: ("audio",
+        PCM16 bytes, rate), ("end",), ("interrupt",). The ids of those sessions that have ended."""
         from lipstream.serve.live import LocalSpeech
 
-        live = self.service.sessions.open.get(sid)
-        if live is None:
-            return False
-        link = LocalSpeech(self.service.sessions, live)
-        try:
-            for item in items:
-                if item[0] == "audio":
-                    await link.push(item[1], item[2])
-                else:
-                    await link.command(item[0])
-        except SessionGone:
-            return False
-        return True
+        self.speech_calls += 1
+        self.speech_session_batches += len(batch)
+        ended = []
+        for sid, items in batch.items():
+            live = self.service.sessions.open.get(sid)
+            if live is None:
+                ended.append(sid)
+                continue
+            link = LocalSpeech(self.service.sessions, live)
+            try:
+                for item in items:
+                    if item[0] == "audio":
+                        await link.push(item[1], item[2])
+                    else:
+                        await link.command(item[0])
+            except SessionGone:
+                ended.append(sid)
+        return ended
+
+    def speech_counts(self) -> dict:
+        """The speech calls this replica has had, and the sessions' batches they carried (their sum over
+        the calls): what shows the front's multiplexing (tests/test_serve_fleet.py)."""
+        return {"calls": self.speech_calls, "session_batches": self.speech_session_batches}
 
     async def events(self, sid: str):
         """The session's speech events as they come (a streaming call); ends when the session does."""
