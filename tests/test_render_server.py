@@ -337,3 +337,34 @@ def test_ctrl_c_cancels_the_job_on_the_server_and_leaves_nothing(server, desk, t
     assert os.listdir(out) == []
     job = _job_id(text)
     assert _wait_for(server, [job], KEY, {"cancelled", "done", "failed"}) == {job: "cancelled"}
+
+
+def test_the_script_sent_is_the_same_program_with_the_uploads_names(tmp_path):
+    """Cameras, start frames, crossfades and fps survive the rewrite; each audio is named as uploaded (one
+    upload for a file two scenes share); the avatars folder stays here, with a note."""
+    from lipstream.remote_jobs import prepare_upload
+    from lipstream.script import load_script
+
+    (tmp_path / "a").mkdir()
+    write_audio(tmp_path / "a" / "intro speech.wav", speech_like(0.5, 16_000, seed=1), 16_000)
+    write_audio(tmp_path / "b.flac", speech_like(0.5, 16_000, seed=2), 16_000)
+    script = tmp_path / "show.yaml"
+    script.write_text("fps: 30000/1001\navatars: ./avatars\nscenes:\n"
+                      "  - {avatar: anchor, audio: 'a/intro speech.wav'}\n"
+                      "  - audio: b.flac\n    start_frame: 4\n    transition: {crossfade: 6}\n    cameras:\n"
+                      "      - {at: 0, avatar: wide}\n      - {at: 0.25, avatar: anchor}\n"
+                      "  - {avatar: wide, audio: 'a/intro speech.wav'}\n")
+    program = load_script(script)
+    upload = prepare_upload(program, "broadcast", tmp_path / "out.mp4")
+    assert list(upload.audio) == ["01-intro_speech.wav", "02-b.flac"] and upload.avatars == ("anchor", "wide")
+    assert upload.notes and "not used with --server" in upload.notes[0]
+    sent = tmp_path / "sent"
+    sent.mkdir()
+    (sent / "script.yaml").write_text(upload.script)
+    for name, path in upload.audio.items():
+        (sent / name).write_bytes(path.read_bytes())
+    again = load_script(sent / "script.yaml")
+    assert again.fps == program.fps and again.avatars_dir is None
+    for a, b in zip(again.scenes, program.scenes, strict=True):
+        assert (a.shots, a.start_frame, a.crossfade) == (b.shots, b.start_frame, b.crossfade)
+        assert a.audio.read_bytes() == b.audio.read_bytes()
