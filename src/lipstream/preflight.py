@@ -142,16 +142,23 @@ def check_output_path(dest: str | Path) -> Path:
     return dest
 
 
+def check_program_inputs(program, output: Path) -> None:
+    """The output path, then every scene's audio file present and readable: what a render checks of its
+    files wherever it runs (here, or on a server: `--server`)."""
+    check_output_path(output)
+    for scene in program.scenes:
+        check_file(scene.audio, "audio file")
+
+
 def check_program(program, avatars_dir: Path | None, output: Path) -> dict[str, dict]:
     """Every avatar of a program resolved (name -> avatar.json), its audio files present, one frame size.
 
     `program` is a script.Program; returns the avatars' metadata in the order they appear.
     """
-    check_output_path(output)
+    check_program_inputs(program, output)
     avatars_dir = program.avatars_dir or avatars_dir
     metas: dict[str, dict] = {}
     for scene in program.scenes:
-        check_file(scene.audio, "audio file")
         for shot in scene.shots:
             if shot.avatar not in metas:
                 folder = resolve_avatar(shot.avatar, avatars_dir)

@@ -65,6 +65,14 @@ EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
 FpsOpt = Annotated[Optional[str], typer.Option(
     help="Output frame rate, e.g. 25, 29.97 or 30000/1001 (default: the first avatar's).")]
+ServerOpt = Annotated[Optional[str], typer.Option(
+    "--server", envvar="LIPSTREAM_SERVER", show_default=False,
+    help="Render on a running `lipstream serve` at this address (http://HOST:PORT) instead of here: the audio "
+         "is uploaded, the avatar is one of the server's, the MP4 comes back to -o. Default: $LIPSTREAM_SERVER "
+         "(--server '' renders here).")]
+ServerKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="LIPSTREAM_API_KEY", show_default=False,
+    help="With --server: the server's bearer key (default: $LIPSTREAM_API_KEY, which keeps it out of `ps`).")]
 
 
 def compile_choice(value: Optional[bool]) -> str:

@@ -11,8 +11,8 @@ import typer
 
 from lipstream.cli.common import (
     AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt,
-    OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, TimingsOpt, X264PresetOpt, app, avatars_dir,
-    compile_choice, err, load_models, out, process_age, renamed, warn_random_weights)
+    OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
+    avatars_dir, click, compile_choice, err, load_models, out, process_age, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.options import RenderOptions
 from lipstream.preflight import (
@@ -144,7 +144,8 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
 
 
 @app.command("render")
-def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name in --avatars, or its folder.")],
+def render_cmd(ctx: typer.Context,
+               avatar: Annotated[str, typer.Option(help="Compiled avatar: a name in --avatars, or its folder.")],
                audio: Annotated[Path, typer.Option(help="Speech: any audio file, or a video with audio.")],
                output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
                avatars: AvatarsOpt = None,
@@ -153,32 +154,70 @@ def render_cmd(avatar: Annotated[str, typer.Option(help="Compiled avatar: a name
                reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
                compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
                random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto",
-               timings: TimingsOpt = False) -> None:
-    """Make an avatar speak an audio file: one lip-synced MP4."""
+               timings: TimingsOpt = False, server: ServerOpt = None, api_key: ServerKeyOpt = None) -> None:
+    """Make an avatar speak an audio file: one lip-synced MP4 (here, or on a server with --server)."""
     from lipstream.script import single_scene
 
     in_range("--start-frame", start_frame, 0, 10**9, "a loop frame")
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
-                             decode_rows, reference).replace(avatars_dir=avatars_dir(avatars))
-    _render(single_scene(avatar, audio, start_frame), output, options, device, random_size, compile_choice(compile),
-            models, random_weights, timings)
+                             decode_rows, reference)
+    program = single_scene(avatar, audio, start_frame)
+    if server:
+        _on_server(ctx, program, "render", output, options, start_frame, server, api_key, avatars=avatars,
+                   reference=reference, batch=batch, encoders=encoders, compile=compile, decode_rows=decode_rows,
+                   models=models, random_weights=random_weights, random_size=random_size, device=device,
+                   timings=timings)
+        return
+    _render(program, output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
+            compile_choice(compile), models, random_weights, timings)
 
 
 @app.command("broadcast")
-def broadcast_cmd(script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
+def broadcast_cmd(ctx: typer.Context,
+                  script: Annotated[Path, typer.Argument(help="YAML: scenes of avatar + audio, cuts, crossfades.")],
                   output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
                   avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, x264_preset: X264PresetOpt = None,
                   preset: OldPresetOpt = None, reference: ReferenceOpt = False, batch: BatchOpt = None,
                   encoders: EncodersOpt = None, compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto",
                   models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
-                  device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
-    """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4."""
+                  device: DeviceOpt = "auto", timings: TimingsOpt = False, server: ServerOpt = None,
+                  api_key: ServerKeyOpt = None) -> None:
+    """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4 (here, or on a
+    server with --server: the script and every audio file it names are uploaded)."""
     from lipstream.script import load_script
 
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
-                             decode_rows, reference).replace(avatars_dir=avatars_dir(avatars))
-    _render(load_script(script), output, options, device, random_size, compile_choice(compile), models,
-            random_weights, timings)
+                             decode_rows, reference)
+    if server:
+        _on_server(ctx, None, "broadcast", output, options, 0, server, api_key, script=script, avatars=avatars,
+                   reference=reference, batch=batch, encoders=encoders, compile=compile, decode_rows=decode_rows,
+                   models=models, random_weights=random_weights, random_size=random_size, device=device,
+                   timings=timings)
+        return
+    _render(load_script(script), output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
+            compile_choice(compile), models, random_weights, timings)
+
+
+def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: RenderOptions, start_frame: int,
+               server: str, api_key: str | None, *, script: Path | None = None, avatars, reference, batch, encoders,
+               compile, decode_rows, models, random_weights, random_size, device, timings) -> None:
+    """--server: the address checked, every flag only a local render takes refused (one line naming it),
+    then the job handed over (cli/remote.py). Never a local render instead."""
+    from lipstream.cli.remote import refuse_local_options, render_on_server
+    from lipstream.remote_jobs import server_url
+
+    url = server_url(server)
+    from_env = ctx.get_parameter_source("server") == click.core.ParameterSource.ENVIRONMENT
+    refuse_local_options({"--avatars": avatars is not None, "--reference": reference, "--batch": batch is not None,
+                          "--encoders": encoders is not None, "--compile/--no-compile": compile is not None,
+                          "--decode-rows": decode_rows != "auto", "--models": models is not None,
+                          "--random-weights": random_weights, "--random-size": random_size != "auto",
+                          "--device": device != "auto", "--timings": timings}, from_env)
+    if script is not None:
+        from lipstream.script import load_script
+
+        program = load_script(script)
+    render_on_server(program, kind, output, options, start_frame, url, api_key or None)
 
 
 @app.command("warmup")

@@ -214,7 +214,10 @@ class JobRunner:
 
     def render(self, kind: str, params: dict, output: Path, cancelled, progress) -> None:
         """A render job ({"avatar": name, "audio": path under the data folder}) or a broadcast job
-        ({"script": path of its YAML, beside its audio files})."""
+        ({"script": path of its YAML, beside its audio files}); either may hold the output options a
+        local render takes (routes_jobs.OUTPUT_OPTIONS: fps, crf, x264_preset; a render's start_frame)."""
+        from fractions import Fraction
+
         from lipstream.options import RenderOptions
         from lipstream.render import render_program
         from lipstream.script import load_script
@@ -222,9 +225,12 @@ class JobRunner:
         if kind == "broadcast":
             program = load_script(self.s.o.data_dir / params["script"])
         else:
-            program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], 0)
+            program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], params.get("start_frame", 0))
         # the batches are the live engine's: its largest step; x264 and encoders chosen for the machine
-        options = RenderOptions(avatars_dir=self.s.o.avatars_dir, progress=False)
+        # unless the job says otherwise
+        options = RenderOptions(avatars_dir=self.s.o.avatars_dir, progress=False,
+                                fps=Fraction(params["fps"]) if "fps" in params else None, crf=params.get("crf", 18),
+                                x264_preset=params.get("x264_preset"))
         render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
 

@@ -11,6 +11,9 @@ from lipstream.serve.store import LEASE_S, JobStoreError, default_runner_id
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
+# the uploads a job takes, by suffix (here, not in serve/uploads.py, so that a client checks its files without fastapi)
+VIDEO_SUFFIXES = frozenset({".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"})
+AUDIO_SUFFIXES = frozenset({".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"})
 
 
 def is_loopback(host: str) -> bool:

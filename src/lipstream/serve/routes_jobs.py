@@ -24,17 +24,54 @@ from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_secon
 
 TERMINAL = ("done", "failed", "cancelled")
 SSE_POLL_S = 0.1
+# what a render or broadcast job may be asked of its output, as `lipstream render` takes it (--fps, --crf,
+# --x264-preset, --start-frame); what is not given is the server's choice, as a local render's is the machine's
+OUTPUT_OPTIONS = ("fps", "crf", "x264_preset", "start_frame")
 
 router = APIRouter()
 
 
 def job_json(job: Job) -> dict:
+    """`options`: the output options the job was given (OUTPUT_OPTIONS), so a client sees they were taken."""
     out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
            "error": job.error, "created_at": job.created_at, "started_at": job.started_at,
-           "finished_at": job.finished_at, "avatar": job.params.get("avatar")}
+           "finished_at": job.finished_at, "avatar": job.params.get("avatar"),
+           "options": {k: job.params[k] for k in OUTPUT_OPTIONS if k in job.params}}
     if job.status == "done":
         out["result"] = f"/v1/jobs/{job.id}/result"
     return out
+
+
+def output_options(fps: str | None, crf: int | None, x264_preset: str | None,
+                   start_frame: int | None = None) -> dict:
+    """The output options given (422 naming the first that is not allowed), as the job's params keep them."""
+    from lipstream.options import X264_PRESETS
+    from lipstream.preflight import MAX_FPS
+    from lipstream.rates import as_fps
+
+    given: dict = {}
+    if fps is not None:
+        try:
+            rate = as_fps(fps.strip())
+        except ValueError:
+            rate = None
+        if rate is None or rate > MAX_FPS:
+            raise HTTPException(422, f"fps {fps!r}: a frame rate above 0 and at most {MAX_FPS} is allowed, "
+                                     "such as 25, 29.97 or 30000/1001")
+        given["fps"] = str(rate)
+    if crf is not None:
+        if not 0 <= crf <= 51:
+            raise HTTPException(422, f"crf {crf}: an x264 quality from 0 to 51 is allowed")
+        given["crf"] = crf
+    if x264_preset is not None:
+        if x264_preset not in X264_PRESETS:
+            raise HTTPException(422, f"x264_preset {x264_preset!r}: one of {', '.join(X264_PRESETS)} is allowed")
+        given["x264_preset"] = x264_preset
+    if start_frame is not None:
+        if not 0 <= start_frame <= 10**9:
+            raise HTTPException(422, f"start_frame {start_frame}: a loop frame from 0 is allowed")
+        given["start_frame"] = start_frame
+    return given
 
 
 def check_cap(service: ServerHost, who: Caller) -> None:
@@ -59,9 +96,13 @@ def submitted(service: ServerHost, who: Caller, kind: str, params: dict) -> dict
 
 @router.post("/v1/jobs/render", status_code=202)
 async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
+                        fps: str | None = Form(None), crf: int | None = Form(None),
+                        x264_preset: str | None = Form(None), start_frame: int | None = Form(None),
                         who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
-    """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4."""
+    """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4. `fps`, `crf`,
+    `x264_preset`, `start_frame`: as `lipstream render` takes them (left out: the server chooses)."""
     known_avatar(service, avatar)
+    given = output_options(fps, crf, x264_preset, start_frame)
     suffix = Path(audio.filename or "").suffix.lower()
     if suffix not in AUDIO_SUFFIXES:
         raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
@@ -77,16 +118,20 @@ async def submit_render(request: Request, avatar: str = Form(...), audio: Upload
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return submitted(service, who, "render", {"avatar": avatar, "audio": os.path.relpath(path, service.o.data_dir),
-                                              "audio_s": round(seconds, 3)})
+                                              "audio_s": round(seconds, 3), **given})
 
 
 @router.post("/v1/jobs/broadcast", status_code=202)
 async def submit_broadcast(request: Request, script: UploadFile = File(...), audio: list[UploadFile] = File(...),
+                           fps: str | None = Form(None), crf: int | None = Form(None),
+                           x264_preset: str | None = Form(None),
                            who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
-    """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names."""
+    """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names. `fps` (over
+    the script's), `crf`, `x264_preset`: as `lipstream broadcast` takes them (left out: the server chooses)."""
     from lipstream.errors import LipStreamError
     from lipstream.script import load_script
 
+    given = output_options(fps, crf, x264_preset)
     check_cap(service, who)
     names = [Path(a.filename or "").name for a in audio]
     if len(set(names)) != len(names) or any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
@@ -115,7 +160,7 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...), aud
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return submitted(service, who, "broadcast", {"script": os.path.relpath(folder / "script.yaml", service.o.data_dir),
-                                                 "audio_s": round(total, 3)})
+                                                 "audio_s": round(total, 3), **given})
 
 
 @router.post("/v1/jobs/compile", status_code=202)

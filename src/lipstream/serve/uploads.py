@@ -9,8 +9,9 @@ from pathlib import Path
 from fastapi import HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
-AUDIO_SUFFIXES = {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"}
+from lipstream.serve.options import AUDIO_SUFFIXES, VIDEO_SUFFIXES
+
+__all__ = ["AUDIO_SUFFIXES", "VIDEO_SUFFIXES", "audio_seconds", "new_upload_folder", "refused_by_length", "save_upload"]
 
 
 def refused_by_length(request: Request, max_mb: float) -> Response | None:
