@@ -201,3 +201,24 @@ def test_an_unexpected_exception_in_a_command_is_one_line_and_exit_1(monkeypatch
     assert main(["weights", "verify", "--models", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RuntimeError: something inside broke" in err[0] and "LIPSTREAM_LOG" in err[0], err
+
+
+def test_render_timings_table_names_every_step_and_adds_up(tmp_path, presenter):
+    """--timings: one row per step of the one-shot path, from the process's start to the finished MP4."""
+    write_audio(tmp_path / "hello.wav", speech_like(0.8, 16000), 16000)
+    r = lipstream("render", "--avatar", presenter, "--audio", tmp_path / "hello.wav", "-o", tmp_path / "out.mp4",
+                  "--random-weights", "--random-size", "tiny", "--device", "cpu", "--timings")
+    assert r.returncode == 0, r.stderr
+    rows = dict(re.findall(r"^│ ([^│]+?)\s+│\s+(-?[\d.]+)\s+│", r.stderr, re.M))
+    for step in ("imports and checks", "torch and the device", "networks", "render set-up", "avatars: load",
+                 "graph capture", "audio decode: wait past the capture", "audio: Whisper features and windows",
+                 "first encoded packet (after render start)", "frames (render loop)",
+                 "flush: last segments, audio, faststart", "render_program total"):
+        assert step in rows, (step, r.stderr)
+    process = float(re.search(r"process: ([\d.]+) s so far", r.stdout).group(1))
+    before = sum(float(rows[k]) for k in ("imports and checks", "torch and the device", "networks", "render set-up"))
+    assert abs(before + float(rows["render_program total"]) - process) < 0.5  # the rows cover the whole process
+    inside = sum(float(rows[k]) for k in ("avatars: load", "graph capture", "audio decode: wait past the capture",
+                                         "audio: Whisper features and windows", "frames (render loop)",
+                                         "flush: last segments, audio, faststart"))
+    assert inside <= float(rows["render_program total"]) + 0.05

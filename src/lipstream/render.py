@@ -118,6 +118,37 @@ def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndar
     return resample(mono.to(device), rate, SAMPLE_RATE), resample(mono, rate, AUDIO_RATE).numpy()
 
 
+def decode_speech(paths: list[Path]) -> list[tuple[torch.Tensor, int, np.ndarray]]:
+    """Each file's mono samples at its own rate and at 48 kHz (the output's track), all on the CPU: the part
+    of the audio that needs no GPU, so it runs beside the graph capture."""
+    out = []
+    for path in paths:
+        mono, rate = load_mono(path)
+        out.append((mono, rate, resample(mono, rate, AUDIO_RATE).numpy()))
+    return out
+
+
+class _Background:
+    """A function running on its own thread; `result()` joins it and re-raises what it raised."""
+
+    def __init__(self, fn: Callable, *args):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="lipstream-prepare", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, *args) -> None:
+        try:
+            self._out.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001  (raised in the caller's thread by result())
+            self._out.append(e)
+
+    def result(self):
+        self._thread.join()
+        if isinstance(self._out[0], BaseException):
+            raise self._out[0]
+        return self._out[0]
+
+
 def plan(program: Program, avatars: dict[str, int], engine: FrameEngine, fps: Fraction,
          scene_windows: list[torch.Tensor], bounds: list[int], silence: torch.Tensor | None) -> list[Item]:
     """The frame schedule: which avatar frame and audio window every output frame shows."""
@@ -165,27 +196,17 @@ def render_program(program: Program, output: str | Path, networks: MuseTalk | Co
 def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: FrameEngine, options: RenderOptions, *,
             windows: Windows = audio_windows, t0: float | None = None) -> RenderPlan:
     """The speech decoded, its features and per-frame windows (`windows` builds them), the avatars
-    resident on `engine` (their frames decoding in the background), every frame planned."""
+    resident on `engine` (their frames decoding in the background), every frame planned.
+
+    The steps overlap where they can: the audio decodes on a thread (CPU) while the avatars load and the
+    engine captures its graphs (GPU); the Whisper features (GPU) follow the capture."""
     t0 = time.perf_counter() if t0 is None else t0
     device = networks.device
     engine.clear_avatars()
     avatars_dir = program.avatars_dir or options.avatars_dir
     folders = {shot.avatar: resolve_avatar(shot.avatar, avatars_dir) for scene in program.scenes for shot in scene.shots}
     fps = Fraction(options.fps or program.fps or read_meta(folders[program.scenes[0].shots[0].avatar])["fps"])
-
-    # The audio first: it is short GPU work that the frame decoding below would slow down.
-    speech = [load_speech(scene.audio, device) for scene in program.scenes]
-    samples48 = np.concatenate([s[1] for s in speech])
-    starts = np.cumsum([0] + [s[1].size for s in speech])
-    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
-    bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
-    scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
-                     for k, (s16, _) in enumerate(speech)]
-    silence = None  # the mouth at rest, for the outgoing scene of a crossfade
-    if any(scene.crossfade for scene in program.scenes):
-        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
-        silence = audio_windows(quiet, fps)[int(fps) // 2]
-    t_audio = time.perf_counter()
+    decoding = _Background(decode_speech, [scene.audio for scene in program.scenes])
 
     indices: dict[str, int] = {}
     load = resident_avatar if options.resident else functools.partial(load_avatar, background=True)
@@ -200,9 +221,25 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
     t_load = time.perf_counter()
     engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
     t_warm = time.perf_counter()
+
+    decoded = decoding.result()
+    t_decoded = time.perf_counter()
+    speech = [(resample(mono.to(device), rate, SAMPLE_RATE), s48) for mono, rate, s48 in decoded]
+    samples48 = np.concatenate([s[1] for s in speech])
+    starts = np.cumsum([0] + [s[1].size for s in speech])
+    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
+    bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
+    scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
+                     for k, (s16, _) in enumerate(speech)]
+    silence = None  # the mouth at rest, for the outgoing scene of a crossfade
+    if any(scene.crossfade for scene in program.scenes):
+        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
+        silence = audio_windows(quiet, fps)[int(fps) // 2]
+    t_audio = time.perf_counter()
     items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
-    timings = {"audio_s": t_audio - t0, "load_s": t_load - t_audio, "warmup_s": t_warm - t_load,
-               "plan_s": time.perf_counter() - t_warm}
+    # decode_wait_s: how long the decode outlasted the capture (0 when it was hidden behind it)
+    timings = {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "decode_wait_s": t_decoded - t_warm,
+               "audio_s": t_audio - t_decoded, "plan_s": time.perf_counter() - t_audio}
     return RenderPlan(engine, items, samples48, fps, (width, height), first.meta["colour_matrix"], t0, timings)
 
 

@@ -113,7 +113,7 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
               "after it started", highlight=False)
     if timings:
         _print_timings(report, nets, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
-                                      "networks": t_networks - t_torch, "render set-up": started - t_networks})
+                                      "networks": t_networks - t_torch, "render set-up": max(0.0, started - t_networks)})
     if random_weights:
         out.print("[bold red]random weights: the mouth is noise, not speech[/]")
 
@@ -130,15 +130,17 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
         f", {k.removesuffix('_s')} {v:.2f} s" for k, v in nets.timings.items() if k != "networks_s")}
     for name, seconds in before.items():
         table.add_row(name, f"{seconds:.2f}", notes.get(name, ""))
-    rows = [("audio: decode + Whisper features", t.get("audio_s")), ("avatars: load", t.get("load_s")),
-            ("graph capture", t.get("warmup_s")),
-            ("first encoded packet (after render start)", report.first_frame_s),
+    rows = [("avatars: load", t.get("load_s"), ""),
+            ("graph capture", t.get("warmup_s"), "the audio decodes meanwhile, on a thread"),
+            ("audio decode: wait past the capture", t.get("decode_wait_s"), ""),
+            ("audio: Whisper features and windows", t.get("audio_s"), ""),
+            ("first encoded packet (after render start)", report.first_frame_s, ""),
             ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
-                t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "plan_s"))),
-            ("flush: last segments, audio, faststart", t.get("finish_s"))]
-    for name, seconds in rows:
+                t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "decode_wait_s", "plan_s")), ""),
+            ("flush: last segments, audio, faststart", t.get("finish_s"), "")]
+    for name, seconds, note in rows:
         if seconds is not None:
-            table.add_row(name, f"{seconds:.2f}", "")
+            table.add_row(name, f"{seconds:.2f}", note)
     table.add_row("render_program total", f"{report.wall_s:.2f}", f"{report.frames} frames")
     err.print(table)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -135,8 +136,7 @@ def build_package(kind: str, module: torch.nn.Module, canonical: dict[str, torch
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         torch._inductor.aoti_compile_and_package(
-            program, package_path=str(work / PACKAGE_FILE),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
+            program, package_path=str(work / PACKAGE_FILE), inductor_configs=inductor_configs())
         by_identity = {_identity(t): name for name, t in canonical.items()}
         constants: dict[str, str] = {}
         extra: dict[str, torch.Tensor] = {}
@@ -173,6 +173,21 @@ def build_package(kind: str, module: torch.nn.Module, canonical: dict[str, torch
         shutil.rmtree(work, ignore_errors=True)
         raise
     return target, _folder_bytes(target)
+
+
+def inductor_configs() -> dict[str, Any]:
+    """How AOTInductor builds a package: the weights left out (they are handed in at load), and on Linux the
+    package's wrapper linked against the C++ runtime the process has loaded (`-l:libstdc++.so.6`).
+
+    Why the link: on the H200 image (torch 2.11) loading any package crashed in the wrapper's first
+    std::regex (AOTInductorModel -> parse_device_str -> regex_traits::transform_primary, a bad virtual
+    call), the pattern of two copies of libstdc++'s locale code in one process, each with its own facet
+    ids. torch links libstdc++ explicitly only in Meta's own builds (cpp_builder._get_libstdcxx_args);
+    naming the very library the process runs makes the wrapper use its facets."""
+    configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+    if platform.system() == "Linux":
+        configs["aot_inductor.custom_op_libs"] = [":libstdc++.so.6"]
+    return configs
 
 
 class LoaderCrashed(RuntimeError):

@@ -1,0 +1,34 @@
+#!/bin/bash
+# The wheels the H200 image lacks (Python 3.12), in the folders the device scripts carry (each call's tree
+# travels under 64 MiB): .whl (PyAV, the server's stack, aiortc's, diffusers for tests/test_networks.py),
+# .whl-ray1 (Ray Serve's own imports the image lacks, found by running tests/test_serve_fleet.py with
+# PYTHONPROFILEIMPORTTIME=1 and reading every Ray process's log, plus the first half of Ray's 79 MB wheel)
+# and .whl-ray2 (its second half). Run here, in the repository's root, with pip and the network:
+#   bash benchmarks/h200_wheels.sh
+set -euo pipefail
+get() {  # folder, requirements...
+  local dir=$1; shift
+  mkdir -p "$dir"
+  for req in "$@"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dir" "$req"
+  done
+}
+get .whl av fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
+  websockets aiortc aioice pylibsrtp pyee google-crc32c dnspython ifaddr cffi pycparser cryptography pyopenssl \
+  sniffio opentelemetry-api importlib-metadata lazy-importer typing-extensions diffusers
+get .whl-ray1 aiohttp-cors colorful "grpcio==1.81.0" "grpcio-reflection==1.81.0" "protobuf>=6,<7" \
+  googleapis-common-protos httptools jsonschema jsonschema-specifications referencing rpds-py opencensus \
+  opencensus-context opentelemetry-api opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
+  opentelemetry-semantic-conventions platformdirs watchfiles
+tmp=$(mktemp -d)
+get "$tmp" "ray==2.60.0"
+wheel=$(ls "$tmp"/ray-*.whl)
+half=$(( $(stat -c %s "$wheel") / 2 ))
+head -c $half "$wheel" > .whl-ray1/ray.part1
+mkdir -p .whl-ray2
+tail -c +$((half + 1)) "$wheel" > .whl-ray2/ray.part2
+(cd "$tmp" && sha256sum "$(basename "$wheel")") > .whl-ray2/ray.sha256
+rm -rf "$tmp"
+du -sh .whl .whl-ray1 .whl-ray2
