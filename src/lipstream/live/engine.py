@@ -94,6 +94,7 @@ class LiveEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.capacity_fps = self.o.capacity_fps
+        self.start_phases: dict[str, float] = {}  # seconds of each step of start()
         self.stats = EngineStats()
         self._rest0: dict[int, np.ndarray] = {}  # avatar -> its loop frame 0 on the host (a session's first picture)
         self.idle_loops: dict[int, np.ndarray] = {}  # avatar -> its idle loop [n, H*3/2, W] I420, on the host
@@ -137,23 +138,34 @@ class LiveEngine:
             # torch's CPU threads only run small ops here (resampling pushes); idle, they spin
             # and take the cores the encoders need (13 of 16 cores busy at 8 sessions otherwise)
             torch.set_num_threads(1)
+        marks = [time.perf_counter()]
+
+        def mark(name: str) -> None:  # where a start's time goes (the server's "ready" event reports it)
+            marks.append(time.perf_counter())
+            self.start_phases[name] = round(marks[-1] - marks[-2], 2)
+
         self.whisper.idle_window()
         if self.o.features == "stream":
             self.whisper.warm()
+        mark("whisper_s")
         self.engine.warm_up()
+        mark("capture_and_compile_s")
         self.runner.warm_sizes()
         self.scheduler.step_s.update(self.runner.measure())
         if self.capacity_fps is None:
             self.capacity_fps = self.scheduler.capacity_fps()
+        mark("measure_s")
         log.info("live engine: steps %s s, capacity %.0f frames/s",
                  {b: round(s, 4) for b, s in self.step_s.items()}, self.capacity_fps)
         if self.o.encode:
             self._encoders()
+        mark("encoders_s")
         self._thread = threading.Thread(target=self._run, name="lipstream-live-core", daemon=True)
         self._thread.start()
         for f in [self._keep_idle_loop(index) for index in range(len(self.engine.avatars))]:
             if f is not None:
                 f.result()  # started means warm: idle sessions cost no step from the first frame
+        mark("idle_loops_s")
         return self
 
     def _keep_idle_loop(self, avatar: int) -> Future | None:

@@ -54,6 +54,7 @@ def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off") -> 
     t = time.perf_counter()
     service = Service(options, models, inductor=inductor).start()
     log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1),
+                         "phases": service.start_phases,
                          "avatars": sorted(service.avatars), "host": options.host, "port": options.port,
                          "keys": len(options.api_keys)}))
     if not options.api_keys:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
 from lipstream.avatar.cache import META
 from lipstream.avatar.resident import resident_avatar
@@ -50,6 +51,7 @@ class Service:
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
         self.sessions = LiveSessions(self, options.rtc_workers or default_workers(), session_prefix)
         self.ready = False
+        self.start_phases: dict[str, float] = {}  # seconds of each step of start() (the "ready" event)
         self._stopped = False
         self._switch_interval: float | None = None
 
@@ -59,11 +61,14 @@ class Service:
         names = self.compiled_avatars()
         if not names:
             raise ValueError(f"--avatars: {self.o.avatars_dir} holds no compiled avatar")
+        t = time.perf_counter()
         for name in names:
             self.add_avatar(name)
+        self.start_phases = {"avatars_s": round(time.perf_counter() - t, 2)}
         self._switch_interval = sys.getswitchinterval()  # the process's, given back at stop
         sys.setswitchinterval(self.o.switch_interval_ms / 1000)
         self.live.start()
+        self.start_phases.update(self.live.start_phases)
         requeued = self.store.requeue_running(max_attempts=self.o.max_attempts)
         if requeued:
             log.info("requeued %d jobs that were running when the server stopped", len(requeued))
