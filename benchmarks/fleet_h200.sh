@@ -3,15 +3,18 @@
 # and one engine replica), the same avatars (4 of 1280x720@25) and the same serve-bench rows: N live
 # sessions from aiortc clients in their own processes speaking over the WebSocket, a render job beside them.
 # Default flags otherwise (Inductor on the GPU; the second server starts with its cache warm).
-# The wheels travel in three device calls, issued one after the other (the machine stays warm 30 s):
-#   1. any call that installs .whl into /tmp/site (the suite's: docs/NOTES.md);
-#   2. STAGE=ray1, carrying .whl-ray1: Ray's wheel, first half, and its dependencies, staged in /tmp/raywheel;
-#   3. STAGE=bench, carrying .whl-ray2: the second half; Ray installed into /tmp/site-ray, then the rows.
-#   STAGE=bench NS=16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+# The wheels travel in three device calls, issued one after the other (the machine stays warm 30 s;
+# `bash benchmarks/h200_wheels.sh` makes the folders):
+#   1. STAGE=one of benchmarks/oneshot_h200.sh, carrying .whl: installed into /tmp/site;
+#   2. STAGE=two of it, carrying .whl-ray1: Ray Serve's dependencies into /tmp/site-ray, the first half of
+#      Ray's wheel staged in /tmp/raywheel;
+#   3. this, carrying .whl-ray2: the second half; the wheel joined, checked and installed, then the rows.
+#   NS=16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
 set -u
-if [ "${STAGE:-bench}" = ray1 ]; then bash .whl-ray1/INSTALL.sh | tail -3; exit 0; fi
-bash .whl-ray2/INSTALL.sh | tail -2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray /tmp/raywheel/*.whl 2>&1 \
+wheel=/tmp/raywheel/$(awk '{print $2}' .whl-ray2/ray.sha256)
+cat /tmp/raywheel/ray.part1 .whl-ray2/ray.part2 > $wheel
+(cd /tmp/raywheel && sha256sum -c "$OLDPWD/.whl-ray2/ray.sha256") || exit 0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray $wheel 2>&1 \
   | grep -v "^$" | tail -3
 export PYTHONPATH=/tmp/site:/tmp/site-ray:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
   PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
