@@ -165,10 +165,14 @@ def test_compile_and_render_run_with_diffusers_and_transformers_unimportable(tmp
     from lipstream.fixtures import speech_like, write_audio
     from lipstream.fixtures.avatar import action_loop
 
-    action_loop(tmp_path / "anchor.mp4", width=480, height=270, seconds=0.4, fps=10)
+    from lipstream.avatar.boxes import TEMPLATE_LANDMARKS
+
+    truth = action_loop(tmp_path / "anchor.mp4", width=480, height=270, seconds=0.4, fps=10)
+    points = np.einsum("nij,kj->nki", truth.transforms[:, :, :2], TEMPLATE_LANDMARKS) + truth.transforms[:, None, :, 2]
+    (tmp_path / "track.json").write_text(json.dumps({"landmarks": points.round(2).tolist()}))  # no dlib needed
     write_audio(tmp_path / "hello.wav", speech_like(0.5, 16000), 16000)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "COLUMNS": "200"}
-    runs = [("compile", tmp_path / "anchor.mp4", "-o", tmp_path / "avatars"),
+    runs = [("compile", tmp_path / "anchor.mp4", "-o", tmp_path / "avatars", "--track", tmp_path / "track.json"),
             ("render", "--avatar", "anchor", "--avatars", tmp_path / "avatars", "--audio", tmp_path / "hello.wav",
              "-o", tmp_path / "out.mp4")]
     for i, args in enumerate(runs):
