@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import av
+import numpy as np
 import pytest
 import torch
 
@@ -186,3 +187,69 @@ def test_warmup_and_a_compiled_render_from_the_command_line(built_cache, tmp_pat
     with av.open(str(tmp_path / "out.mp4")) as c:
         assert sum(1 for _ in c.decode(video=0)) == 10  # 1 s at the avatar's 10 fps
     assert [f.name for f in tmp_path.iterdir()] and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, tiny_models, presenter):
+    """What `lipstream serve` runs where warmup built the packages: the live engine's steps from them,
+    its Whisper (streaming features) from the module."""
+    from lipstream.live import LiveEngine, preset
+    from lipstream.models import load_musetalk
+
+    compiled = aot.load_compiled(model_config("tiny"), SOURCE, CPU, kinds=("crop", "full"), root=built_cache)
+    light = load_musetalk(random_weights=True, size="tiny", device="cpu", components=("whisper", "vae"), warn=False)
+    assert light.unet is None
+    windows = torch.randn(6, 50, 384, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for name, live in (("modules", LiveEngine(tiny_models, preset("cpu"))),
+                       ("packages", LiveEngine(light, preset("cpu"), compiled=compiled))):
+        avatar = live.add_avatar(load_avatar(presenter))
+        with live:
+            out[name] = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
+    assert isinstance(live.engine, CompiledEngine)
+    assert np.abs(out["packages"].astype(int) - out["modules"].astype(int)).max() <= 2
+    with pytest.raises(ValueError, match="inductor"):
+        LiveEngine(light, preset("cpu"), compiled=compiled, inductor="all")
+
+
+def test_serve_starts_on_the_packages_and_renders_a_job(cache, presenter, tmp_path):
+    """`lipstream serve --compile` with the packages built: no Inductor at start, the ready event says so,
+    and a render job handed to it (`render --server`) comes back whole."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "LIPSTREAM_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "LIPSTREAM_API_KEYS": "", "LIPSTREAM_SERVER": ""}
+    log = tmp_path / "serve.log"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "lipstream", "serve", "--avatars", str(presenter.parent),
+                                 "--data", str(tmp_path / "data"), "--port", str(port), "--random-weights",
+                                 "--random-size", "tiny", "--device", "cpu", "--compile"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=f)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t = time.monotonic()
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() - t < 180, "the server did not get ready"
+            time.sleep(0.2)
+        assert '"engine": "compiled packages"' in log.read_text()
+        write_audio(tmp_path / "hello.wav", speech_like(1.0, 16000), 16000)
+        r = subprocess.run([sys.executable, "-m", "lipstream", "render", "--server", url, "--avatar", presenter.name,
+                            "--audio", str(tmp_path / "hello.wav"), "-o", str(tmp_path / "out.mp4")],
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        with av.open(str(tmp_path / "out.mp4")) as c:
+            assert sum(1 for _ in c.decode(video=0)) == 10  # 1 s at the loop's 10 fps
+    finally:
+        proc.terminate()
+        proc.wait(60)

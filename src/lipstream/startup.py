@@ -108,6 +108,48 @@ def load_networks(models: str | Path | None, device: torch.device, random_weight
     return Networks(m, "uncompiled", note, {"networks_s": time.perf_counter() - t0})
 
 
+LIVE_KINDS = ("crop", "full")  # the frame steps a live engine runs (its Whisper streams through the module)
+
+
+@dataclass
+class LiveNetworks:
+    """What `lipstream serve` runs: the modules (the Whisper encoder for the streaming features and the VAE
+    for compile jobs; the UNet too when the steps are not compiled ahead of time), the frame steps that
+    `lipstream warmup` built where it has, and whether Inductor compiles the steps otherwise."""
+
+    models: Any  # models.MuseTalk
+    compiled: Any = None  # engine.aot.CompiledNetworks, or None
+    inductor: str = "off"
+    note: str = ""
+
+
+def load_live_networks(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
+                       compile: str = "auto") -> LiveNetworks:
+    """A server's networks. With compile "auto" on CUDA, or "on": the packages `lipstream warmup` built,
+    which start in seconds (no tracing, no compiling); where there are none, the modules with Inductor
+    (minutes cold, tens of seconds warm: docs/BENCHMARKS.md), saying how to get the packages."""
+    from lipstream.engine import aot
+    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.models import load_musetalk
+
+    wanted = compile == "on" or (compile == "auto" and device.type == "cuda")
+    note = ""
+    if wanted:
+        src = weights_source(models, random_weights, size, device)
+        try:
+            compiled = aot.load_compiled(src.config, src.source, device, kinds=LIVE_KINDS)
+        except aot.NotBuilt as e:
+            note = f"{e}: the steps are compiled with Inductor at start"
+            if e.buildable:
+                note += "; `lipstream warmup` builds the compiled engine once, and later starts take seconds"
+        else:
+            m = load_musetalk(models, device=device, random_weights=random_weights, size=size,
+                              components=("whisper", "vae"), warn=False)
+            return LiveNetworks(m, compiled)
+    m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False)
+    return LiveNetworks(m, None, FAST_INDUCTOR if wanted else "off", note)
+
+
 def warmup(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
            kinds: tuple[str, ...] = KINDS_FOR_ROWS["auto"], force: bool = False,
            report: Callable[[str], None] | None = None) -> list:

@@ -11,7 +11,7 @@ import typer
 
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
-    load_models, out, renamed, warn_random_weights)
+    err, out, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.preflight import UsageError, check_models, in_range, machine_options
 
@@ -91,12 +91,18 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         run_fleet(options, EngineWeights(models, random_weights, random_size, device, compile_choice(compile)),
                   fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2])
         return
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.preflight import random_size_for
+    from lipstream.startup import load_live_networks, pick_device
 
-    m = load_models(models, device, random_weights, random_size)
-    choice = compile_choice(compile)
-    serve(options, m, inductor=FAST_INDUCTOR if choice == "on" or (choice == "auto" and m.device.type == "cuda")
-          else "off")
+    dev = pick_device(device)
+    size = random_size_for(random_size, dev.type)
+    if random_weights:
+        warn_random_weights()
+        err.print(f"random networks: {size} size on {dev}", highlight=False)
+    nets = load_live_networks(models, dev, random_weights, size, compile=compile_choice(compile))
+    if nets.note:
+        err.print(nets.note, highlight=False, soft_wrap=True)
+    serve(options, nets.models, inductor=nets.inductor, compiled=nets.compiled)
 
 
 def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,

@@ -30,7 +30,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
-from lipstream.engine.runner import Engine
+from lipstream.engine.runner import CompiledEngine, Engine, StepEngine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.handoff import FrameHandoff
 from lipstream.live.items import SessionClock
@@ -44,6 +44,7 @@ from lipstream.media.encode_pool import EncodePool
 from lipstream.options import EngineOptions
 
 if TYPE_CHECKING:
+    from lipstream.engine.aot import CompiledNetworks
     from lipstream.models import MuseTalk
 
 log = logging.getLogger(__name__)
@@ -69,17 +70,26 @@ class LiveEngine:
     (or start() / close()); open sessions with open_session()."""
 
     def __init__(self, models: MuseTalk, options: LiveOptions | str = "realtime", *,
-                 decode_rows: str = "auto", inductor: str = "off", encode_processes: int | None = None):
-        """`inductor`: "off", "vae" or "all", torch.compile of the step (engine options)."""
+                 decode_rows: str = "auto", inductor: str = "off", encode_processes: int | None = None,
+                 compiled: CompiledNetworks | None = None):
+        """`inductor`: "off", "vae" or "all", torch.compile of the step (engine options). `compiled`: the
+        frame steps as ahead-of-time packages (engine/aot.py) instead of the modules' (then `models` needs
+        only its Whisper encoder, for the streaming features)."""
         self.o = preset(options) if isinstance(options, str) else options
         self.m = models
         self.device = models.device
         buckets = tuple(sorted(set(self.o.buckets)))
         # Inductor (when asked) for the buckets of 8 frames and up, where a loaded engine's steps
         # are (each bucket costs a compile); the small ones run uncompiled
-        self.engine = Engine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
-                             buckets=buckets,
-                             compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
+        if compiled is not None:
+            if inductor != "off":
+                raise ValueError("an engine on compiled packages takes no inductor option")
+            self.engine: StepEngine = CompiledEngine(compiled, EngineOptions(batch=buckets[-1], decode_rows=decode_rows),
+                                                     buckets=buckets)
+        else:
+            self.engine = Engine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
+                                 buckets=buckets,
+                                 compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
         self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
         self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
                                         self.o.lookahead_steps, trace=self.o.trace_whisper)

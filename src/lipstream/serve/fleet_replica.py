@@ -36,18 +36,13 @@ class EngineWeights:
     compile: str = "auto"  # on, off, auto (on for CUDA)
 
     def load(self):
+        """startup.LiveNetworks: the packages `lipstream warmup` built on this replica's machine, or the modules."""
         from lipstream.preflight import random_size_for
-        from lipstream.models import load_musetalk
-        from lipstream.startup import pick_device
+        from lipstream.startup import load_live_networks, pick_device
 
         device = pick_device(self.device)
         size = random_size_for(self.random_size, device.type)
-        return load_musetalk(self.models, device=device, random_weights=self.random_weights, size=size, warn=False)
-
-    def inductor(self, device_type: str) -> str:
-        from lipstream.engine.runner import FAST_INDUCTOR
-
-        return FAST_INDUCTOR if self.compile == "on" or (self.compile == "auto" and device_type == "cuda") else "off"
+        return load_live_networks(self.models, device, self.random_weights, size, compile=self.compile)
 
 
 class EngineReplica:
@@ -65,8 +60,8 @@ class EngineReplica:
         options = dataclasses.replace(options, runner_id=f"{options.runner_id}-{self.name}")
 
         def start() -> Service:
-            models = weights.load()
-            return Service(options, models, inductor=weights.inductor(models.device.type),
+            nets = weights.load()
+            return Service(options, nets.models, inductor=nets.inductor, compiled=nets.compiled,
                            session_prefix=f"{self.name}.").start()
 
         self.service = await asyncio.to_thread(start)

@@ -43,8 +43,9 @@ def json_logs(level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
-def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off") -> None:
-    """`inductor`: torch.compile of the live steps ("off", "vae", "all": engine options)."""
+def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", compiled=None) -> None:
+    """`inductor`: torch.compile of the live steps ("off", "vae", "all": engine options); `compiled`: the
+    steps as ahead-of-time packages instead (engine/aot.py's CompiledNetworks)."""
     import uvicorn
 
     from lipstream.serve.app import create_app
@@ -52,8 +53,9 @@ def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off") -> 
 
     log = logging.getLogger("lipstream.serve")
     t = time.perf_counter()
-    service = Service(options, models, inductor=inductor).start()
+    service = Service(options, models, inductor=inductor, compiled=compiled).start()
     log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1),
+                         "engine": "compiled packages" if compiled is not None else f"modules, inductor {inductor}",
                          "phases": service.start_phases,
                          "avatars": sorted(service.avatars), "host": options.host, "port": options.port,
                          "keys": len(options.api_keys)}))

@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from lipstream.avatar.cache import META
 from lipstream.avatar.resident import resident_avatar
 from lipstream.live import LiveEngine, preset
@@ -24,13 +26,17 @@ from lipstream.serve.metrics import Metrics
 from lipstream.serve.options import AVATAR_NAME, ServeOptions
 from lipstream.serve.rtc import default_workers
 
+if TYPE_CHECKING:
+    from lipstream.engine.aot import CompiledNetworks
+
 log = logging.getLogger(__name__)
 
 
 class Service:
     """`session_prefix` begins every live session id (a fleet's replica: its name)."""
 
-    def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off", session_prefix: str = ""):
+    def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off", session_prefix: str = "",
+                 compiled: CompiledNetworks | None = None):
         self.o, self.models = options, models
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
@@ -44,7 +50,7 @@ class Service:
                                                            capacity_fps=options.live_capacity_fps)
         if options.playout_delay_s is not None:
             live_options = live_options.replace(playout_delay_s=options.playout_delay_s)
-        self.live = LiveEngine(models, live_options, inductor=inductor)
+        self.live = LiveEngine(models, live_options, inductor=inductor, compiled=compiled)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
