@@ -53,7 +53,8 @@ BatchOpt = Annotated[Optional[int], typer.Option(
 CompileOpt = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", show_default=False,
     help="Compiled network code. Default (neither): where it is ready on a GPU (render, broadcast: the packages "
-         "`lipstream warmup` built; serve, live-bench, bench: Inductor, cached on disk), else none. --compile: "
+         "`lipstream warmup` built; serve: those packages, else Inductor, cached on disk; live-bench, bench: "
+         "Inductor), else none. --compile: "
          "always (render builds missing packages first: minutes, once). --no-compile: never.")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Print where the time went: start-up steps and render.")]
 DecodeRowsOpt = Annotated[str, typer.Option(
