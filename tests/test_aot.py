@@ -25,6 +25,7 @@ from lipstream.engine import aot, aot_build
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.models import model_config
 from lipstream.options import EngineOptions
+from serve_process import serve_process
 
 CPU = torch.device("cpu")
 SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
@@ -214,34 +215,11 @@ def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, t
 def test_serve_starts_on_the_packages_and_renders_a_job(cache, presenter, tmp_path):
     """`lipstream serve --compile` with the packages built: no Inductor at start, the ready event says so,
     and a render job handed to it (`render --server`) comes back whole."""
-    import socket
-    import time
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "LIPSTREAM_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
            "LIPSTREAM_API_KEYS": "", "LIPSTREAM_SERVER": ""}
     log = tmp_path / "serve.log"
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "lipstream", "serve", "--avatars", str(presenter.parent),
-                                 "--data", str(tmp_path / "data"), "--port", str(port), "--random-weights",
-                                 "--random-size", "tiny", "--device", "cpu", "--compile"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=f)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t = time.monotonic()
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() - t < 180, "the server did not get ready"
-            time.sleep(0.2)
+    with serve_process(["--avatars", presenter.parent, "--data", tmp_path / "data", "--random-weights",
+                        "--random-size", "tiny", "--device", "cpu", "--compile"], env, log) as url:
         assert '"engine": "compiled packages"' in log.read_text()
         write_audio(tmp_path / "hello.wav", speech_like(1.0, 16000), 16000)
         r = subprocess.run([sys.executable, "-m", "lipstream", "render", "--server", url, "--avatar", presenter.name,
@@ -250,6 +228,3 @@ def test_serve_starts_on_the_packages_and_renders_a_job(cache, presenter, tmp_pa
         assert r.returncode == 0, r.stderr
         with av.open(str(tmp_path / "out.mp4")) as c:
             assert sum(1 for _ in c.decode(video=0)) == 10  # 1 s at the loop's 10 fps
-    finally:
-        proc.terminate()
-        proc.wait(60)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 
 from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
+from serve_process import free_port, serve_process
 
 KEY = "render-server-key-0123456789"
 OTHER_KEY = "render-server-key-other-0123"  # a second caller: its jobs count against its own cap
@@ -34,12 +34,6 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "
          "print('torch-imported' if 'torch' in sys.modules else 'torch-not-imported'); sys.exit(code)")
 LOCAL = ["--random-weights", "--random-size", "tiny", "--device", "cpu"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -76,28 +70,9 @@ def desk(tmp_path_factory) -> Path:
 def server(tmp_path_factory, presenter):
     """`lipstream serve` in its own process with two keys, the presenter resident: its URL."""
     data = tmp_path_factory.mktemp("server")
-    port, log = _free_port(), data / "server.log"
-    with open(log, "ab") as f:  # a file, not a pipe nobody reads
-        proc = subprocess.Popen([sys.executable, "-m", "lipstream", "serve", "--avatars", str(presenter.parent),
-                                 "--data", str(data / "data"), "--port", str(port), "--jobs-per-key", "2", *LOCAL],
-                                env=_env({"LIPSTREAM_API_KEYS": f"{KEY},{OTHER_KEY}"}), stdout=subprocess.DEVNULL,
-                                stderr=f)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t = time.monotonic()
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() - t < 180, "the server did not get ready"
-            time.sleep(0.2)
+    with serve_process(["--avatars", presenter.parent, "--data", data / "data", "--jobs-per-key", "2", *LOCAL],
+                       _env({"LIPSTREAM_API_KEYS": f"{KEY},{OTHER_KEY}"}), data / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def _jobs(url: str, key: str = KEY) -> list[dict]:
@@ -176,7 +151,7 @@ def test_broadcast_on_the_server_is_the_local_broadcast(server, desk, presenter,
 
 
 def _closed_port() -> int:
-    return _free_port()  # nothing listens there once the probe socket is closed
+    return free_port()  # nothing listens there once the probe socket is closed
 
 
 # (name, args after `render`, environment, exit code, fragments of the one line, is it refused before any upload)

@@ -219,15 +219,12 @@ def test_two_sessions_land_on_two_replicas_and_a_third_is_refused(fleet):
     asyncio.run(main())
 
 
-async def _speaks(session, seconds: float = 1.0) -> None:
-    """Speech pushed over the session's socket comes back as pictures, each with its audio, and speech
-    events."""
+async def _listen(session, limit_s: float = 60.0) -> tuple[int, int, set]:
+    """Read a session until its utterance has finished: (pictures, pictures with sound, speech events seen)."""
     from lipstream.live import LiveFrame, SpeechEvent
 
-    session.push_audio(speech_like(seconds, 16_000, seed=1), 16_000)
-    session.end_utterance()
     frames, loud, events = 0, 0, set()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + limit_s
     async for item in session:
         if isinstance(item, LiveFrame):
             frames += 1
@@ -236,6 +233,15 @@ async def _speaks(session, seconds: float = 1.0) -> None:
             events.add(item.kind)
         if "finished" in events or time.monotonic() > deadline:
             break
+    return frames, loud, events
+
+
+async def _speaks(session, seconds: float = 1.0) -> None:
+    """Speech pushed over the session's socket comes back as pictures, each with its audio, and speech
+    events."""
+    session.push_audio(speech_like(seconds, 16_000, seed=1), 16_000)
+    session.end_utterance()
+    frames, loud, events = await _listen(session)
     assert "started" in events and "finished" in events, events
     assert frames >= 20 and loud >= 10, (frames, loud)
 
@@ -283,8 +289,6 @@ async def _streams(session, seconds: float) -> float:
     """`seconds` of speech pushed in 20 ms chunks in real time, then its end: it comes back as pictures with
     their audio and speech events (the session's fps: a 6 fps one has 12 pictures for 2 s of speech).
     Returns how long the pushing took (`seconds`, or more on a loaded machine)."""
-    from lipstream.live import LiveFrame, SpeechEvent
-
     async def push() -> float:
         pcm, step = speech_like(seconds, 16_000, seed=2), 320
         t = time.monotonic()
@@ -295,16 +299,7 @@ async def _streams(session, seconds: float) -> float:
         return time.monotonic() - t
 
     pushing = asyncio.ensure_future(push())
-    frames, loud, events = 0, 0, set()
-    deadline = time.monotonic() + 60
-    async for item in session:
-        if isinstance(item, LiveFrame):
-            frames += 1
-            loud += bool(item.audio is not None and np.abs(item.audio).max() > 1e-3)
-        elif isinstance(item, SpeechEvent):
-            events.add(item.kind)
-        if "finished" in events or time.monotonic() > deadline:
-            break
+    frames, loud, events = await _listen(session)
     pushing_s = await pushing
     assert "started" in events and "finished" in events, (session.id, events)
     want = int(seconds * float(session.fps))

@@ -131,6 +131,24 @@ WHISPER_TINY: dict[str, Any] = {
 }
 
 
+def check_keys(cfg: dict[str, Any], fixed: dict[str, Any], informational: set[str]) -> None:
+    """A network's config.json holds only keys the network implements: ValueError naming the first other
+    one. `fixed`: keys allowed only at these values (a list: any of its items); `informational`: keys read
+    elsewhere or not at all; keys beginning with "_" are the saving library's own."""
+    for key, value in cfg.items():
+        if key.startswith("_") or key in informational:
+            continue
+        if key not in fixed:
+            raise ValueError(f"unknown key {key!r}")
+        want = fixed[key]
+        if isinstance(want, list) and isinstance(value, list):
+            ok = set(value) <= set(want)
+        else:
+            ok = value == want or (want is None and value in (None, [], 0))
+        if not ok:
+            raise ValueError(f"{key} {value!r} is not supported (only {want!r})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The three architectures that make one MuseTalk v1.5 model set."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipstream.models.blocks import Attention, Downsample, GroupNorm, ResnetBlock, Upsample
+from lipstream.models.config import check_keys
 
 DOWN_BLOCKS = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
@@ -57,13 +58,7 @@ class UNetConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> UNetConfig:
         """From musetalk.json; ValueError naming the first key this UNet does not implement."""
-        for key, value in cfg.items():
-            if key.startswith("_") or key in INFORMATIONAL:
-                continue
-            if key not in FIXED:
-                raise ValueError(f"unknown key {key!r}")
-            if value != FIXED[key] and not (FIXED[key] is None and value in (None, [], 0)):
-                raise ValueError(f"{key} {value!r} is not supported (only {FIXED[key]!r})")
+        check_keys(cfg, FIXED, INFORMATIONAL)
         channels = tuple(cfg.get("block_out_channels", cls.block_out_channels))
         heads = cfg.get("attention_head_dim", 8)
         heads = tuple(heads) if isinstance(heads, (list, tuple)) else (heads,) * len(channels)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipstream.models.blocks import Attention, Downsample, GroupNorm, ResnetBlock, Upsample
+from lipstream.models.config import check_keys
 
 FIXED = {"act_fn": "silu", "down_block_types": ["DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D"],
          "mid_block_add_attention": True, "use_quant_conv": True, "use_post_quant_conv": True,
@@ -43,15 +44,7 @@ class VAEConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> VAEConfig:
         """From sd-vae/config.json; ValueError naming the first key this VAE does not implement."""
-        for key, value in cfg.items():
-            if key.startswith("_") or key in INFORMATIONAL:
-                continue
-            if key not in FIXED:
-                raise ValueError(f"unknown key {key!r}")
-            want = FIXED[key]
-            ok = set(value) <= set(want) if isinstance(want, list) and isinstance(value, list) else value == want
-            if not ok:
-                raise ValueError(f"{key} {value!r} is not supported (only {want!r})")
+        check_keys(cfg, FIXED, INFORMATIONAL)
         return cls(cfg.get("in_channels", 3), cfg.get("out_channels", 3), cfg.get("latent_channels", 4),
                    tuple(cfg.get("block_out_channels", cls.block_out_channels)), cfg.get("layers_per_block", 2),
                    cfg.get("norm_num_groups", 32))

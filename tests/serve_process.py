@@ -1,0 +1,45 @@
+"""`lipstream serve` in a process of its own for tests: started on a free loopback port, ready, stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(args: list, env: dict[str, str], log: Path, ready_s: float = 180.0) -> Iterator[str]:
+    """`lipstream serve ARGS --port P` with `env`, its log in a file (not a pipe nobody reads): its URL once
+    /readyz answers 200; terminated on the way out."""
+    port = free_port()
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "lipstream", "serve", *map(str, args), "--port", str(port)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=f)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t = time.monotonic()
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() - t < ready_s, "the server did not get ready"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
