@@ -18,6 +18,7 @@ from lipstream.cli import render  # isort: skip
 from lipstream.cli import serve  # isort: skip
 from lipstream.cli import bench, weights  # isort: skip
 from lipstream.cli import livekit  # isort: skip
+from lipstream.cli import common  # isort: skip
 from lipstream.cli.common import app, click, err, load_models, old_spellings, process_age, warn_random_weights
 from lipstream.errors import LipStreamError
 from lipstream.preflight import UsageError, random_size_for
@@ -62,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `lipstream` program. After Ctrl-C the output is already cleaned up, so the process ends at once:
-    tearing down torch (and a CUDA context) took seconds more, and Ctrl-C must stop within one."""
+    """The `lipstream` program. After Ctrl-C the output is already cleaned up, and after a render or broadcast
+    its MP4 is complete (written, closed, renamed into place): the process then ends at once, because
+    tearing down torch (and a CUDA context) took a second more and a user waits for the prompt too."""
     code = main()
-    if code == 130:
+    if code == 130 or (code == 0 and common.finished):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

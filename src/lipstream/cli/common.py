@@ -129,6 +129,16 @@ def avatars_dir(value: Optional[Path]) -> Optional[Path]:
 _IMPORTED = time.perf_counter()
 
 
+# Set when a command's output is complete and nothing is left to release but the process itself (entry()
+# then skips the interpreter's teardown).
+finished = False
+
+
+def mark_finished() -> None:
+    global finished
+    finished = True
+
+
 def process_age() -> float:
     """Seconds since this process started (from /proc on Linux; elsewhere since this module was imported)."""
     try:

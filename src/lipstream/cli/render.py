@@ -12,7 +12,8 @@ import typer
 from lipstream.cli.common import (
     AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt,
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
-    avatars_dir, click, compile_choice, err, load_models, out, process_age, renamed, warn_random_weights)
+    avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed,
+    warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.options import RenderOptions
 from lipstream.preflight import (
@@ -116,6 +117,7 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
                                       "networks": t_networks - t_torch, "render set-up": max(0.0, started - t_networks)})
     if random_weights:
         out.print("[bold red]random weights: the mouth is noise, not speech[/]")
+    mark_finished()
 
 
 def _print_timings(report, nets, before: dict[str, float]) -> None:
@@ -228,7 +230,11 @@ def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
                    "--random-size", help="With --random-weights: full or tiny (auto: tiny on a CPU, full on a GPU).")]
                = "auto",
                decode_rows: DecodeRowsOpt = "auto", device: DeviceOpt = "auto",
-               force: Annotated[bool, typer.Option(help="Build again even if cached.")] = False) -> None:
+               force: Annotated[bool, typer.Option(help="Build again even if cached.")] = False,
+               jobs: Annotated[Optional[int], typer.Option(
+                   min=1, max=8, show_default=False,
+                   help="Packages built at once, each in a process of its own (default: $LIPSTREAM_WARMUP_JOBS, "
+                        "else one per 5 cores).")] = None) -> None:
     """Build the compiled engine for this machine ahead of time (in a container build, or at provisioning).
 
     Writes AOTInductor packages and the weights they read to the cache folder ($LIPSTREAM_CACHE,
@@ -246,7 +252,7 @@ def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
         warn_random_weights()
     t0 = time.perf_counter()
     built = warmup(models, dev, random_weights, size, kinds=KINDS_FOR_ROWS[decode_rows], force=force,
-                   report=lambda line: err.print(line, highlight=False, soft_wrap=True))
+                   report=lambda line: err.print(line, highlight=False, soft_wrap=True), parallel=jobs)
     failed = [b for b in built if b.status == "failed"]
     out.print(f"compiled engine for {dev}: {sum(b.status == 'built' for b in built)} built, "
               f"{sum(b.status == 'cached' for b in built)} already cached, {len(failed)} failed, "
