@@ -112,22 +112,46 @@ LIVE_KINDS = ("crop", "full")  # the frame steps a live engine runs (its Whisper
 
 
 @dataclass
+class PendingPackages:
+    """Packages a server builds after it is ready (serve/upgrade.py): how to name them and the networks'
+    command-line arguments for the `lipstream warmup` process that builds them."""
+
+    config: ModelConfig
+    source: dict[str, Any]
+    network_args: list[str]
+    device: torch.device
+
+
+@dataclass
 class LiveNetworks:
     """What `lipstream serve` runs: the modules (the Whisper encoder for the streaming features and the VAE
     for compile jobs; the UNet too when the steps are not compiled ahead of time), the frame steps that
-    `lipstream warmup` built where it has, and whether Inductor compiles the steps otherwise."""
+    `lipstream warmup` built where it has, whether Inductor compiles the steps otherwise, and what to build
+    in the background (then the server starts on the uncompiled steps and moves onto the packages)."""
 
     models: Any  # models.MuseTalk
     compiled: Any = None  # engine.aot.CompiledNetworks, or None
     inductor: str = "off"
     note: str = ""
+    pending: PendingPackages | None = None
+
+    @property
+    def engine(self) -> str:
+        """How the steps run, as the server's ready event says it."""
+        if self.compiled is not None:
+            return "compiled packages"
+        if self.pending is not None:
+            return "modules, compiled packages building in the background"
+        return f"modules, inductor {self.inductor}"
 
 
 def load_live_networks(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
-                       compile: str = "auto") -> LiveNetworks:
+                       compile: str = "auto", background: bool = True) -> LiveNetworks:
     """A server's networks. With compile "auto" on CUDA, or "on": the packages `lipstream warmup` built,
-    which start in seconds (no tracing, no compiling); where there are none, the modules with Inductor
-    (minutes cold, tens of seconds warm: docs/BENCHMARKS.md), saying how to get the packages."""
+    which start in seconds (no tracing, no compiling). Where they are missing, with `background`: the
+    modules' uncompiled steps now (CUDA graphs: ready in seconds) and the packages built beside the running
+    server, which then moves onto them (serve/upgrade.py); without it (a fleet's replica), or on a machine
+    whose torch cannot load packages: the modules with Inductor (minutes cold, tens of seconds warm)."""
     from lipstream.engine import aot
     from lipstream.engine.runner import FAST_INDUCTOR
     from lipstream.models import load_musetalk
@@ -139,6 +163,13 @@ def load_live_networks(models: str | Path | None, device: torch.device, random_w
         try:
             compiled = aot.load_compiled(src.config, src.source, device, kinds=LIVE_KINDS)
         except aot.NotBuilt as e:
+            if e.buildable and background:
+                m = load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False)
+                args = ["--random-weights", "--random-size", size] if random_weights else (
+                    ["--models", str(src.models)] if src.models else [])
+                note = (f"{e}: serving on the uncompiled steps now; `lipstream warmup` builds the compiled engine "
+                        "beside the server (minutes, once per machine), and the server then moves onto it")
+                return LiveNetworks(m, None, "off", note, PendingPackages(src.config, src.source, args, device))
             note = f"{e}: the steps are compiled with Inductor at start"
             if e.buildable:
                 note += "; `lipstream warmup` builds the compiled engine once, and later starts take seconds"
@@ -152,8 +183,12 @@ def load_live_networks(models: str | Path | None, device: torch.device, random_w
 
 def warmup(models: str | Path | None, device: torch.device, random_weights: bool, size: str, *,
            kinds: tuple[str, ...] = KINDS_FOR_ROWS["auto"], force: bool = False,
-           report: Callable[[str], None] | None = None) -> list:
-    """Build every compiled package and weights file a render on this machine needs (engine/aot_build.py)."""
+           report: Callable[[str], None] | None = None, parallel: int | None = None) -> list:
+    """Build every compiled package and weights file a render on this machine needs (engine/aot_build.py).
+
+    The packages are independent compiles of a few minutes each on a big machine, mostly one core's work
+    (tracing, Inductor's lowering, the wrapper's C++): with `parallel` > 1 (default: one per 5 cores) each
+    missing one builds in a process of its own, beside the others, after this process wrote the weights."""
     from lipstream.engine import aot, aot_build
     from lipstream.models import load_musetalk
 
@@ -168,4 +203,13 @@ def warmup(models: str | Path | None, device: torch.device, random_weights: bool
 
     if report:
         report(f"building the compiled engine in {aot.aot_dir()} (once per machine, torch and network shape)")
-    return aot_build.build_all(m, src.source, kinds, force=force, report=tell)
+    missing = aot_build.missing_kinds(m, kinds, force=force)
+    if parallel is None:
+        parallel = aot_build.default_parallel(len(missing))
+    if parallel <= 1 or len(missing) <= 1:
+        return aot_build.build_all(m, src.source, kinds, force=force, report=tell)
+    built = aot_build.build_all(m, src.source, (), force=force, report=tell)  # the weights the children read
+    if any(b.status == "failed" for b in built):
+        return built
+    args = ["--random-size", size] if random_weights else ["--models", str(models or "")]
+    return built + aot_build.build_in_children(m, missing, args, parallel, report=tell)

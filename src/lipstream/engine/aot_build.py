@@ -314,3 +314,85 @@ def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = K
             done(Built(kind, target, "failed", time.perf_counter() - t0, message=f"{type(e).__name__}: {e}"[:300]))
     prune(base)
     return results
+
+
+def _target(models: MuseTalk, kind: str, options: StepOptions, root: Path | None = None) -> Path:
+    return aot_dir(root) / "packages" / package_key(kind, models.config, options, device_info(models.device))
+
+
+def missing_kinds(models: MuseTalk, kinds: Iterable[str], options: StepOptions | None = None, *,
+                  root: Path | None = None, force: bool = False) -> list[str]:
+    """The kinds of `kinds` (in build order) whose package is not built yet (all of them, with `force`)."""
+    options = options or default_options(models.device)
+    wanted = [k for k in sorted(set(kinds), key=BUILD_ORDER.index) if k != "whisper" or models.whisper is not None]
+    return [k for k in wanted if force or not _package_ok(_target(models, k, options, root))]
+
+
+def default_parallel(missing: int) -> int:
+    """Processes for `missing` packages: $LIPSTREAM_WARMUP_JOBS, else one per 5 cores (16 cores: 3, all the
+    kinds at once; 2 cores: 1, one after the other)."""
+    jobs = os.environ.get("LIPSTREAM_WARMUP_JOBS", "").strip()
+    limit = int(jobs) if jobs.isdigit() and int(jobs) > 0 else (os.cpu_count() or 1) // 5
+    return max(1, min(missing, limit))
+
+
+def build_in_children(models: MuseTalk, kinds: list[str], network_args: list[str], parallel: int, *,
+                      root: Path | None = None, report: Callable[[Built], None] | None = None) -> list[Built]:
+    """Build each of `kinds` in a process of its own, `parallel` at a time (the weights file is written).
+
+    Each child loads the same networks (`network_args`: `--random-size S` or `--models DIR`), builds its one
+    package as build_all does and prints what it built; Inductor's compile workers are shared out between
+    the children. A child that dies is reported as that kind failing; the others go on."""
+    import subprocess
+    import sys
+
+    options = default_options(models.device)
+    for kind in kinds:  # `force`: the old package goes now (a child builds only what is missing)
+        target = _target(models, kind, options, root)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // parallel))}
+    if root is not None:
+        env["LIPSTREAM_CACHE"] = str(root)
+    results: list[Built] = []
+    queue = list(kinds)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    while queue or running:
+        while queue and len(running) < parallel:
+            kind = queue.pop(0)
+            cmd = [sys.executable, "-m", "lipstream.engine.aot_build", "build", kind, str(models.device), *network_args]
+            running[kind] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+                             time.perf_counter())
+        time.sleep(0.2)
+        for kind, (p, t0) in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[kind]
+            stdout, stderr = p.communicate()
+            try:
+                b = Built(**{**json.loads(stdout.strip().splitlines()[-1]), "kind": kind})
+                b.path = Path(b.path)
+            except (ValueError, IndexError, TypeError):
+                b = Built(kind, _target(models, kind, options, root), "failed", time.perf_counter() - t0,
+                          message=f"its build process exited {p.returncode}: {stderr.strip()[-300:]}")
+            results.append(b)
+            if report:
+                report(b)
+    return results
+
+
+if __name__ == "__main__":  # python -m lipstream.engine.aot_build build KIND DEVICE (--random-size S | --models DIR)
+    import sys
+
+    argv = sys.argv[1:]
+    if len(argv) != 5 or argv[0] != "build" or argv[3] not in ("--random-size", "--models"):
+        sys.exit("usage: python -m lipstream.engine.aot_build build KIND DEVICE (--random-size S | --models DIR)")
+    from lipstream.startup import warmup
+
+    random = argv[3] == "--random-size"
+    done = warmup(None if random else (argv[4] or None), torch.device(argv[2]), random, argv[4] if random else "full",
+                  kinds=(argv[1],), parallel=1)
+    mine = [b for b in done if b.kind == argv[1]] or [Built(argv[1], Path(), "failed", message="not built")]
+    b = mine[0]
+    print(json.dumps({"kind": b.kind, "path": str(b.path), "status": b.status, "seconds": b.seconds,
+                      "bytes": b.bytes, "message": b.message}))
