@@ -7,11 +7,15 @@ minutes on 2 cores) into a session cache folder that every test here copies from
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import av
 import numpy as np
@@ -31,13 +35,65 @@ CPU = torch.device("cpu")
 SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
 
 
+@dataclasses.dataclass
+class Built:
+    root: object  # the cache folder
+    log: str  # the server's log
+    job_frames: int  # frames of the render job it served after moving onto the packages
+
+
 @pytest.fixture(scope="session")
-def built_cache(tmp_path_factory, tiny_models):
+def background(tmp_path_factory, presenter):
+    """The packages as a first `lipstream serve --compile` builds them: it starts on the uncompiled steps with
+    nothing cached, runs `lipstream warmup` beside itself (two packages at once, forced: on 2 cores the default
+    is one after the other), moves onto them and serves a job. Every test here then copies that cache."""
     root = tmp_path_factory.mktemp("aot-cache")
-    results = aot_build.build_all(tiny_models, SOURCE, root=root)
-    assert {b.kind: b.status for b in results} == {"crop": "built", "full": "built", "whisper": "built",
-                                                    "weights": "built"}
-    return root
+    work = tmp_path_factory.mktemp("first-serve")
+    env = {**os.environ, "LIPSTREAM_CACHE": str(root), "LIPSTREAM_WARMUP_JOBS": "2", "LIPSTREAM_API_KEYS": "",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "LIPSTREAM_SERVER": ""}
+    log = work / "serve.log"
+    with serve_process(["--avatars", presenter.parent, "--data", work / "data", "--random-weights",
+                        "--random-size", "tiny", "--device", "cpu", "--compile"], env, log) as url:
+        t = time.monotonic()
+        while '"engine_upgraded"' not in log.read_text():
+            assert '"compile_failed"' not in log.read_text(), log.read_text()[-3000:]
+            assert time.monotonic() - t < 900, "no upgrade: " + log.read_text()[-2000:]
+            time.sleep(1)
+        write_audio(work / "hello.wav", speech_like(1.0, 16000), 16000)
+        r = subprocess.run([sys.executable, "-m", "lipstream", "render", "--server", url, "--avatar", presenter.name,
+                            "--audio", str(work / "hello.wav"), "-o", str(work / "out.mp4")],
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        with av.open(str(work / "out.mp4")) as c:
+            frames = sum(1 for _ in c.decode(video=0))
+    return Built(root, log.read_text() + (work / "data" / "warmup.log").read_text(), frames)
+
+
+@pytest.fixture(scope="session")
+def built_cache(background):
+    return background.root
+
+
+def test_a_first_serve_starts_uncompiled_and_moves_onto_the_packages_it_builds(background):
+    ready = next(json.loads(line) for line in background.log.splitlines() if '"event": "ready"' in line)
+    assert ready["engine"] == "modules, compiled packages building in the background"
+    assert "capture_and_compile_s" in ready["phases"]
+    upgraded = next(json.loads(line) for line in background.log.splitlines() if '"engine_upgraded"' in line)
+    assert upgraded["engine"] == "compiled packages" and upgraded["capacity_fps"] > 0
+    assert "4 built, 0 already cached, 0 failed" in background.log  # warmup's own line
+    assert background.job_frames == 10  # the job after the move: 1 s at the loop's 10 fps
+
+
+def test_warmup_built_two_packages_at_once(built_cache):
+    """Each package in a process of its own, two at a time: the first two ran together."""
+    spans = {}
+    for meta_file in (built_cache / "aot" / "packages").glob("*/" + aot.META_FILE):
+        meta = json.loads(meta_file.read_text())
+        end = datetime.datetime.fromisoformat(meta["built"]).timestamp()
+        spans[meta["kind"]] = (end - meta["build_s"] - 1, end + 1)  # the stamp is to the second
+    assert set(spans) == {"whisper", "crop", "full"}
+    (a0, a1), (b0, b1) = spans["whisper"], spans["crop"]
+    assert a0 < b1 and b0 < a1, spans
 
 
 @pytest.fixture
@@ -208,6 +264,16 @@ def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, t
             out[name] = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
     assert isinstance(live.engine, CompiledEngine)
     assert np.abs(out["packages"].astype(int) - out["modules"].astype(int)).max() <= 2
+    # a running engine on the modules moves onto the packages (what a first `serve` does once they are built)
+    live = LiveEngine(tiny_models, preset("cpu"))
+    avatar = live.add_avatar(load_avatar(presenter))
+    with live:
+        before = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
+        steps = live.use_compiled(compiled)
+        after = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
+        assert isinstance(live.engine, CompiledEngine) and live.runner.engine is live.engine
+        assert set(steps) == set(live.engine.buckets) and set(live.step_s) == set(steps)
+    assert np.array_equal(before, out["modules"]) and np.array_equal(after, out["packages"])
     with pytest.raises(ValueError, match="inductor"):
         LiveEngine(light, preset("cpu"), compiled=compiled, inductor="all")
 

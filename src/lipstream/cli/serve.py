@@ -102,7 +102,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     nets = load_live_networks(models, dev, random_weights, size, compile=compile_choice(compile))
     if nets.note:
         err.print(nets.note, highlight=False, soft_wrap=True)
-    serve(options, nets.models, inductor=nets.inductor, compiled=nets.compiled)
+    serve(options, nets.models, inductor=nets.inductor, compiled=nets.compiled, pending=nets.pending,
+          engine=nets.engine)
 
 
 def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,

@@ -77,6 +77,7 @@ class LiveEngine:
         only its Whisper encoder, for the streaming features)."""
         self.o = preset(options) if isinstance(options, str) else options
         self.m = models
+        self._decode_rows = decode_rows
         self.device = models.device
         buckets = tuple(sorted(set(self.o.buckets)))
         # Inductor (when asked) for the buckets of 8 frames and up, where a loaded engine's steps
@@ -117,6 +118,7 @@ class LiveEngine:
         self._encode_processes = encode_processes or max(1, (os.cpu_count() or 2) - 2)
         self.encode_pool: EncodePool | None = None
         self._pool_lock = threading.Lock()
+        self._swap: tuple[StepEngine, dict[int, float], threading.Event] | None = None  # for the core thread
 
     @property
     def step_s(self) -> dict[int, float]:
@@ -177,6 +179,47 @@ class LiveEngine:
                 f.result()  # started means warm: idle sessions cost no step from the first frame
         mark("idle_loops_s")
         return self
+
+    def use_compiled(self, compiled: CompiledNetworks, timeout_s: float = 60.0) -> dict[int, float]:
+        """Move the frame steps onto ahead-of-time packages while the engine runs (a server that started
+        before its packages were built): returns the new steps' measured seconds per bucket.
+
+        The new engine is made, captured and measured here, beside the running one (so with sessions live the
+        measure is pessimistic, and capacity errs low); the core thread then takes it between two steps,
+        with nothing in flight. Sessions, their features and the idle loops carry on unchanged."""
+        engine = CompiledEngine(compiled, EngineOptions(batch=self.engine.buckets[-1], decode_rows=self._decode_rows),
+                                buckets=self.engine.buckets)
+        with self._lock:
+            resident = list(self.engine.avatars)
+        for a in resident:
+            engine.add_avatar(a)
+        with torch.inference_mode():
+            engine.warm_up()
+            probe = StepRunner(engine, self.table)
+            probe.warm_sizes()
+            step_s = probe.measure()
+        if self._thread is None:  # not started: nothing runs yet
+            self._take(engine, step_s)
+            return step_s
+        taken = threading.Event()
+        with self._lock:
+            for a in self.engine.avatars[len(resident):]:  # added meanwhile
+                engine.add_avatar(a)
+            self._swap = (engine, step_s, taken)
+        self._wake.set()
+        if not taken.wait(timeout_s):
+            raise RuntimeError(f"the live engine's core did not take the compiled steps within {timeout_s} s")
+        self._raise_error()
+        return step_s
+
+    def _take(self, engine: StepEngine, step_s: dict[int, float]) -> None:
+        self.engine = self.runner.engine = engine
+        self.runner.warm_sizes()
+        self.scheduler.step_s.update(step_s)
+        if self.o.capacity_fps is None:
+            self.capacity_fps = self.scheduler.capacity_fps()
+        log.info("live engine: on the compiled packages, steps %s s, capacity %.0f frames/s",
+                 {b: round(s, 4) for b, s in step_s.items()}, self.capacity_fps or 0)
 
     def _keep_idle_loop(self, avatar: int) -> Future | None:
         """Render the idle loop of the avatar (offline lane) and keep it, if it fits idle_cache_gib."""
@@ -354,6 +397,15 @@ class LiveEngine:
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
+                    if self._swap is not None:  # new steps (use_compiled): taken with nothing in flight
+                        if inflight is not None:
+                            self._finish(inflight)
+                            inflight = None
+                        with self._lock:
+                            engine, step_s, taken = self._swap
+                            self._take(engine, step_s)
+                            self._swap = None
+                        taken.set()
                     if inflight is not None and inflight.done is not None and inflight.done.query():
                         self._finish(inflight)  # done already: its frames go out before this turn's work
                         inflight = None

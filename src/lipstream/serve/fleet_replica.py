@@ -42,7 +42,10 @@ class EngineWeights:
 
         device = pick_device(self.device)
         size = random_size_for(self.random_size, device.type)
-        return load_live_networks(self.models, device, self.random_weights, size, compile=self.compile)
+        # background=False: a replica is warm before it takes traffic, so it compiles with Inductor at start
+        # where the packages are missing (its steps never change under it)
+        return load_live_networks(self.models, device, self.random_weights, size, compile=self.compile,
+                                  background=False)
 
 
 class EngineReplica:

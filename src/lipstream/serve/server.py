@@ -43,9 +43,11 @@ def json_logs(level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
-def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", compiled=None) -> None:
+def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", compiled=None, pending=None,
+          engine: str | None = None) -> None:
     """`inductor`: torch.compile of the live steps ("off", "vae", "all": engine options); `compiled`: the
-    steps as ahead-of-time packages instead (engine/aot.py's CompiledNetworks)."""
+    steps as ahead-of-time packages instead (engine/aot.py's CompiledNetworks); `pending`: packages to build
+    beside the running server and move onto (startup.PendingPackages); `engine`: how that reads in the log."""
     import uvicorn
 
     from lipstream.serve.app import create_app
@@ -53,9 +55,10 @@ def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", com
 
     log = logging.getLogger("lipstream.serve")
     t = time.perf_counter()
-    service = Service(options, models, inductor=inductor, compiled=compiled).start()
-    log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1),
-                         "engine": "compiled packages" if compiled is not None else f"modules, inductor {inductor}",
+    service = Service(options, models, inductor=inductor, compiled=compiled, pending=pending).start()
+    if engine is None:
+        engine = "compiled packages" if compiled is not None else f"modules, inductor {inductor}"
+    log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "engine": engine,
                          "phases": service.start_phases,
                          "avatars": sorted(service.avatars), "host": options.host, "port": options.port,
                          "keys": len(options.api_keys)}))

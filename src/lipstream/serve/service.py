@@ -28,6 +28,8 @@ from lipstream.serve.rtc import default_workers
 
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks
+    from lipstream.serve.upgrade import StepsUpgrade
+    from lipstream.startup import PendingPackages
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,11 @@ class Service:
     """`session_prefix` begins every live session id (a fleet's replica: its name)."""
 
     def __init__(self, options: ServeOptions, models: MuseTalk, *, inductor: str = "off", session_prefix: str = "",
-                 compiled: CompiledNetworks | None = None):
+                 compiled: CompiledNetworks | None = None, pending: PendingPackages | None = None):
+        """`pending`: packages to build after the start, then run on (serve/upgrade.py)."""
         self.o, self.models = options, models
+        self.pending = pending
+        self.upgrade: StepsUpgrade | None = None
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
         for d in (self.uploads_dir, self.results_dir):
@@ -82,6 +87,10 @@ class Service:
         self.runner.start()
         self.ready = True
         self.metrics.ready.set(1)
+        if self.pending is not None:
+            from lipstream.serve.upgrade import StepsUpgrade
+
+            self.upgrade = StepsUpgrade(self.live, self.pending, log_path=str(self.o.data_dir / "warmup.log")).start()
         return self
 
     def compiled_avatars(self) -> list[str]:
@@ -126,6 +135,8 @@ class Service:
         self._stopped = True
         self.ready = False
         self.metrics.ready.set(0)
+        if self.upgrade is not None:
+            self.upgrade.stop()
         self.runner.stop()
         requeued = self.store.requeue_running(shutdown=True)
         if requeued:
