@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=25.83, help="speech length (775 frames at 30 fps)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-warmup", action="store_true", help="skip `lipstream warmup`")
+    ap.add_argument("--no-exact", action="store_true", help="skip the --decode-rows full runs")
     ap.add_argument("--keep-cache", action="store_true", help="reuse DIR/cache (and DIR/work) from an earlier run")
     ap.add_argument("--track-truth", action="store_true", help="compile from the fixture's landmarks (no dlib)")
     ap.add_argument("extra", nargs="*", help="extra render flags, after --")
@@ -142,7 +143,7 @@ def main() -> None:
         print(f"warmup: rc {p.returncode}, {wall:.2f} s\n{report['warmup']['tail']}", flush=True)
     for run in range(args.runs):
         render_row("warm, defaults", args.extra, work, len(runs), env, report, dest)
-    for run in range(args.runs):
+    for run in range(0 if args.no_exact else args.runs):
         render_row("warm, exact (--decode-rows full)", ["--decode-rows", "full", *args.extra], work, len(runs), env,
                    report, dest)
     render_row("warm, --no-compile", ["--no-compile", *args.extra], work, len(runs), env, report, dest)

@@ -1,0 +1,103 @@
+#!/bin/bash
+# Issue 28's remaining targets on the H200, commands as typed, fresh processes, default flags.
+# Carry .whl (benchmarks/h200_wheels.sh) in every call; .whl-suite (dlib-bin) too for STAGE=suite.
+#   STAGE=render: benchmarks/user_render.py (compile, a render with nothing cached, `lipstream warmup`
+#     building its packages in parallel processes, warm renders on them, --no-compile), then `lipstream
+#     serve` on those packages, process start to /readyz 200, twice, and a `render --server` job.
+#   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
+#     packages build beside it, the move onto them, jobs after.
+#   STAGE=suite: the whole test suite on the image (Python 3.12, its torch and wheels), 8 workers.
+#   COMMIT=<sha> STAGE=render bash benchmarks/issue28_h200.sh
+set -u
+W=$PWD/.h200
+mkdir -p $W
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 LIPSTREAM_COMMIT=${COMMIT:-?}
+secs() { python3 -c "import time; print(round(time.time() - $1, 1))"; }
+AUDIO=$W/ur/work/speech.wav
+t=$(date +%s.%N)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls .whl-suite/*.whl 2>/dev/null) 2>&1 | grep -v "^$" | tail -2
+echo "wheels installed in $(secs $t) s"
+
+wait_ready() {  # start time, pid, limit s: process start -> /readyz 200
+  python3 - "$@" <<'PY'
+import os, sys, time, urllib.request
+t0, pid, limit = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+while time.time() - t0 < limit:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8000/readyz", timeout=2).status == 200:
+            print(f"ready {time.time() - t0:.1f} s after the process started"); sys.exit(0)
+    except Exception:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        print("the server died"); sys.exit(1)
+    time.sleep(0.2)
+print(f"not ready after {limit} s"); sys.exit(1)
+PY
+}
+serve_row() {  # name, limit s (env: LIPSTREAM_CACHE, TORCHINDUCTOR_CACHE_DIR)
+  t0=$(date +%s.%N)
+  python3 -m lipstream.cli serve --avatars $W/ur/work/avatars --random-weights --port 8000 --data $W/data_$1 \
+    > $OUT/serve_$1.log 2>&1 &
+  SPID=$!
+  local said; said=$(wait_ready $t0 $SPID $2); local rc=$?
+  echo "serve $1: $said"
+  grep -m1 '"ready"' $OUT/serve_$1.log | cut -c1-900
+  [ $rc = 0 ] || tail -5 $OUT/serve_$1.log
+  return $rc
+}
+serve_stop() { t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "serve exit $? after SIGTERM, $(secs $t0) s"; }
+server_job() {  # name
+  local t=$(date +%s.%N)
+  python3 -m lipstream.cli render --server http://127.0.0.1:8000 --avatar anchor --audio $AUDIO -o $W/srv_$1.mp4 \
+    >> $OUT/server_render.txt 2>&1
+  echo "render --server ($1) rc $? process wall $(secs $t) s"
+}
+
+if [ "${STAGE:-render}" = render ]; then
+  t=$(date +%s.%N)
+  timeout 420 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs 2 --no-exact > $OUT/user_render.txt 2>&1
+  echo "user_render rc $? in $(secs $t) s"; grep -E "^(compile|warmup)" $OUT/user_render.txt; tail -8 $OUT/user_render.txt
+  cp $W/ur/user_render.json $OUT/ 2>/dev/null
+  export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
+  for k in 1 2; do
+    serve_row packages$k 90 && { [ $k = 1 ] && server_job packages; serve_stop; }
+  done
+fi
+
+if [ "${STAGE:-render}" = serve ]; then
+  if [ ! -f $W/ur/work/avatars/anchor/avatar.json ]; then  # a fresh machine: the avatar again
+    timeout 200 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs 0 --no-exact --no-warmup \
+      > $OUT/user_render_setup.txt 2>&1; echo "setup rc $?"
+  fi
+  rm -rf $W/cold; export LIPSTREAM_CACHE=$W/cold TORCHINDUCTOR_CACHE_DIR=$W/cold/inductor
+  t0=$(date +%s.%N)
+  serve_row cold 150 && {
+    server_job while_building
+    python3 - $OUT/serve_cold.log 420 <<'PY'
+import sys, time
+t = time.time()
+while time.time() - t < float(sys.argv[2]):
+    text = open(sys.argv[1]).read()
+    for line in text.splitlines():
+        if '"engine_upgraded"' in line or '"compile_failed"' in line:
+            print(line[:900]); sys.exit(0)
+    time.sleep(1)
+print("no upgrade within the limit")
+PY
+    echo "upgraded $(secs $t0) s after the process started"
+    tail -4 $W/data_cold/warmup.log
+    server_job compiled1; server_job compiled2
+    tail -6 $OUT/server_render.txt
+    serve_stop
+  }
+fi
+
+if [ "${STAGE:-render}" = suite ]; then
+  t=$(date +%s.%N)
+  timeout ${SUITE_T:-500} python3 -m pytest -q -n 8 -p no:cacheprovider -o addopts="" > $OUT/suite.txt 2>&1
+  echo "suite rc $? in $(secs $t) s"; tail -25 $OUT/suite.txt
+fi
+find $OUT -size +15M -delete
