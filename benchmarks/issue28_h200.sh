@@ -76,7 +76,7 @@ if [ "${STAGE:-render}" = serve ]; then
   t0=$(date +%s.%N)
   serve_row cold 150 && {
     server_job while_building
-    python3 - $OUT/serve_cold.log 420 <<'PY'
+    python3 - $OUT/serve_cold.log ${UPGRADE_T:-380} <<'PY'
 import sys, time
 t = time.time()
 while time.time() - t < float(sys.argv[2]):
@@ -92,6 +92,8 @@ PY
     server_job compiled1; server_job compiled2
     tail -6 $OUT/server_render.txt
     serve_stop
+    timeout ${PROBE_T:-120} python3 benchmarks/aot_load_probe.py $W/cold > $OUT/probe.txt 2>&1
+    echo "probe rc $?"; grep -vE '^  File|^(Thread|Current thread)' $OUT/probe.txt | head -40
   }
 fi
 
