@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lipstream-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install browser postgres demo test clean
+.PHONY: install browser postgres espeak demo test clean
 
 install: $(STAMP)
 
@@ -50,7 +50,20 @@ postgres:
 	  fi; \
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || echo "no PostgreSQL (apt-get as root could not install it): its store tests will skip"; }
 
-test: $(STAMP) browser postgres
+# text scenes of `lipstream broadcast` are spoken by espeak-ng (Debian's package) unless a Piper voice is named;
+# tests/test_show_tts.py runs it: installed here when missing and apt-get can run as root; without it those tests skip
+espeak:
+	@command -v espeak-ng >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else sudo=no; fi; \
+	  if [ "$$sudo" != no ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's espeak-ng for text scenes"; \
+	    apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -qq"; \
+	    $$apt install --no-install-recommends espeak-ng >/dev/null 2>&1 || \
+	    { $$apt update && $$apt install --no-install-recommends espeak-ng >/dev/null; }; \
+	  fi; \
+	  command -v espeak-ng >/dev/null 2>&1 || echo "no espeak-ng (apt-get as root could not install it): the TTS tests will skip"; }
+
+test: $(STAMP) browser postgres espeak
 	$(PY) -m pytest -q
 
 clean:
