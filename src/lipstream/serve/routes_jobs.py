@@ -131,7 +131,7 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
     scene is a `text:` one) and its show's `files` (logo, pip and cutaway sources, music, font, a Piper
     voice), each under the name the script gives it. `fps` (over the script's), `crf`, `x264_preset`: as
     `lipstream broadcast` takes them (left out: the server chooses)."""
-    from lipstream.errors import LipStreamError
+    from lipstream.errors import InputError, LipStreamError
     from lipstream.script import load_script
 
     audio, files = audio or [], files or []
@@ -160,6 +160,8 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
         total = sum(seconds.values())
         try:
             program = load_script(folder / "script.yaml")
+        except InputError as e:  # named by the file sent, never by the server's folders
+            raise HTTPException(422, f"script: {e.path.name}: {e.problem.splitlines()[0]}") from None
         except LipStreamError as e:
             raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
         if program.avatars_dir is not None:

@@ -34,6 +34,8 @@ def check_show(program, frame_size: tuple[int, int], scene_durations: Sequence[f
     show: Show = program.show
     where = program.source or "script"
     width, height = frame_size
+    if show.font is not None:  # first: the titles are measured in it
+        _font(show.font)
     for k, layers in enumerate(show.scenes):
         scene = f"scene {k + 1}"
         seconds = scene_durations[k] if scene_durations is not None and k < len(scene_durations) else None
@@ -55,8 +57,6 @@ def check_show(program, frame_size: tuple[int, int], scene_durations: Sequence[f
                                     f"{width}x{height} frame (set a smaller height:)")
     if show.music is not None:
         _media(show.music.file, "music: file", "audio")
-    if show.font is not None:
-        _font(show.font)
     if show.voice is not None and show.voice.lower().endswith(".onnx"):
         check_file(show.voice, "Piper voice file (voice:)")
 
@@ -140,7 +140,9 @@ def _still_size(path: Path, what: str) -> tuple[int, int]:
     try:
         with Image.open(path) as im:
             w, h = im.size
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError:  # its message names the file, which on a server is the server's path
+        raise InputError(path, f"not an image Pillow can read ({what}: not a known image format)") from None
+    except (OSError, ValueError) as e:
         raise InputError(path, f"not an image Pillow can read ({what}: {_reason(e)})") from None
     if w <= 0 or h <= 0:
         raise InputError(path, f"is an empty image ({what})")
@@ -153,15 +155,15 @@ def _media(path: Path, what: str, kind: str) -> None:
 
     from lipstream.media.demux import open_input
 
-    check_file(path, f"{kind} file ({what})")
+    check_file(path, f"{kind} file ({what})")  # "no such video file (scene 1: pip: source)"
     if path.stat().st_size == 0:
         raise InputError(path, f"is empty (0 bytes) ({what})")
     try:
         with open_input(path) as c:
             streams = [s for s in c.streams if s.type == kind]
             if not streams:
-                also = " or an image" if kind == "video" else ""
-                raise InputError(path, f"has no {kind} stream ({what}: expected a {kind} file{also})")
+                expected = "a video file or an image" if kind == "video" else "an audio file"
+                raise InputError(path, f"has no {kind} stream ({what}: expected {expected})")
             if kind == "video" and not (streams[0].codec_context.width and streams[0].codec_context.height):
                 raise InputError(path, f"has a video stream with no picture size ({what})")
     except av.FFmpegError as e:
@@ -172,8 +174,8 @@ def _font(path: Path) -> None:
     check_file(path, "font file (font:)")
     try:
         _font_at(str(path), 20)
-    except OSError as e:
-        raise InputError(path, f"not a font Pillow can read (font:, TrueType or OpenType: {_reason(e)})") from None
+    except OSError:  # FreeType's reason ("unknown file format", "broken file") varies with its version
+        raise InputError(path, "not a font Pillow can read (font: expected a TrueType or OpenType file)") from None
 
 
 @lru_cache(maxsize=32)
