@@ -122,12 +122,14 @@ def _music(path: Path, base: Path, where: str, value: object) -> Music:
     duck = _number(path, where, "duck_db", m.get("duck_db", -12.0), "dB")
     if duck > 0:
         raise InputError(path, f"{where}duck_db must be 0 or below (dB the music drops under speech), got {duck:g}")
-    return Music(_path(path, base, where, "file", m["file"]), gain, duck, _bool(path, where, "loop", m.get("loop", True)))
+    loop = _bool(path, where, "loop", m.get("loop", True))
+    return Music(_path(path, base, where, "file", m["file"]), gain, duck, loop)
 
 
 def _voice(path: Path, base: Path, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise InputError(path, f"voice must be an espeak-ng voice name (en, en-us) or a Piper .onnx file, got {value!r}")
+        raise InputError(path, "voice must be an espeak-ng voice name (en, en-us) or a Piper .onnx file, "
+                               f"got {value!r}")
     value = value.strip()
     if value.lower().endswith(".onnx"):
         return str(_path(path, base, "", "voice", value))
