@@ -245,7 +245,7 @@ def test_bad_inputs_leave_no_file(studio, tiny_models, tmp_path, case):
     ("scenes: [{audio: a.wav, avatar: anna, cameras: []}]", "either 'avatar' or 'cameras'"),
     ("scenes: [{audio: a.wav, avatar: anna}, {audio: a.wav, avatar: ben, transition: wipe}]", "transition"),
     ("scenes: [{audio: a.wav, cameras: [{at: 1, avatar: anna}]}]", "first camera must start at 0"),
-    ("scenes: [{audio: a.wav, avatar: anna, volume: 3}]", "unknown keys"),
+    ("scenes: [{audio: a.wav, avatar: anna, volume: 3}]", "scene 1: unknown key .volume."),
 ])
 def test_malformed_scripts(tmp_path, text, match):
     path = tmp_path / "bad.yaml"

@@ -144,10 +144,11 @@ def check_output_path(dest: str | Path) -> Path:
 
 def check_program_inputs(program, output: Path) -> None:
     """The output path, then every scene's audio file present and readable: what a render checks of its
-    files wherever it runs (here, or on a server: `--server`)."""
+    files wherever it runs (here, or on a server: `--server`). A text scene has no file: the TTS speaks it."""
     check_output_path(output)
     for scene in program.scenes:
-        check_file(scene.audio, "audio file")
+        if scene.audio is not None:
+            check_file(scene.audio, "audio file")
 
 
 def check_program(program, avatars_dir: Path | None, output: Path) -> dict[str, dict]:
@@ -166,7 +167,7 @@ def check_program(program, avatars_dir: Path | None, output: Path) -> dict[str, 
     sizes = {(m["width"], m["height"]) for m in metas.values()}
     if len(sizes) > 1:
         listed = ", ".join(f"{name} {m['width']}x{m['height']}" for name, m in metas.items())
-        raise InputError(program.source or program.scenes[0].audio,
+        raise InputError(program.source or program.scenes[0].audio or "script",
                          f"all avatars of one video must have the same frame size ({listed})")
     return metas
 

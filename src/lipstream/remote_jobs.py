@@ -89,10 +89,13 @@ class Upload:
     script: str | None = None
     source: Path | None = None
     notes: tuple[str, ...] = ()
+    files: dict[str, Path] = field(default_factory=dict)  # a broadcast's show files: upload name -> local file
+    program: Program | None = field(default=None, repr=False)  # the show is checked against the server's frame
 
     @property
     def bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.audio.values()) + len(self.script or "")
+        return (sum(p.stat().st_size for p in [*self.audio.values(), *self.files.values()])
+                + len(self.script or ""))
 
 
 @dataclass(frozen=True)
@@ -144,16 +147,19 @@ def probe_audio(path: Path) -> Path:
 
 def prepare_upload(program: Program, kind: str, output: Path) -> Upload:
     """The checks a local render makes before torch (the output path, every audio file) and the header
-    probe, then the job's inputs: one file per distinct audio, named for the upload."""
+    probe, then the job's inputs: one file per distinct audio, named for the upload, and (a broadcast)
+    one per distinct file of its show, each present and of a kind the server takes (the rest of the show's
+    checks need the server's frame size: run_job makes them before the upload)."""
     check_program_inputs(program, output)
     names: dict[Path, str] = {}
     for scene in program.scenes:
+        if scene.audio is None:
+            continue
         key = scene.audio.resolve()
         if key not in names:
             probe_audio(scene.audio)
-            stem = re.sub(r"[^A-Za-z0-9_.-]", "_", scene.audio.stem)[:40] or "audio"
-            names[key] = f"{len(names) + 1:02d}-{stem}{scene.audio.suffix.lower()}"
-    audio = {names[scene.audio.resolve()]: scene.audio for scene in program.scenes}
+            names[key] = upload_name(len(names) + 1, scene.audio, "audio")
+    audio = {names[scene.audio.resolve()]: scene.audio for scene in program.scenes if scene.audio is not None}
     avatars = tuple(dict.fromkeys(shot.avatar for scene in program.scenes for shot in scene.shots))
     if kind == "render":
         return Upload(kind, avatars, audio, avatar=avatars[0], source=program.source)
@@ -161,17 +167,64 @@ def prepare_upload(program: Program, kind: str, output: Path) -> Upload:
     if program.avatars_dir is not None:
         notes = (f"{program.source}: its 'avatars: {program.avatars_dir}' is not used with --server: the avatars "
                  "are the server's",)
-    return Upload(kind, avatars, audio, script=server_script(program, names), source=program.source, notes=notes)
+    shown = show_uploads(program)
+    for name, path in shown.items():
+        names.setdefault(path.resolve(), name)  # a file that is a scene's audio too keeps its audio name
+    return Upload(kind, avatars, audio, script=server_script(program, names), source=program.source, notes=notes,
+                  files=shown, program=program)
+
+
+def upload_name(n: int, path: Path, fallback: str, prefix: str = "") -> str:
+    """`01-intro_speech.wav`: numbered (two files of one name stay two), the stem made safe, the suffix kept."""
+    lower = path.name.lower()
+    suffix = ".onnx.json" if lower.endswith(".onnx.json") else path.suffix.lower()
+    stem = path.name[:len(path.name) - len(suffix)] if suffix else path.name
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:40] or fallback
+    return f"{prefix}{n:02d}-{stem}{suffix}"
+
+
+def show_uploads(program: Program) -> dict[str, Path]:
+    """Upload name -> local file for every file the show reads (Show.files(): each once; a Piper voice
+    with its .onnx.json beside it), each present and ending as the server takes show files."""
+    from lipstream.serve.options import SHOW_SUFFIXES, show_suffix
+
+    out: dict[str, Path] = {}
+    seen: set[Path] = set()
+    wanted = list(program.show.files())
+    if program.show.voice and program.show.voice.lower().endswith(".onnx"):
+        config = Path(program.show.voice + ".json")
+        if config.is_file():
+            wanted.append(config)
+    for path in wanted:
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        check_file(path, "file of the show")
+        if show_suffix(path.name) is None:
+            raise InputError(path, "with --server a show's file must end in one of "
+                                   f"{', '.join(sorted(SHOW_SUFFIXES))}")
+        if path.name.lower().endswith(".onnx.json"):  # beside its voice, as Piper looks for it
+            voice = next(n for n, p in out.items() if Path(str(p) + ".json").resolve() == path.resolve())
+            out[voice + ".json"] = path
+        else:
+            out[upload_name(len(out) + 1, path, "file", "show")] = path
+    return out
 
 
 def server_script(program: Program, names: dict[Path, str]) -> str:
-    """The broadcast script as the server takes it: the same scenes, each audio by its upload name, no
-    avatars folder (the server's own)."""
+    """The broadcast script as the server takes it: the same scenes and show, each file by its upload name
+    (`names`: resolved local path -> upload name), no avatars folder (the server's own)."""
     import yaml
 
+    from lipstream.show.schema import layers_doc, show_doc
+
+    def name(path: Path) -> str:
+        return names[Path(path).resolve()]
+
+    layers = program.show.scenes
     scenes = []
-    for scene in program.scenes:
-        entry: dict = {"audio": names[scene.audio.resolve()]}
+    for k, scene in enumerate(program.scenes):
+        entry: dict = {"audio": name(scene.audio)} if scene.audio is not None else {"text": scene.text}
         if len(scene.shots) == 1 and scene.shots[0].at == 0:
             entry["avatar"] = scene.shots[0].avatar
         else:
@@ -180,9 +233,11 @@ def server_script(program: Program, names: dict[Path, str]) -> str:
             entry["start_frame"] = scene.start_frame
         if scene.crossfade:
             entry["transition"] = {"crossfade": scene.crossfade}
+        if k < len(layers):
+            entry.update(layers_doc(layers[k], name))
         scenes.append(entry)
     doc = ({"fps": str(program.fps)} if program.fps is not None else {}) | {"scenes": scenes}
-    return yaml.safe_dump(doc, sort_keys=False)
+    return yaml.safe_dump(doc | show_doc(program.show, name), sort_keys=False, allow_unicode=True)
 
 
 def check_avatars(upload: Upload, listing: list[dict], url: str) -> None:
@@ -198,6 +253,12 @@ def check_avatars(upload: Upload, listing: list[dict], url: str) -> None:
         listed = ", ".join(f"{n} {have[n]['width']}x{have[n]['height']}" for n in upload.avatars)
         raise InputError(upload.source or upload.avatars[0],
                          f"all avatars of one video must have the same frame size ({listed})")
+    if upload.program is not None:  # the show against the server's frame size, before anything is uploaded
+        from lipstream.show.checks import check_show, declared_durations, frame_size_of
+
+        program = upload.program
+        check_show(program, frame_size_of([have[n] for n in upload.avatars]),
+                   declared_durations(program) if program.show.visual() else None)
 
 
 @dataclass
@@ -250,8 +311,9 @@ class JobServer:
         back in it (`options`): a server that ignored one would render something else than was asked."""
         form = options.form(upload.kind)
         with contextlib.ExitStack() as files_open, self._reaching():
-            files = [("audio", (name, files_open.enter_context(open(path, "rb")), "application/octet-stream"))
-                     for name, path in upload.audio.items()]
+            files = [(part, (name, files_open.enter_context(open(path, "rb")), "application/octet-stream"))
+                     for part, named in (("audio", upload.audio), ("files", upload.files))
+                     for name, path in named.items()]
             if upload.kind == "render":
                 r = self.http.post("/v1/jobs/render", data={"avatar": upload.avatar, **form}, files=files)
             else:

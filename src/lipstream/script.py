@@ -1,4 +1,5 @@
-"""Broadcast scripts: scenes (avatar, audio, start frame, transition) and camera cuts, from YAML.
+"""Broadcast scripts: scenes (avatar, audio or text, start frame, transition), camera cuts and the newsroom
+show around them (titles, picture-in-picture, cutaways, logo, ticker, music: show/schema.py), from YAML.
 
     fps: 25                      # optional; default: the first scene's avatar
     avatars: ./avatars           # optional; folder holding compiled avatars (relative to the script)
@@ -11,6 +12,11 @@
         cameras:                 # a studio cutting between cameras while the audio runs on
           - {at: 0.0, avatar: wide}
           - {at: 3.5, avatar: closeup}
+      - avatar: anchor
+        text: "Markets closed higher today."   # spoken by the TTS instead of an audio file
+        lower_third: {title: "Anna Berg", subtitle: "Berlin", from: 0.5, to: 5.0}
+    overlays: {logo: {image: logo.png, corner: top-right}, ticker: {text: "Breaking: ...", speed: 120}}
+    music: {file: bed.mp3, gain_db: -18, duck_db: -12}
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from fractions import Fraction
 from pathlib import Path
 
 from lipstream.errors import InputError, check_file
+from lipstream.show.schema import SCENE_SHOW_KEYS, TOP_SHOW_KEYS, check_keys, parse_scene_layers, parse_show
+from lipstream.show.spec import Show
+
+SCENE_KEYS = ("avatar", "audio", "text", "cameras", "start_frame", "transition", *SCENE_SHOW_KEYS)
+TOP_KEYS = ("fps", "avatars", "scenes", *TOP_SHOW_KEYS)
 
 
 @dataclass(frozen=True)
@@ -30,10 +41,11 @@ class Shot:
 
 @dataclass
 class Scene:
-    audio: Path
+    audio: Path | None  # None: a text scene, its speech made by the TTS (show/tts.py) before the render
     shots: list[Shot]
     start_frame: int = 0
     crossfade: int = 0  # frames of dissolve from the previous scene; 0 = cut
+    text: str | None = None  # what the TTS speaks instead of `audio`: exactly one of the two is set
 
 
 @dataclass
@@ -42,6 +54,7 @@ class Program:
     fps: Fraction | None = None
     avatars_dir: Path | None = None
     source: Path | None = field(default=None, repr=False)
+    show: Show = field(default_factory=Show)  # the layers around the presenters; show.scenes[k] is scene k's
 
 
 def single_scene(avatar: str, audio: Path, start_frame: int = 0) -> Program:
@@ -58,8 +71,11 @@ def load_script(path: str | Path) -> Program:
         raise InputError(path, f"not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("scenes"), list) or not data["scenes"]:
         raise InputError(path, "needs a non-empty 'scenes:' list")
+    check_keys(path, "", data, TOP_KEYS)
     base = path.parent
     scenes = [_scene(path, base, i, s) for i, s in enumerate(data["scenes"])]
+    show = parse_show(path, base, data, [parse_scene_layers(path, base, f"scene {i + 1}", s)
+                                         for i, s in enumerate(data["scenes"])])
     if scenes[0].crossfade:
         raise InputError(path, "scene 1 cannot cross-fade: there is nothing before it")
     fps = data.get("fps")
@@ -70,20 +86,29 @@ def load_script(path: str | Path) -> Program:
     if fps is not None and fps <= 0:
         raise InputError(path, "fps must be positive")
     avatars = data.get("avatars")
-    return Program(scenes, fps, (base / avatars) if avatars else None, path)
+    return Program(scenes, fps, (base / avatars) if avatars else None, path, show)
 
 
 def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
     where = f"scene {i + 1}"
     if not isinstance(s, dict):
-        raise InputError(path, f"{where}: expected a mapping with 'audio' and 'avatar' or 'cameras'")
-    unknown = set(s) - {"audio", "avatar", "cameras", "start_frame", "transition"}
-    if unknown:
-        raise InputError(path, f"{where}: unknown keys {sorted(unknown)}")
-    if "audio" not in s:
-        raise InputError(path, f"{where}: missing 'audio'")
-    audio = Path(str(s["audio"]))
-    audio = audio if audio.is_absolute() else base / audio
+        raise InputError(path, f"{where}: expected a mapping with 'audio' (or 'text') and 'avatar' or 'cameras'")
+    check_keys(path, f"{where}: ", s, SCENE_KEYS)
+    if "audio" not in s and "text" not in s:
+        raise InputError(path, f"{where}: missing 'audio' (or 'text': words for the TTS to speak)")
+    if "audio" in s and "text" in s:
+        raise InputError(path, f"{where}: give either 'audio' or 'text', not both")
+    audio = text = None
+    if "audio" in s:
+        audio = Path(str(s["audio"]))
+        audio = audio if audio.is_absolute() else base / audio
+    else:
+        text = s["text"]
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            text = str(text)
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(path, f"{where}: text must be the words to speak, got {s['text']!r}")
+        text = text.strip()
     if ("avatar" in s) == ("cameras" in s):
         raise InputError(path, f"{where}: give either 'avatar' or 'cameras', not both or neither")
     if "avatar" in s:
@@ -103,7 +128,7 @@ def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
     if not isinstance(start, int) or start < 0:
         raise InputError(path, f"{where}: start_frame must be a whole number >= 0")
     crossfade = _transition(path, where, s.get("transition", "cut"))
-    return Scene(audio, shots, start, crossfade)
+    return Scene(audio, shots, start, crossfade, text)
 
 
 def _transition(path: Path, where: str, t: object) -> int:

@@ -90,7 +90,7 @@ def render_on_server(program: Program, kind: str, output: Path, options: RenderO
     wanted = OutputOptions(fps=options.fps, crf=options.crf, x264_preset=options.x264_preset, start_frame=start_frame)
 
     def uploading(upload) -> None:
-        files = len(upload.audio) + (upload.script is not None)
+        files = len(upload.audio) + len(upload.files) + (upload.script is not None)
         err.print(f"uploading {files} file{'s' * (files > 1)} ({upload.bytes / 1e6:.2f} MB) to {server}",
                   highlight=False)
 

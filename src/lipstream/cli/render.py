@@ -19,6 +19,7 @@ from lipstream.options import RenderOptions
 from lipstream.preflight import (
     check_models, check_output_path, check_program, fps_option, in_range, machine_options, random_size_for,
     render_options)
+from lipstream.show.checks import check_show, declared_durations, frame_size_of
 
 
 @app.command("compile")
@@ -76,6 +77,7 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
     machine_options(device, random_size)
     metas = check_program(program, options.avatars_dir, output)
+    check_show(program, frame_size_of(metas.values()), declared_durations(program) if program.show.visual() else None)
     check_models(models, random_weights)
     t_checked = process_age()
 

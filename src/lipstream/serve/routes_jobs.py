@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, Uplo
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from lipstream.serve.auth import Caller, caller, caller_or_token
-from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S
+from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S, SHOW_SUFFIXES, UPLOAD_NAME, show_suffix
 from lipstream.serve.interface import ServerHost
 from lipstream.serve.routes_avatars import known_avatar
 from lipstream.serve.state import get_service
@@ -122,45 +122,88 @@ async def submit_render(request: Request, avatar: str = Form(...), audio: Upload
 
 
 @router.post("/v1/jobs/broadcast", status_code=202)
-async def submit_broadcast(request: Request, script: UploadFile = File(...), audio: list[UploadFile] = File(...),
+async def submit_broadcast(request: Request, script: UploadFile = File(...),
+                           audio: list[UploadFile] | None = File(None), files: list[UploadFile] | None = File(None),
                            fps: str | None = Form(None), crf: int | None = Form(None),
                            x264_preset: str | None = Form(None),
                            who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
-    """A broadcast script (YAML, as `lipstream broadcast` reads) and the audio files it names. `fps` (over
-    the script's), `crf`, `x264_preset`: as `lipstream broadcast` takes them (left out: the server chooses)."""
-    from lipstream.errors import LipStreamError
+    """A broadcast script (YAML, as `lipstream broadcast` reads), the audio files it names (none when every
+    scene is a `text:` one) and its show's `files` (logo, pip and cutaway sources, music, font, a Piper
+    voice), each under the name the script gives it. `fps` (over the script's), `crf`, `x264_preset`: as
+    `lipstream broadcast` takes them (left out: the server chooses)."""
+    from lipstream.errors import InputError, LipStreamError
     from lipstream.script import load_script
 
+    audio, files = audio or [], files or []
     given = output_options(fps, crf, x264_preset)
     check_cap(service, who)
     names = [Path(a.filename or "").name for a in audio]
-    if len(set(names)) != len(names) or any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
+    if any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
         raise HTTPException(422, f"audio: distinct files ending in one of {sorted(AUDIO_SUFFIXES)} are allowed")
+    extra = [f.filename or "" for f in files]
+    for name in extra:
+        if not UPLOAD_NAME.fullmatch(name) or show_suffix(name) is None:
+            raise HTTPException(422, f"files: {name!r}: a file name (letters, digits, '_', '.', '-') ending in one "
+                                     f"of {sorted(SHOW_SUFFIXES)} is allowed")
+    every = names + extra
+    if len(set(every)) != len(every) or "script.yaml" in every:
+        raise HTTPException(422, "audio, files: distinct file names (and none named script.yaml) are allowed")
     folder = new_upload_folder(service.uploads_dir)
     try:
-        await save_upload(script, folder / "script.yaml", service.o.max_upload_mb)
-        total = 0.0
+        await save_upload(script, folder / "script.yaml", service.o.max_upload_mb, "script")
+        seconds: dict[str, float] = {}
         for upload, name in zip(audio, names):
             await save_upload(upload, folder / name, service.o.max_upload_mb)
-            total += await asyncio.to_thread(audio_seconds, folder / name)
+            seconds[name] = await asyncio.to_thread(audio_seconds, folder / name)
+        for upload, name in zip(files, extra):
+            await save_upload(upload, folder / name, service.o.max_upload_mb, "files")
+        total = sum(seconds.values())
         try:
             program = load_script(folder / "script.yaml")
+        except InputError as e:  # named by the file sent, never by the server's folders
+            raise HTTPException(422, f"script: {e.path.name}: {e.problem.splitlines()[0]}") from None
         except LipStreamError as e:
             raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
         if program.avatars_dir is not None:
             raise HTTPException(422, "script: 'avatars:' is the server's (--avatars), not the script's")
         for k, scene in enumerate(program.scenes):
-            if scene.audio.resolve().parent != folder.resolve() or not scene.audio.is_file():
+            if scene.audio is not None and (scene.audio.resolve().parent != folder.resolve()
+                                            or not scene.audio.is_file()):
                 raise HTTPException(422, f"script: scene {k + 1}'s audio must be one of the files sent: {names}")
             for shot in scene.shots:
                 known_avatar(service, shot.avatar)
+        for path in program.show.files():
+            if path.resolve().parent != folder.resolve() or not path.is_file():
+                raise HTTPException(422, f"script: {path.name!r}: the show's files must be among the files sent: "
+                                         f"{extra}")
         if total > service.o.max_audio_s:
             raise HTTPException(413, f"audio: {total:.0f} s in all; at most {service.o.max_audio_s:g} s is allowed")
+        await asyncio.to_thread(check_show_here, program, folder,
+                                [None if s.audio is None else seconds.get(s.audio.name) for s in program.scenes],
+                                await service.avatar_list())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return submitted(service, who, "broadcast", {"script": os.path.relpath(folder / "script.yaml", service.o.data_dir),
                                                  "audio_s": round(total, 3), **given})
+
+
+def check_show_here(program, folder: Path, durations: list[float | None],
+                    avatars: list[dict]) -> None:
+    """The show's checks that need the avatars' frame size, the scenes' lengths and the files (show/checks.py),
+    as a 422 naming the uploaded file or the script (never the server's folders)."""
+    from lipstream.errors import InputError
+    from lipstream.show.checks import check_show, frame_size_of
+
+    named = {shot.avatar for scene in program.scenes for shot in scene.shots}
+    rows = [a for a in avatars if a["name"] in named]
+    if not rows:
+        return
+    try:
+        check_show(program, frame_size_of(rows), durations)
+    except InputError as e:
+        where = "" if e.path == folder / "script.yaml" else f"{e.path.name}: "
+        raise HTTPException(422, f"script: {where}{e.problem}") from None
 
 
 @router.post("/v1/jobs/compile", status_code=202)

@@ -32,8 +32,8 @@ def new_upload_folder(uploads_dir: Path) -> Path:
     return folder
 
 
-async def save_upload(upload: UploadFile, path: Path, max_mb: float) -> None:
-    """Copy the upload to `path` (a temporary name first), 413 past the limit."""
+async def save_upload(upload: UploadFile, path: Path, max_mb: float, field: str = "audio") -> None:
+    """Copy the upload to `path` (a temporary name first), 413 past the limit (naming the form's `field`)."""
     limit = int(max_mb * 2**20)
     part = path.with_name(path.name + ".part")
     size = 0
@@ -41,7 +41,7 @@ async def save_upload(upload: UploadFile, path: Path, max_mb: float) -> None:
         while chunk := await upload.read(1 << 20):
             size += len(chunk)
             if size > limit:
-                raise HTTPException(413, f"audio: over {max_mb:g} MB; at most that is allowed")
+                raise HTTPException(413, f"{field}: over {max_mb:g} MB; at most that is allowed")
             f.write(chunk)
     part.rename(path)
 
