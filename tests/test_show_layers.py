@@ -48,14 +48,21 @@ def nearest(colour: np.ndarray) -> int:
     return int(np.argmin(((PALETTE.astype(int) - colour) ** 2).sum(1)))
 
 
-def write_video(path: Path, frames: int, fps: int, size: tuple[int, int] = (64, 48)) -> Path:
-    """A lossless H.264 file whose frame k is PALETTE[k] flat."""
+def write_video(path: Path, frames: int, fps: int, size: tuple[int, int] = (64, 48), pix_fmt: str = "yuv420p",
+                bt709: bool = False) -> Path:
+    """A lossless H.264 file whose frame k is PALETTE[k] flat (untagged BT.601, or tagged BT.709)."""
     with av.open(str(path), "w") as c:
         s = c.add_stream("libx264", rate=fps, options={"qp": "0", "preset": "ultrafast"})
-        s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
+        s.width, s.height, s.pix_fmt = size[0], size[1], pix_fmt
+        if bt709:
+            s.codec_context.colorspace = 1
         for k in range(frames):
             pic = np.broadcast_to(PALETTE[k % len(PALETTE)], (size[1], size[0], 3)).copy()
-            for p in s.encode(av.VideoFrame.from_ndarray(pic, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(pic, format="rgb24")
+            if bt709:
+                frame = frame.reformat(format=pix_fmt, dst_colorspace="ITU709")
+                frame.colorspace = 1
+            for p in s.encode(frame):
                 c.mux(p)
         for p in s.encode(None):
             c.mux(p)
@@ -243,14 +250,37 @@ def test_pip_video_loops_and_uploads_each_frame_once(tmp_path):
     assert uploads == len({int(np.floor(t * 10 + 1e-6)) for t in ts})  # once per source frame shown
 
 
-def test_pip_video_higher_rate_than_the_show(tmp_path):
+@pytest.mark.parametrize("raw", [True, False])
+def test_pip_video_higher_rate_than_the_show(tmp_path, raw):
     video = write_video(tmp_path / "clip.mp4", 24, 60)  # 0.4 s at 60 fps
-    source = VideoSource(video, (32, 24))
+    source = VideoSource(video, (32, 24), raw=raw)
     try:
-        got = [nearest(source.frame_at(k / FPS)[12, 16]) for k in range(10)]
+        got = [nearest(source.frame_at(k / FPS).rgb((32, 24))[12, 16]) for k in range(10)]
+        assert source.frame_at(1.0).layout == ("i420" if raw else "rgb")
     finally:
         source.close()
     assert got == [min(int(np.floor(k * 60 / FPS + 1e-6)), 23) % 8 for k in range(10)]  # 2.4 frames a frame
+
+
+@pytest.mark.parametrize("kind", ["bt709", "yuv444p"])
+def test_pip_video_other_matrices_and_formats(tmp_path, kind):
+    """A BT.709-tagged clip (scaled on the device, no re-matrixing) and a 4:4:4 one (swscale's RGB)."""
+    video = write_video(tmp_path / "clip.mp4", 8, 10, pix_fmt="yuv444p" if kind == "yuv444p" else "yuv420p",
+                        bt709=kind == "bt709")
+    with av.open(str(video)) as c:
+        first = next(c.decode(video=0))
+        assert (first.format.name, int(first.colorspace)) == (
+            ("yuv420p", 1) if kind == "bt709" else ("yuv444p", first.colorspace))
+    box = (100, 100, 300, 250)
+    show = Show(scenes=[SceneLayers(pip=Picture(video, box, Span(0.0, None, fade=0.0)))])
+    ts = [k / FPS for k in range(0, 20, 3)]
+    src, out = run(show, scene_times(0, ts))
+    rect = fit_box(64, 48, box)
+    cx, cy = (rect[0] + rect[2]) // 2, (rect[1] + rect[3]) // 2
+    for i, t in enumerate(ts):
+        k = int(t * 10 + 1e-6)
+        assert np.abs(rgb(out)[i][cy, cx] - PALETTE[k]).max() <= 6, t
+        assert bbox(changed(src, out)[i]) == rect
 
 
 def test_pip_still_fits_its_box_keeping_aspect(tmp_path):

@@ -23,8 +23,9 @@ from PIL import Image
 
 from lipstream.avatar.colour import rgb_to_yuv, split_i420
 from lipstream.errors import InputError, LipStreamError
+from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.show import text as show_text
-from lipstream.show.sources import VideoSource, fit_box, load_still, probe_picture
+from lipstream.show.sources import SourceFrame, VideoSource, fit_box, load_still, probe_picture
 from lipstream.show.spec import Logo, Picture, Show, Span
 
 FrameTime = tuple[int, float, float]  # (scene index, seconds since that scene's start, seconds since the show's)
@@ -196,7 +197,7 @@ class VideoLayer:
         black = np.zeros((2, 2, 3), np.uint8)
         self.bars = [(SpriteLayer(Sprite.from_rgba(np.broadcast_to(black[:1, :1], (b[3] - b[1], b[2] - b[0], 3)),
                                                     matrix, device), (b[0], b[1]), when)) for b in bars]
-        self._staged: list[np.ndarray] = []
+        self._staged: list[SourceFrame] = []
         self._cached: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (source index, YUV planes [1, ...])
         self._staged_index: list[int] = []
         self.size = (w, h)
@@ -211,30 +212,57 @@ class VideoLayer:
         for i, (ft, o) in enumerate(zip(times, op)):
             if o <= 0:
                 continue
-            rgb = self.source.frame_at(ft[1] - self.when.span.start)
+            picture = self.source.frame_at(ft[1] - self.when.span.start)
             if not self._staged_index or self._staged_index[-1] != self.source.index:
-                self._staged.append(rgb)
+                self._staged.append(picture)
                 self._staged_index.append(self.source.index)
             aux[i] = float(len(self._staged) - 1)
         return op, aux
 
     def _upload(self) -> tuple[torch.Tensor, ...]:
-        """The staged frames as (Y, U, V) [k, ...] float on the device, the cached one reused."""
+        """The staged frames as (Y, U, V) [k, ...] float at the rect's size on the device, the cached
+        one reused."""
         reuse = self._cached is not None and self._cached[0] == self._staged_index[0]
         fresh = self._staged[1:] if reuse else self._staged
         parts = [self._cached[1]] if reuse else []
-        if fresh:
-            host = torch.from_numpy(np.stack(fresh))
-            if self.cuda:
-                host = host.pin_memory()
-            rgb = host.to(self.device, non_blocking=self.cuda).permute(0, 3, 1, 2).float().div_(255)
-            yuv = rgb_to_yuv(rgb, self.matrix)
-            chroma = F.avg_pool2d(yuv[:, 1:], 2)
-            parts.append((yuv[:, 0], chroma[:, 0], chroma[:, 1]))
-            self.uploads += len(fresh)
-        planes = tuple(torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in range(3))
+        k = 0
+        while k < len(fresh):  # runs of frames of one layout, size and matrix: one upload each
+            j = k + 1
+            while j < len(fresh) and _kind(fresh[j]) == _kind(fresh[k]):
+                j += 1
+            parts.append(self._convert(fresh[k:j]))
+            k = j
+        self.uploads += len(fresh)
+        planes = tuple(torch.cat([p[c] for p in parts]) if len(parts) > 1 else parts[0][c] for c in range(3))
         self._cached = (self._staged_index[-1], tuple(p[-1:] for p in planes))
         return planes
+
+    def _convert(self, frames: list[SourceFrame]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Frames of one kind -> (Y, U, V) float [k, h, w], [k, h/2, w/2] at the rect's size, in the
+        frames' matrix: I420 is scaled plane by plane on the device (and re-matrixed if its matrix is not
+        the frames'), RGB is converted."""
+        host = torch.from_numpy(np.stack([f.pixels for f in frames]))
+        if self.cuda:
+            host = host.pin_memory()
+        t = host.to(self.device, non_blocking=self.cuda)
+        w, h = self.size
+        if frames[0].layout == "rgb":
+            yuv = rgb_to_yuv(t.permute(0, 3, 1, 2).float().div_(255), self.matrix)
+            chroma = F.avg_pool2d(yuv[:, 1:], 2)
+            return yuv[:, 0], chroma[:, 0], chroma[:, 1]
+        sh = t.shape[1] * 2 // 3
+        y, u, v = split_i420(t, sh, t.shape[2])
+        scale = lambda p, size: F.interpolate(p.float()[:, None], size=size, mode="bilinear",  # noqa: E731
+                                              antialias=True, align_corners=False)[:, 0]
+        y, u, v = scale(y, (h, w)), scale(u, (h // 2, w // 2)), scale(v, (h // 2, w // 2))
+        if frames[0].matrix != self.matrix:  # via RGB, at full resolution
+            up = lambda c: c.repeat_interleave(2, -2).repeat_interleave(2, -1)  # noqa: E731
+            affine = torch.from_numpy(yuv_to_rgb_affine(frames[0].matrix)).float().to(self.device)
+            rgb = torch.stack([y, up(u), up(v)], -1) @ affine[:, :3].T + affine[:, 3]
+            yuv = rgb_to_yuv(rgb.clamp_(0, 255).div_(255).permute(0, 3, 1, 2), self.matrix)
+            chroma = F.avg_pool2d(yuv[:, 1:], 2)
+            y, u, v = yuv[:, 0], chroma[:, 0], chroma[:, 1]
+        return y, u, v
 
     def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
         for bar in self.bars:
@@ -252,6 +280,10 @@ class VideoLayer:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _kind(frame: SourceFrame) -> tuple:
+    return frame.layout, frame.pixels.shape, frame.matrix
 
 
 class Compositor:

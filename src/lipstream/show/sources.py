@@ -1,11 +1,16 @@
 """Pictures for pip and cutaway: a still (Pillow) or a video (PyAV), fitted into a box keeping its aspect.
 
 A video is decoded as the render goes, forward only, by a thread that reads a few frames ahead (the
-decoder and swscale drop the GIL, so this runs beside the render's own thread). `VideoSource.frame_at(t)`
+decoder drops the GIL, so this runs beside the render's own thread). `VideoSource.frame_at(t)`
 returns the frame whose presentation interval covers t seconds since the span's start: the show's
 clock, not a frame count, so a 30 fps clip in a 25 fps show plays at its own speed. Past its end a
-video loops or holds its last frame. Frames come back as RGB uint8 numpy at the fitted size; the
-compositor uploads them.
+video loops or holds its last frame.
+
+Frames come back as the decoder made them where that is plain limited-range I420 in BT.601/709 (almost
+every H.264/HEVC file): the compositor uploads the planes and scales and converts them on the device,
+since swscale's scaling and RGB conversion on the CPU cost three times the decode of a 1080p frame.
+Anything else (full range, 4:2:2, 10-bit, RGB codecs, odd sizes) is converted by swscale to RGB at the
+box's size here.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from PIL import Image, UnidentifiedImageError
 
 from lipstream.errors import InputError, check_file
 from lipstream.media.demux import open_input
+from lipstream.media.pixels import i420_to_rgb
 
 STILL_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
 READ_AHEAD = 6  # decoded frames waiting per video
@@ -96,11 +102,38 @@ def load_still(path: str | Path, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(im).copy()
 
 
+# AVColorSpace codes (frame.colorspace) of the matrices the device path converts; 2 = unspecified
+_MATRIX_OF_COLORSPACE = {1: "bt709", 2: "bt601", 5: "bt601", 6: "bt601"}
+
+
+@dataclass(frozen=True)
+class SourceFrame:
+    """One decoded frame: `layout` "i420": packed I420 [h*3/2, w] uint8 at the source's size, limited range,
+    in `matrix`; "rgb": [h, w, 3] uint8 already at the box's size."""
+
+    pixels: np.ndarray
+    layout: str
+    matrix: str | None = None
+
+    def rgb(self, size: tuple[int, int]) -> np.ndarray:
+        """The frame as RGB [h, w, 3] uint8 at `size` (w, h), on the CPU (for tests and CPU consumers)."""
+        if self.layout == "rgb":
+            return self.pixels
+        return i420_to_rgb(self.pixels, self.matrix or "bt601", size=size)
+
+
+def _device_path(frame: av.VideoFrame) -> str | None:
+    """The source matrix when the frame can go to the device as it is (plain limited-range 4:2:0)."""
+    if frame.format.name != "yuv420p" or frame.width % 2 or frame.height % 2 or frame.color_range == 2:
+        return None
+    return _MATRIX_OF_COLORSPACE.get(int(frame.colorspace))
+
+
 @dataclass
 class _Frame:
     start: float  # seconds since the video's first frame, including the loops before it
     end: float | None  # None: the last frame of a held video, or not yet known
-    rgb: np.ndarray
+    picture: SourceFrame
 
 
 class VideoSource:
@@ -108,12 +141,14 @@ class VideoSource:
 
     A thread decodes ahead into a small queue; with `loop` it starts the file again at its end, each
     pass's timestamps offset by the previous passes' length, so the stream of frames the reader sees is
-    endless and monotonic. A request for an earlier time than the last one starts the file afresh."""
+    endless and monotonic. A request for an earlier time than the last one starts the file afresh.
+    `raw` False: every frame through swscale to RGB at `size` (the CPU path, whatever the source)."""
 
-    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False):
+    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True):
         self.path = check_file(path, "picture")
         self.size = (int(size[0]), int(size[1]))
         self.loop = loop
+        self.raw = raw
         self.decoded = 0  # frames the decoder has converted (tests read it)
         self._thread: threading.Thread | None = None
         self._start()
@@ -164,13 +199,18 @@ class VideoSource:
                         if last is not None:
                             step = t - last
                         last = t
-                        rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation="AREA")
+                        matrix = _device_path(frame) if self.raw else None
+                        if matrix:
+                            picture = SourceFrame(frame.to_ndarray(), "i420", matrix)
+                        else:
+                            picture = SourceFrame(frame.to_ndarray(format="rgb24", width=w, height=h,
+                                                                   interpolation="AREA"), "rgb")
                         self.decoded += 1
                         if pending is not None:
                             pending.end = offset + t - t0
                             if not self._put(stop, q, pending):
                                 return
-                        pending = _Frame(offset + t - t0, None, rgb)
+                        pending = _Frame(offset + t - t0, None, picture)
                 if pending is None:
                     raise InputError(self.path, "a video with no frame that can be decoded")
                 tail = step or 1.0 / rate
@@ -193,9 +233,9 @@ class VideoSource:
             raise item
         return item
 
-    def frame_at(self, t: float) -> np.ndarray:
-        """The RGB [h, w, 3] uint8 frame shown at `t` seconds since the span's start (t < 0: the first).
-        The same array object comes back while the frame does not change (`index` tells which)."""
+    def frame_at(self, t: float) -> SourceFrame:
+        """The frame shown at `t` seconds since the span's start (t < 0: the first). The same object
+        comes back while the frame does not change (`index` counts the frames returned)."""
         if self._current is not None and self._current.start > 0 and t + EPS < self._current.start:
             self.close()
             self._start()
@@ -211,7 +251,7 @@ class VideoSource:
                 break
             self._current = nxt
             self.index += 1
-        return self._current.rgb
+        return self._current.picture
 
     def close(self) -> None:
         """Stop the decoder thread (the file closes with it)."""
