@@ -19,7 +19,7 @@ from PIL import Image
 from lipstream.avatar.colour import i420_to_rgb
 from lipstream.errors import InputError, LipStreamError
 from lipstream.show import text as show_text
-from lipstream.show.compose import build_compositor, fade, logo_position
+from lipstream.show.compose import build_compositor, fade, frame_times, logo_position, scene_clock
 from lipstream.show.sources import VideoSource, fit_box, probe_picture
 from lipstream.show.spec import CORNERS, Logo, LowerThird, Picture, SceneLayers, Show, Span, Ticker
 
@@ -327,6 +327,12 @@ def test_cutaway_video_pillarboxed_with_fade(tmp_path):
     # half-way through the fade in: the bars are half black over the frame
     half = 0.5 * src[0, :H, :rect[0]].float() + 0.5 * 16
     assert (out[0, :H, :rect[0]].float() - half).abs().max() <= 1
+
+
+def test_frame_times_from_render_bounds():
+    times = frame_times([0, 3, 5], 25)
+    assert times == [(0, 0.0, 0.0), (0, 0.04, 0.04), (0, 0.08, 0.08), (1, 0.0, 0.12), (1, 0.04, 0.16)]
+    assert scene_clock([0, 3, 5], 25) == ([0.0, 0.12], [0.12, 0.08])
 
 
 def test_fade_ramp():

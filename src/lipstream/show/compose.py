@@ -327,6 +327,20 @@ class Compositor:
         self.close()
 
 
+def frame_times(bounds: Sequence[int], fps: float) -> list[FrameTime]:
+    """Every output frame's (scene, scene time, show time) from the scenes' first frames `bounds`
+    (render.py's: scene k is frames bounds[k]..bounds[k+1]-1, the last entry the frame count)."""
+    fps = float(fps)
+    return [(k, (i - bounds[k]) / fps, i / fps)
+            for k in range(len(bounds) - 1) for i in range(bounds[k], bounds[k + 1])]
+
+
+def scene_clock(bounds: Sequence[int], fps: float) -> tuple[list[float], list[float]]:
+    """(scene_starts, scene_durations) in seconds for build_compositor, from the same `bounds`."""
+    fps = float(fps)
+    return [b / fps for b in bounds[:-1]], [(b - a) / fps for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def logo_sprite(logo: Logo) -> np.ndarray:
     """The logo's RGBA [h, w, 4] at its own size or scaled to `logo.height` (aspect kept), even sizes."""
     w, h, duration = probe_picture(logo.image)
@@ -438,5 +452,5 @@ def build_compositor(show: Show, frame_size: tuple[int, int], fps: float, scene_
     return Compositor(layers, frame_size, device)
 
 
-__all__ = ["Compositor", "FrameTime", "Layer", "Planes", "Sprite", "build_compositor", "fade", "logo_position",
-           "logo_sprite"]
+__all__ = ["Compositor", "FrameTime", "Layer", "Planes", "Sprite", "build_compositor", "fade", "frame_times",
+           "logo_position", "logo_sprite", "scene_clock"]
