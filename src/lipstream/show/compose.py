@@ -1,0 +1,456 @@
+"""The show's layers painted into the render's I420 batches on the device, in the render's own pass.
+
+Blending happens in YUV, in the frames' own matrix: each sprite is converted once (RGB -> limited-range
+Y, U, V, premultiplied by its alpha; chroma and alpha averaged 2x2 to the chroma planes), and a frame
+only pays `out = s*sprite + (1 - s*alpha)*frame` over the sprite's box, for the frames of the batch
+where it shows (s: the fade). Everything outside the boxes, and every frame where a layer does not
+show, is left untouched to the bit. Order: cutaway, pip, lower third, logo, ticker.
+
+Per batch the CPU works out each layer's opacity per frame (and the ticker's offset, a video's frame),
+uploads them as one small tensor, and each layer blends its box over the batch's frames in one go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from lipstream.avatar.colour import rgb_to_yuv, split_i420
+from lipstream.errors import InputError, LipStreamError
+from lipstream.media.pixels import yuv_to_rgb_affine
+from lipstream.show import text as show_text
+from lipstream.show.sources import SourceFrame, VideoSource, fit_box, load_still, probe_picture
+from lipstream.show.spec import Logo, Picture, Show, Span
+
+FrameTime = tuple[int, float, float]  # (scene index, seconds since that scene's start, seconds since the show's)
+Rect = tuple[int, int, int, int]  # x1, y1, x2, y2 (exclusive), even
+
+LOWER_THIRD_MARGIN = 0.05  # of the frame's width (left) and height (above the ticker or the bottom)
+
+
+@dataclass
+class Planes:
+    """Views of a batch's Y [B, H, W], U and V [B, H/2, W/2]: writing them writes the batch."""
+
+    y: torch.Tensor
+    u: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def of(cls, frames: torch.Tensor, height: int, width: int) -> "Planes":
+        return cls(*split_i420(frames, height, width))
+
+
+@dataclass
+class Sprite:
+    """An RGBA picture as premultiplied Y, U, V (code values) and alpha at luma and chroma resolution."""
+
+    y: torch.Tensor  # [h, w] float: Y * alpha
+    u: torch.Tensor  # [h/2, w/2] float: mean over 2x2 of U * alpha
+    v: torch.Tensor
+    a: torch.Tensor  # [h, w] float in [0, 1]
+    ac: torch.Tensor  # [h/2, w/2]: alpha averaged 2x2
+
+    @classmethod
+    def from_rgba(cls, rgba: np.ndarray, matrix: str, device: torch.device) -> "Sprite":
+        """[h, w, 4] (or 3: opaque) uint8 with even h and w -> a Sprite on `device`."""
+        t = torch.from_numpy(np.array(rgba, dtype=np.uint8, copy=True)).to(device)
+        rgb = t[..., :3].permute(2, 0, 1).float() / 255
+        a = t[..., 3].float() / 255 if t.shape[-1] == 4 else torch.ones(t.shape[:2], device=device)
+        yuv = rgb_to_yuv(rgb, matrix) * a
+        pool = lambda x: F.avg_pool2d(x[None], 2)[0]  # noqa: E731
+        chroma = pool(yuv[1:])
+        return cls(yuv[0].contiguous(), chroma[0].contiguous(), chroma[1].contiguous(), a.contiguous(),
+                   pool(a[None])[0].contiguous())
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.y.shape[1], self.y.shape[0]
+
+
+def _blend(region: torch.Tensor, pre: torch.Tensor, alpha: torch.Tensor, s: torch.Tensor) -> None:
+    """region [n, h, w] uint8 (a view, written in place) <- s*pre + (1 - s*alpha)*region; s [n, 1, 1]."""
+    out = region.float().mul_(1 - alpha * s).add_(pre * s)
+    region.copy_(out.round_().clamp_(0, 255))
+
+
+def _paint_sprite(planes: Planes, lo: int, hi: int, sprite: Sprite, x: int, y: int, s: torch.Tensor) -> None:
+    """Blend `sprite` at (x, y) (even) into frames lo:hi, with opacity s [hi-lo]."""
+    w, h = sprite.size
+    s = s.view(-1, 1, 1)
+    _blend(planes.y[lo:hi, y:y + h, x:x + w], sprite.y, sprite.a, s)
+    cx, cy, cw, ch = x // 2, y // 2, w // 2, h // 2
+    _blend(planes.u[lo:hi, cy:cy + ch, cx:cx + cw], sprite.u, sprite.ac, s)
+    _blend(planes.v[lo:hi, cy:cy + ch, cx:cx + cw], sprite.v, sprite.ac, s)
+
+
+class Layer(Protocol):
+    """One kind of thing painted over the presenters. `plan` runs on the CPU per batch: each frame's
+    opacity (0: not painted) and a layer-specific number (the ticker's x, a video's frame), or None when
+    the layer shows in none of the batch's frames. `paint` blends frames lo:hi (the first to the last
+    frame with opacity > 0) with those numbers as tensors on the device."""
+
+    def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None: ...
+
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def fade(span: Span, end: float, t: float) -> float:
+    """Opacity at `t` seconds into the scene of a layer shown over [span.start, end): 0 before and from
+    `end`, a linear ramp over span.fade seconds after the start and before the end, 1 between."""
+    if t < span.start or t >= end:
+        return 0.0
+    if span.fade <= 0:
+        return 1.0
+    return max(0.0, min(1.0, (t - span.start) / span.fade, (end - t) / span.fade))
+
+
+class SceneSpan:
+    """When a per-scene layer shows: scene `scene`, over its span (end None: the scene's end)."""
+
+    def __init__(self, scene: int, span: Span, scene_duration: float):
+        self.scene, self.span = scene, span
+        self.end = min(span.end if span.end is not None else scene_duration, scene_duration)
+
+    def __call__(self, ft: FrameTime) -> float:
+        return fade(self.span, self.end, ft[1]) if ft[0] == self.scene else 0.0
+
+
+def _always(ft: FrameTime) -> float:
+    return 1.0
+
+
+class SpriteLayer:
+    """A fixed sprite at a fixed place: a lower third, the logo, a still pip or cutaway."""
+
+    def __init__(self, sprite: Sprite, at: tuple[int, int], when: Callable[[FrameTime], float]):
+        self.sprite, self.at, self.when = sprite, at, when
+
+    def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
+        op = [self.when(t) for t in times]
+        return (op, [0.0] * len(op)) if any(op) else None
+
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
+        _paint_sprite(planes, lo, hi, self.sprite, *self.at, opacity)
+
+    def close(self) -> None:
+        pass
+
+
+class TickerLayer:
+    """The band at the bottom and the text strip scrolling over it, right to left: at show time t the
+    strip's left edge is at W - (speed * t mod (strip width + W)), so it enters at the right edge, leaves
+    at the left and starts again. Offsets are even (chroma), so the text moves in steps of 2 px."""
+
+    def __init__(self, band: Sprite, strip: Sprite, frame_size: tuple[int, int], speed: float):
+        self.band, self.strip, self.speed = band, strip, float(speed)
+        self.width, self.height = frame_size
+        self.top = self.height - band.size[1]
+        dev = band.y.device
+        self._cols = torch.arange(self.width, device=dev)
+        self._ccols = torch.arange(self.width // 2, device=dev)
+
+    def x_at(self, show_t: float) -> int:
+        """The strip's left edge (even) at `show_t`."""
+        period = self.strip.size[0] + self.width
+        return 2 * round((self.width - (self.speed * show_t) % period) / 2)
+
+    def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
+        return [1.0] * len(times), [float(self.x_at(t[2])) for t in times]
+
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
+        _paint_sprite(planes, lo, hi, self.band, 0, self.top, opacity)
+        x = aux.long()[:, None]
+        sw, s = self.strip.size[0], opacity.view(-1, 1, 1)
+        for plane, cols, top, width, pre, alpha in (
+                (planes.y, self._cols, self.top, sw, self.strip.y, self.strip.a),
+                (planes.u, self._ccols, self.top // 2, sw // 2, self.strip.u, self.strip.ac),
+                (planes.v, self._ccols, self.top // 2, sw // 2, self.strip.v, self.strip.ac)):
+            idx = cols[None] - (x if plane is planes.y else x // 2)  # [n, W]: the strip's column at each column
+            inside = ((idx >= 0) & (idx < width)).to(alpha.dtype)[:, None]  # [n, 1, W]
+            idx = idx.clamp_(0, width - 1)
+            gather = lambda m: m[:, idx].permute(1, 0, 2)  # noqa: E731  [h, W] -> [n, h, W]
+            _blend(plane[lo:hi, top:top + pre.shape[0]], gather(pre) * inside, gather(alpha) * inside, s)
+
+    def close(self) -> None:
+        pass
+
+
+class VideoLayer:
+    """A video pip or cutaway: the frame of the source shown at each output frame's time, in `rect`,
+    opaque (times the fade); a cutaway also paints `bars` black. A decoded frame is uploaded once, when
+    it first shows (a frame held across batches is kept on the device)."""
+
+    def __init__(self, source: VideoSource, rect: Rect, when: SceneSpan, matrix: str, device: torch.device,
+                 bars: Sequence[Rect] = ()):
+        self.source, self.rect, self.when, self.matrix, self.device = source, rect, when, matrix, device
+        self.cuda = device.type == "cuda"
+        w, h = rect[2] - rect[0], rect[3] - rect[1]
+        black = np.zeros((2, 2, 3), np.uint8)
+        self.bars = [(SpriteLayer(Sprite.from_rgba(np.broadcast_to(black[:1, :1], (b[3] - b[1], b[2] - b[0], 3)),
+                                                    matrix, device), (b[0], b[1]), when)) for b in bars]
+        self._staged: list[SourceFrame] = []
+        self._cached: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (source index, YUV planes [1, ...])
+        self._staged_index: list[int] = []
+        self.size = (w, h)
+        self.uploads = 0  # frames uploaded (tests read it)
+
+    def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
+        op = [self.when(t) for t in times]
+        if not any(op):
+            return None
+        self._staged, self._staged_index = [], []
+        aux = [0.0] * len(op)
+        for i, (ft, o) in enumerate(zip(times, op)):
+            if o <= 0:
+                continue
+            picture = self.source.frame_at(ft[1] - self.when.span.start)
+            if not self._staged_index or self._staged_index[-1] != self.source.index:
+                self._staged.append(picture)
+                self._staged_index.append(self.source.index)
+            aux[i] = float(len(self._staged) - 1)
+        return op, aux
+
+    def _upload(self) -> tuple[torch.Tensor, ...]:
+        """The staged frames as (Y, U, V) [k, ...] float at the rect's size on the device, the cached
+        one reused."""
+        reuse = self._cached is not None and self._cached[0] == self._staged_index[0]
+        fresh = self._staged[1:] if reuse else self._staged
+        parts = [self._cached[1]] if reuse else []
+        k = 0
+        while k < len(fresh):  # runs of frames of one layout, size and matrix: one upload each
+            j = k + 1
+            while j < len(fresh) and _kind(fresh[j]) == _kind(fresh[k]):
+                j += 1
+            parts.append(self._convert(fresh[k:j]))
+            k = j
+        self.uploads += len(fresh)
+        planes = tuple(torch.cat([p[c] for p in parts]) if len(parts) > 1 else parts[0][c] for c in range(3))
+        self._cached = (self._staged_index[-1], tuple(p[-1:] for p in planes))
+        return planes
+
+    def _convert(self, frames: list[SourceFrame]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Frames of one kind -> (Y, U, V) float [k, h, w], [k, h/2, w/2] at the rect's size, in the
+        frames' matrix: I420 is scaled plane by plane on the device (and re-matrixed if its matrix is not
+        the frames'), RGB is converted."""
+        host = torch.from_numpy(np.stack([f.pixels for f in frames]))
+        if self.cuda:
+            host = host.pin_memory()
+        t = host.to(self.device, non_blocking=self.cuda)
+        w, h = self.size
+        if frames[0].layout == "rgb":
+            yuv = rgb_to_yuv(t.permute(0, 3, 1, 2).float().div_(255), self.matrix)
+            chroma = F.avg_pool2d(yuv[:, 1:], 2)
+            return yuv[:, 0], chroma[:, 0], chroma[:, 1]
+        sh = t.shape[1] * 2 // 3
+        y, u, v = split_i420(t, sh, t.shape[2])
+        scale = lambda p, size: F.interpolate(p.float()[:, None], size=size, mode="bilinear",  # noqa: E731
+                                              antialias=True, align_corners=False)[:, 0]
+        y, u, v = scale(y, (h, w)), scale(u, (h // 2, w // 2)), scale(v, (h // 2, w // 2))
+        if frames[0].matrix != self.matrix:  # via RGB, at full resolution
+            up = lambda c: c.repeat_interleave(2, -2).repeat_interleave(2, -1)  # noqa: E731
+            affine = torch.from_numpy(yuv_to_rgb_affine(frames[0].matrix)).float().to(self.device)
+            rgb = torch.stack([y, up(u), up(v)], -1) @ affine[:, :3].T + affine[:, 3]
+            yuv = rgb_to_yuv(rgb.clamp_(0, 255).div_(255).permute(0, 3, 1, 2), self.matrix)
+            chroma = F.avg_pool2d(yuv[:, 1:], 2)
+            y, u, v = yuv[:, 0], chroma[:, 0], chroma[:, 1]
+        return y, u, v
+
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
+        for bar in self.bars:
+            bar.paint(planes, lo, hi, opacity, aux)
+        ys, us, vs = self._upload()
+        pick = aux.long()
+        s = opacity.view(-1, 1, 1)
+        x1, y1, x2, y2 = self.rect
+        for plane, src, (a, b, c, d) in ((planes.y, ys, (x1, y1, x2, y2)),
+                                         (planes.u, us, (x1 // 2, y1 // 2, x2 // 2, y2 // 2)),
+                                         (planes.v, vs, (x1 // 2, y1 // 2, x2 // 2, y2 // 2))):
+            region = plane[lo:hi, b:d, a:c]
+            out = torch.lerp(region.float(), src[pick], s)
+            region.copy_(out.round_().clamp_(0, 255))
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _kind(frame: SourceFrame) -> tuple:
+    return frame.layout, frame.pixels.shape, frame.matrix
+
+
+class Compositor:
+    """The show's layers over a render's frames. Use `apply` on every batch, in order; `close` at the end
+    (stops the video decoders)."""
+
+    def __init__(self, layers: list[Layer], frame_size: tuple[int, int], device: torch.device):
+        self.layers = layers
+        self.width, self.height = frame_size
+        self.device = device
+
+    def apply(self, frames: torch.Tensor, times: Sequence[FrameTime]) -> torch.Tensor:
+        """Paint the layers into `frames` [B, H*3/2, W] uint8 I420 on the device, in place (returned):
+        frame i is at `times[i]` = (scene index, seconds into that scene, seconds into the show)."""
+        if frames.shape[0] != len(times):
+            raise ValueError(f"{frames.shape[0]} frames and {len(times)} times")
+        if not frames.is_contiguous():
+            frames = frames.contiguous()
+        plans = [(layer, p) for layer in self.layers if (p := layer.plan(times)) is not None]
+        if not plans:
+            return frames
+        rows = torch.tensor([row for _, p in plans for row in p], dtype=torch.float32)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory()
+        rows = rows.to(self.device, non_blocking=self.device.type == "cuda")
+        planes = Planes.of(frames, self.height, self.width)
+        for k, (layer, (op, _)) in enumerate(plans):
+            shown = [i for i, o in enumerate(op) if o > 0]
+            lo, hi = shown[0], shown[-1] + 1
+            layer.paint(planes, lo, hi, rows[2 * k, lo:hi], rows[2 * k + 1, lo:hi])
+        return frames
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.close()
+
+    def __enter__(self) -> "Compositor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def frame_times(bounds: Sequence[int], fps: float) -> list[FrameTime]:
+    """Every output frame's (scene, scene time, show time) from the scenes' first frames `bounds`
+    (render.py's: scene k is frames bounds[k]..bounds[k+1]-1, the last entry the frame count)."""
+    fps = float(fps)
+    return [(k, (i - bounds[k]) / fps, i / fps)
+            for k in range(len(bounds) - 1) for i in range(bounds[k], bounds[k + 1])]
+
+
+def scene_clock(bounds: Sequence[int], fps: float) -> tuple[list[float], list[float]]:
+    """(scene_starts, scene_durations) in seconds for build_compositor, from the same `bounds`."""
+    fps = float(fps)
+    return [b / fps for b in bounds[:-1]], [(b - a) / fps for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def logo_sprite(logo: Logo) -> np.ndarray:
+    """The logo's RGBA [h, w, 4] at its own size or scaled to `logo.height` (aspect kept), even sizes."""
+    w, h, duration = probe_picture(logo.image)
+    if duration is not None:
+        raise InputError(logo.image, "is a video; a logo is a still image (PNG keeps its transparency)")
+    if logo.height:
+        w, h = w * logo.height / h, logo.height
+    return load_still(logo.image, (show_text.even(w), show_text.even(h)))
+
+
+def logo_position(size: tuple[int, int], corner: str, margin: int, frame_size: tuple[int, int],
+                  bottom_reserved: int = 0) -> tuple[int, int]:
+    """Top-left (even) of a `size` logo at `corner`, `margin` px from both edges (a bottom corner sits
+    above `bottom_reserved` rows: the ticker's band)."""
+    (w, h), (fw, fh) = size, frame_size
+    x = margin if corner.endswith("left") else fw - margin - w
+    y = margin if corner.startswith("top") else fh - bottom_reserved - margin - h
+    x, y = x // 2 * 2, y // 2 * 2
+    if x < 0 or y < 0 or x + w > fw or y + h > fh - (0 if corner.startswith("top") else bottom_reserved):
+        raise LipStreamError(f"logo: {w} x {h} px with a {margin} px margin does not fit the {fw} x {fh} frame "
+                             f"at {corner}; give it a smaller height or margin")
+    return x, y
+
+
+def _check_box(box: tuple[int, int, int, int], frame_size: tuple[int, int], what: str) -> None:
+    x1, y1, x2, y2 = box
+    if not (0 <= x1 < x2 <= frame_size[0] and 0 <= y1 < y2 <= frame_size[1]):
+        raise LipStreamError(f"{what}: box {list(box)} is not inside the {frame_size[0]} x {frame_size[1]} frame")
+
+
+def _picture_layer(pic: Picture, when: SceneSpan, frame_size: tuple[int, int], matrix: str,
+                   device: torch.device) -> Layer:
+    fw, fh = frame_size
+    full = pic.box is None
+    box = (0, 0, fw, fh) if full else pic.box
+    _check_box(box, frame_size, "cutaway" if full else "pip")
+    w, h, duration = probe_picture(pic.source)
+    rect = fit_box(w, h, box)
+    size = (rect[2] - rect[0], rect[3] - rect[1])
+    if duration is None:
+        rgba = load_still(pic.source, size)
+        if not full:
+            return SpriteLayer(Sprite.from_rgba(rgba, matrix, device), rect[:2], when)
+        canvas = Image.new("RGBA", (fw, fh), (0, 0, 0, 255))  # letterboxed / pillarboxed on black
+        canvas.alpha_composite(Image.fromarray(rgba), rect[:2])
+        return SpriteLayer(Sprite.from_rgba(np.asarray(canvas), matrix, device), (0, 0), when)
+    bars: list[Rect] = []
+    if full:
+        x1, y1, x2, y2 = rect
+        bars = [b for b in ((0, 0, fw, y1), (0, y2, fw, fh), (0, y1, x1, y2), (x2, y1, fw, y2))
+                if b[2] > b[0] and b[3] > b[1]]
+    return VideoLayer(VideoSource(pic.source, size, loop=pic.loop), rect, when, matrix, device, bars)
+
+
+def build_compositor(show: Show, frame_size: tuple[int, int], fps: float, scene_starts: Sequence[float],
+                     scene_durations: Sequence[float], matrix: str,
+                     device: torch.device | str = "cpu") -> Compositor | None:
+    """The show's layers for frames of `frame_size` (w, h, even) in `matrix` on `device`, every sprite
+    rendered, converted and uploaded now (a bad file fails here, before any frame); None when the show
+    paints nothing, so the render pays nothing. `scene_starts`/`scene_durations`: seconds, per scene of
+    the program (a layer's `to:` defaults to its scene's end). `fps` is the frames' rate: times come with
+    each batch (apply's `times`), so it only checks they are the render's."""
+    if not show.visual():
+        return None
+    device = torch.device(device)
+    fw, fh = frame_size
+    if not float(fps) > 0:
+        raise ValueError(f"fps {fps!r}")
+    if fw % 2 or fh % 2:
+        raise ValueError(f"frame_size {frame_size!r}: I420 needs even sizes")
+    if len(show.scenes) > len(scene_durations) or len(scene_starts) != len(scene_durations):
+        raise ValueError(f"{len(show.scenes)} scenes of layers, {len(scene_starts)} starts and "
+                         f"{len(scene_durations)} durations")
+    layers: list[Layer] = []
+    try:
+        spans = [[SceneSpan(k, x.span, scene_durations[k]) if x else None for x in (s.cutaway, s.pip, s.lower_third)]
+                 for k, s in enumerate(show.scenes)]
+        for k, s in enumerate(show.scenes):  # cutaways, then pips: each kind over the one before
+            if s.cutaway:
+                layers.append(_picture_layer(s.cutaway, spans[k][0], frame_size, matrix, device))
+        for k, s in enumerate(show.scenes):
+            if s.pip:
+                layers.append(_picture_layer(s.pip, spans[k][1], frame_size, matrix, device))
+        band_h = show_text.ticker_band_height(fh) if show.ticker else 0
+        for k, s in enumerate(show.scenes):
+            if s.lower_third:
+                problem = show_text.lower_third_problem(s.lower_third, fw, fh, show.font)
+                if problem:
+                    raise LipStreamError(problem)
+                rgba = show_text.lower_third_sprite(s.lower_third, fw, fh, show.font)
+                x = show_text.even(LOWER_THIRD_MARGIN * fw)
+                y = (fh - band_h - show_text.even(LOWER_THIRD_MARGIN * fh) - rgba.shape[0]) // 2 * 2
+                layers.append(SpriteLayer(Sprite.from_rgba(rgba, matrix, device), (x, max(0, y)), spans[k][2]))
+        if show.logo:
+            rgba = logo_sprite(show.logo)
+            at = logo_position((rgba.shape[1], rgba.shape[0]), show.logo.corner, show.logo.margin, frame_size, band_h)
+            layers.append(SpriteLayer(Sprite.from_rgba(rgba, matrix, device), at, _always))
+        if show.ticker:
+            problem = show_text.ticker_problem(show.ticker.text, fw, fh, show.font)
+            if problem:
+                raise LipStreamError(problem)
+            band, strip = show_text.ticker_strip(show.ticker.text, fw, fh, show.font)
+            layers.append(TickerLayer(Sprite.from_rgba(band, matrix, device), Sprite.from_rgba(strip, matrix, device),
+                                      frame_size, show.ticker.speed))
+    except BaseException:
+        for layer in layers:
+            layer.close()
+        raise
+    return Compositor(layers, frame_size, device)
+
+
+__all__ = ["Compositor", "FrameTime", "Layer", "Planes", "Sprite", "build_compositor", "fade", "frame_times",
+           "logo_position", "logo_sprite", "scene_clock"]
