@@ -43,7 +43,10 @@ from lipstream.models.config import SAMPLE_RATE
 from lipstream.options import RenderOptions
 from lipstream.preflight import check_output_path, resolve_avatar
 from lipstream.rates import AUDIO_RATE
-from lipstream.script import Program
+from lipstream.script import Program, Scene
+from lipstream.show.compose import Compositor, build_compositor, scene_clock
+from lipstream.show.mix import mix_music
+from lipstream.show.tts import Voice, pick_voice
 
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks
@@ -80,6 +83,8 @@ class Item:
     main: FrameRequest
     previous: FrameRequest | None = None
     weight: float = 1.0
+    scene: int = 0  # which scene of the program it belongs to (the show's layers are per scene)
+    local: int = 0  # its frame number from that scene's start
 
 
 @dataclass
@@ -110,6 +115,7 @@ class RenderPlan:
     matrix: str  # the colour matrix the frames were blended in
     t0: float  # perf_counter() at the start
     timings: dict[str, float] = field(default_factory=dict)
+    compositor: Compositor | None = None  # the show's layers (None: none paints, the render pays nothing)
 
 
 def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
@@ -118,12 +124,17 @@ def load_speech(path: Path, device: torch.device) -> tuple[torch.Tensor, np.ndar
     return resample(mono.to(device), rate, SAMPLE_RATE), resample(mono, rate, AUDIO_RATE).numpy()
 
 
-def decode_speech(paths: list[Path]) -> list[tuple[torch.Tensor, int, np.ndarray]]:
-    """Each file's mono samples at its own rate and at 48 kHz (the output's track), all on the CPU: the part
-    of the audio that needs no GPU, so it runs beside the graph capture."""
+def decode_speech(scenes: list[Scene], voice: Voice | None = None) -> list[tuple[torch.Tensor, int, np.ndarray]]:
+    """Each scene's mono speech at its own rate and at 48 kHz (the output's track), all on the CPU: the part
+    of the audio that needs no GPU, so it runs beside the graph capture. A text scene is spoken by `voice`
+    (the TTS), in memory: no file is written."""
     out = []
-    for path in paths:
-        mono, rate = load_mono(path)
+    for scene in scenes:
+        if scene.text is not None:
+            samples, rate = voice.speak(scene.text)
+            mono = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
+        else:
+            mono, rate = load_mono(scene.audio)
         out.append((mono, rate, resample(mono, rate, AUDIO_RATE).numpy()))
     return out
 
@@ -165,7 +176,7 @@ def plan(program: Program, avatars: dict[str, int], engine: FrameEngine, fps: Fr
 
     for k, scene in enumerate(program.scenes):
         for local in range(bounds[k + 1] - bounds[k]):
-            item = Item(request(k, local, scene_windows[k][local]))
+            item = Item(request(k, local, scene_windows[k][local]), scene=k, local=local)
             if k > 0 and local < scene.crossfade:  # the previous scene's camera runs on, mouth at rest
                 prev_local = bounds[k] - bounds[k - 1] + local
                 item.previous = request(k - 1, prev_local, silence)
@@ -206,7 +217,9 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
     avatars_dir = program.avatars_dir or options.avatars_dir
     folders = {shot.avatar: resolve_avatar(shot.avatar, avatars_dir) for scene in program.scenes for shot in scene.shots}
     fps = Fraction(options.fps or program.fps or read_meta(folders[program.scenes[0].shots[0].avatar])["fps"])
-    decoding = _Background(decode_speech, [scene.audio for scene in program.scenes])
+    show = program.show
+    voice = pick_voice(show.voice) if any(scene.text is not None for scene in program.scenes) else None
+    decoding = _Background(decode_speech, program.scenes, voice)
 
     indices: dict[str, int] = {}
     load = resident_avatar if options.resident else functools.partial(load_avatar, background=True)
@@ -229,6 +242,8 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
     starts = np.cumsum([0] + [s[1].size for s in speech])
     bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
     bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
+    if show.music is not None:  # the bed under the speech, ducked where it speaks
+        samples48 = mix_music(samples48, show.music, AUDIO_RATE)
     scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
                      for k, (s16, _) in enumerate(speech)]
     silence = None  # the mouth at rest, for the outgoing scene of a crossfade
@@ -237,17 +252,20 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
         silence = audio_windows(quiet, fps)[int(fps) // 2]
     t_audio = time.perf_counter()
     items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
+    compositor = build_compositor(show, (width, height), float(fps), *scene_clock(bounds, fps),
+                                  first.meta["colour_matrix"], device)
     # decode_wait_s: how long the decode outlasted the capture (0 when it was hidden behind it)
     timings = {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "decode_wait_s": t_decoded - t_warm,
                "audio_s": t_audio - t_decoded, "plan_s": time.perf_counter() - t_audio}
-    return RenderPlan(engine, items, samples48, fps, (width, height), first.meta["colour_matrix"], t0, timings)
+    return RenderPlan(engine, items, samples48, fps, (width, height), first.meta["colour_matrix"], t0, timings,
+                      compositor)
 
 
 def write(render: RenderPlan, output: Path, options: RenderOptions, *,
           writer: Callable[..., VideoWriter] = MP4Writer,
           on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
     """Run the plan into `output` through `writer` (an MP4Writer with the options' x264 settings)."""
-    engine, items, t0 = render.engine, render.items, render.t0
+    engine, items, t0, fps = render.engine, render.items, render.t0, render.fps
     width, height = render.size
     report = RenderReport(output, len(items), render.fps, float(Fraction(render.audio48.size, AUDIO_RATE)), 0.0,
                           0.0, dict(render.timings))
@@ -296,6 +314,10 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                             extra += 1
                         out.append(frame)
                     batch = torch.stack(out)
+                if render.compositor is not None:  # the show's layers, on the device, before the copy out
+                    with torch.inference_mode():  # the engine's frames are inference tensors, painted in place
+                        batch = render.compositor.apply(
+                            batch, [(i.scene, float(i.local / fps), float((start + j) / fps)) for j, i in enumerate(chunk)])
                 t1 = time.perf_counter()
                 k = free.get()
                 t2 = time.perf_counter()
@@ -375,5 +397,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
             except queue.Empty:
                 producer.join(timeout=0.05)
         bar.close()
+        if render.compositor is not None:
+            render.compositor.close()
     report.wall_s = time.perf_counter() - t0
     return report

@@ -78,6 +78,10 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     machine_options(device, random_size)
     metas = check_program(program, options.avatars_dir, output)
     check_show(program, frame_size_of(metas.values()), declared_durations(program) if program.show.visual() else None)
+    if any(scene.text is not None for scene in program.scenes):  # the voice checked (and named) before networks
+        from lipstream.show.tts import pick_voice
+
+        err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
     check_models(models, random_weights)
     t_checked = process_age()
 
