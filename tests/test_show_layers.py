@@ -427,3 +427,15 @@ def test_through_a_real_encode_and_decode(tmp_path):
     for k in range(n):
         assert nearest(pixels[k][cy, cx]) == int(k / FPS * 10 + 1e-6)
         assert np.abs(pixels[k][40, 60] - [255, 200, 0]).max() <= 12  # the logo, inside its box
+
+
+def test_decoded_planes_copied_exactly(tmp_path):
+    """The decoder thread's own plane copy (into pinned memory on CUDA) is PyAV's packed I420, padded
+    lines (a 202 px wide frame: 256-byte lines) included."""
+    from lipstream.show.sources import _i420
+
+    video = write_video(tmp_path / "odd.mp4", 3, 10, size=(202, 150))
+    with av.open(str(video)) as c:
+        for frame in c.decode(video=0):
+            assert frame.planes[0].line_size != 202
+            assert np.array_equal(_i420(frame, False).pixels, frame.to_ndarray())

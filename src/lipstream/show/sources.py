@@ -22,6 +22,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from lipstream.errors import InputError, check_file
@@ -114,6 +115,7 @@ class SourceFrame:
     pixels: np.ndarray
     layout: str
     matrix: str | None = None
+    pinned: "torch.Tensor | None" = None  # `pixels`' memory as a pinned tensor, for an async upload to CUDA
 
     def rgb(self, size: tuple[int, int]) -> np.ndarray:
         """The frame as RGB [h, w, 3] uint8 at `size` (w, h), on the CPU (for tests and CPU consumers)."""
@@ -129,6 +131,20 @@ def _device_path(frame: av.VideoFrame) -> str | None:
     return _MATRIX_OF_COLORSPACE.get(int(frame.colorspace))
 
 
+def _i420(frame: av.VideoFrame, pin: bool) -> SourceFrame:
+    """The frame's planes copied once, straight into packed I420 (in pinned memory when `pin`)."""
+    w, h = frame.width, frame.height
+    pinned = torch.empty((h * 3 // 2, w), dtype=torch.uint8, pin_memory=True) if pin else None
+    out = pinned.numpy() if pinned is not None else np.empty((h * 3 // 2, w), np.uint8)
+    flat = out.reshape(-1)
+    at = 0
+    for plane, (pw, ph) in zip(frame.planes, ((w, h), (w // 2, h // 2), (w // 2, h // 2))):
+        src = np.frombuffer(plane, np.uint8)[: plane.line_size * ph].reshape(ph, plane.line_size)[:, :pw]
+        np.copyto(flat[at:at + pw * ph].reshape(ph, pw), src)
+        at += pw * ph
+    return SourceFrame(out, "i420", _device_path(frame), pinned)
+
+
 @dataclass
 class _Frame:
     start: float  # seconds since the video's first frame, including the loops before it
@@ -142,13 +158,16 @@ class VideoSource:
     A thread decodes ahead into a small queue; with `loop` it starts the file again at its end, each
     pass's timestamps offset by the previous passes' length, so the stream of frames the reader sees is
     endless and monotonic. A request for an earlier time than the last one starts the file afresh.
-    `raw` False: every frame through swscale to RGB at `size` (the CPU path, whatever the source)."""
+    `raw` False: every frame through swscale to RGB at `size` (the CPU path, whatever the source).
+    `pin`: I420 frames land in pinned memory (the decoder thread's one copy; the upload is then async)."""
 
-    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True):
+    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True,
+                 pin: bool = False):
         self.path = check_file(path, "picture")
         self.size = (int(size[0]), int(size[1]))
         self.loop = loop
         self.raw = raw
+        self.pin = pin and torch.cuda.is_available()
         self.decoded = 0  # frames the decoder has converted (tests read it)
         self._thread: threading.Thread | None = None
         self._start()
@@ -201,7 +220,7 @@ class VideoSource:
                         last = t
                         matrix = _device_path(frame) if self.raw else None
                         if matrix:
-                            picture = SourceFrame(frame.to_ndarray(), "i420", matrix)
+                            picture = _i420(frame, self.pin)
                         else:
                             picture = SourceFrame(frame.to_ndarray(format="rgb24", width=w, height=h,
                                                                    interpolation="AREA"), "rgb")
