@@ -439,3 +439,20 @@ def test_decoded_planes_copied_exactly(tmp_path):
         for frame in c.decode(video=0):
             assert frame.planes[0].line_size != 202
             assert np.array_equal(_i420(frame, False).pixels, frame.to_ndarray())
+
+
+def test_video_decoder_starts_a_scene_ahead_and_stops_after(tmp_path):
+    video = write_video(tmp_path / "clip.mp4", 8, 10)
+    show = Show(scenes=[SceneLayers(), SceneLayers(), SceneLayers(pip=Picture(video, (0, 0, 64, 48))), SceneLayers()])
+    comp = build_compositor(show, (W, H), FPS, [0.0, 1.0, 2.0, 3.0], [1.0] * 4, MATRIX)
+    source = comp.layers[0].source
+    with comp:
+        comp.apply(gradient(1), [(0, 0.5, 0.5)])
+        assert not source.started  # two scenes ahead: nothing decoded, nothing held
+        comp.apply(gradient(1), [(1, 0.5, 1.5)])
+        assert source.started
+        src = gradient(1)
+        out = comp.apply(src.clone(), [(2, 0.5, 2.5)])
+        assert nearest(rgb(out)[0][24, 32]) == 5
+        comp.apply(gradient(1), [(3, 0.1, 3.1)])
+        assert not source.started

@@ -204,6 +204,11 @@ class VideoLayer:
         self.uploads = 0  # frames uploaded (tests read it)
 
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
+        scenes = {ft[0] for ft in times}
+        if not self.source.started and max(scenes) >= self.when.scene - 1:
+            self.source.start()  # from the scene before: decoded ahead by the time it shows
+        if self.source.started and min(scenes) > self.when.scene:
+            self.source.close()  # its scene is over: the decoder and its pinned frames go
         op = [self.when(t) for t in times]
         if not any(op):
             return None
@@ -401,7 +406,7 @@ def _picture_layer(pic: Picture, when: SceneSpan, frame_size: tuple[int, int], m
         x1, y1, x2, y2 = rect
         bars = [b for b in ((0, 0, fw, y1), (0, y2, fw, fh), (0, y1, x1, y2), (x2, y1, fw, y2))
                 if b[2] > b[0] and b[3] > b[1]]
-    source = VideoSource(pic.source, size, loop=pic.loop, pin=device.type == "cuda")
+    source = VideoSource(pic.source, size, loop=pic.loop, pin=device.type == "cuda", start=when.scene == 0)
     return VideoLayer(source, rect, when, matrix, device, bars)
 
 

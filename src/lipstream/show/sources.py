@@ -30,7 +30,8 @@ from lipstream.media.demux import open_input
 from lipstream.media.pixels import i420_to_rgb
 
 STILL_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
-READ_AHEAD = 6  # decoded frames waiting per video
+READ_AHEAD_BYTES = 96 << 20  # decoded frames waiting per video: a render's batch of 1080p I420 frames,
+READ_AHEAD_FRAMES = (6, 64)  # so the decoder works while the GPU renders, not while the batch waits
 EPS = 1e-6  # seconds: a frame starting within this of t covers t (float times of the same rational)
 
 Box = tuple[int, int, int, int]
@@ -162,7 +163,7 @@ class VideoSource:
     `pin`: I420 frames land in pinned memory (the decoder thread's one copy; the upload is then async)."""
 
     def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True,
-                 pin: bool = False):
+                 pin: bool = False, start: bool = True):
         self.path = check_file(path, "picture")
         self.size = (int(size[0]), int(size[1]))
         self.loop = loop
@@ -170,11 +171,25 @@ class VideoSource:
         self.pin = pin and torch.cuda.is_available()
         self.decoded = 0  # frames the decoder has converted (tests read it)
         self._thread: threading.Thread | None = None
-        self._start()
+        self._closed = False
+        w, h, _ = probe_picture(self.path)
+        lo, hi = READ_AHEAD_FRAMES
+        self.read_ahead = max(lo, min(hi, READ_AHEAD_BYTES // (w * h * 3 // 2)))
+        if start:
+            self._start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start decoding ahead now (frame_at starts it too), e.g. a scene before the video shows."""
+        if self._thread is None and not self._closed:
+            self._start()
 
     def _start(self) -> None:
         self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
+        self._queue: queue.Queue = queue.Queue(maxsize=self.read_ahead)
         self._current: _Frame | None = None
         self._next: _Frame | BaseException | None = None
         self._ended = False
@@ -255,8 +270,11 @@ class VideoSource:
     def frame_at(self, t: float) -> SourceFrame:
         """The frame shown at `t` seconds since the span's start (t < 0: the first). The same object
         comes back while the frame does not change (`index` counts the frames returned)."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: frame_at after close")
+        self.start()
         if self._current is not None and self._current.start > 0 and t + EPS < self._current.start:
-            self.close()
+            self._halt()
             self._start()
         if self._current is None:
             self._current = self._pull()
@@ -273,7 +291,13 @@ class VideoSource:
         return self._current.picture
 
     def close(self) -> None:
-        """Stop the decoder thread (the file closes with it)."""
+        """Stop the decoder thread for good (the file closes with it)."""
+        self._closed = True
+        self._halt()
+
+    def _halt(self) -> None:
+        if self._thread is None:
+            return
         self._stop.set()
         try:
             while True:
