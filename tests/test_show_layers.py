@@ -427,3 +427,32 @@ def test_through_a_real_encode_and_decode(tmp_path):
     for k in range(n):
         assert nearest(pixels[k][cy, cx]) == int(k / FPS * 10 + 1e-6)
         assert np.abs(pixels[k][40, 60] - [255, 200, 0]).max() <= 12  # the logo, inside its box
+
+
+def test_decoded_planes_copied_exactly(tmp_path):
+    """The decoder thread's own plane copy (into pinned memory on CUDA) is PyAV's packed I420, padded
+    lines (a 202 px wide frame: 256-byte lines) included."""
+    from lipstream.show.sources import _i420
+
+    video = write_video(tmp_path / "odd.mp4", 3, 10, size=(202, 150))
+    with av.open(str(video)) as c:
+        for frame in c.decode(video=0):
+            assert frame.planes[0].line_size != 202
+            assert np.array_equal(_i420(frame, False).pixels, frame.to_ndarray())
+
+
+def test_video_decoder_starts_a_scene_ahead_and_stops_after(tmp_path):
+    video = write_video(tmp_path / "clip.mp4", 8, 10)
+    show = Show(scenes=[SceneLayers(), SceneLayers(), SceneLayers(pip=Picture(video, (0, 0, 64, 48))), SceneLayers()])
+    comp = build_compositor(show, (W, H), FPS, [0.0, 1.0, 2.0, 3.0], [1.0] * 4, MATRIX)
+    source = comp.layers[0].source
+    with comp:
+        comp.apply(gradient(1), [(0, 0.5, 0.5)])
+        assert not source.started  # two scenes ahead: nothing decoded, nothing held
+        comp.apply(gradient(1), [(1, 0.5, 1.5)])
+        assert source.started
+        src = gradient(1)
+        out = comp.apply(src.clone(), [(2, 0.5, 2.5)])
+        assert nearest(rgb(out)[0][24, 32]) == 5
+        comp.apply(gradient(1), [(3, 0.1, 3.1)])
+        assert not source.started

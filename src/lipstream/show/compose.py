@@ -204,6 +204,11 @@ class VideoLayer:
         self.uploads = 0  # frames uploaded (tests read it)
 
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
+        scenes = {ft[0] for ft in times}
+        if not self.source.started and max(scenes) >= self.when.scene - 1:
+            self.source.start()  # from the scene before: decoded ahead by the time it shows
+        if self.source.started and min(scenes) > self.when.scene:
+            self.source.close()  # its scene is over: the decoder and its pinned frames go
         op = [self.when(t) for t in times]
         if not any(op):
             return None
@@ -241,10 +246,15 @@ class VideoLayer:
         """Frames of one kind -> (Y, U, V) float [k, h, w], [k, h/2, w/2] at the rect's size, in the
         frames' matrix: I420 is scaled plane by plane on the device (and re-matrixed if its matrix is not
         the frames'), RGB is converted."""
-        host = torch.from_numpy(np.stack([f.pixels for f in frames]))
-        if self.cuda:
-            host = host.pin_memory()
-        t = host.to(self.device, non_blocking=self.cuda)
+        if self.cuda and all(f.pinned is not None for f in frames):  # decoded into pinned memory: async copies
+            t = torch.empty((len(frames), *frames[0].pixels.shape), dtype=torch.uint8, device=self.device)
+            for i, f in enumerate(frames):
+                t[i].copy_(f.pinned, non_blocking=True)
+        else:
+            host = torch.from_numpy(np.stack([f.pixels for f in frames]))
+            if self.cuda:
+                host = host.pin_memory()
+            t = host.to(self.device, non_blocking=self.cuda)
         w, h = self.size
         if frames[0].layout == "rgb":
             yuv = rgb_to_yuv(t.permute(0, 3, 1, 2).float().div_(255), self.matrix)
@@ -252,8 +262,12 @@ class VideoLayer:
             return yuv[:, 0], chroma[:, 0], chroma[:, 1]
         sh = t.shape[1] * 2 // 3
         y, u, v = split_i420(t, sh, t.shape[2])
-        scale = lambda p, size: F.interpolate(p.float()[:, None], size=size, mode="bilinear",  # noqa: E731
-                                              antialias=True, align_corners=False)[:, 0]
+        def scale(p: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+            if tuple(p.shape[-2:]) == size:
+                return p.float()
+            return F.interpolate(p.float()[:, None], size=size, mode="bilinear", antialias=True,
+                                 align_corners=False)[:, 0]
+
         y, u, v = scale(y, (h, w)), scale(u, (h // 2, w // 2)), scale(v, (h // 2, w // 2))
         if frames[0].matrix != self.matrix:  # via RGB, at full resolution
             up = lambda c: c.repeat_interleave(2, -2).repeat_interleave(2, -1)  # noqa: E731
@@ -392,7 +406,8 @@ def _picture_layer(pic: Picture, when: SceneSpan, frame_size: tuple[int, int], m
         x1, y1, x2, y2 = rect
         bars = [b for b in ((0, 0, fw, y1), (0, y2, fw, fh), (0, y1, x1, y2), (x2, y1, fw, y2))
                 if b[2] > b[0] and b[3] > b[1]]
-    return VideoLayer(VideoSource(pic.source, size, loop=pic.loop), rect, when, matrix, device, bars)
+    source = VideoSource(pic.source, size, loop=pic.loop, pin=device.type == "cuda", start=when.scene == 0)
+    return VideoLayer(source, rect, when, matrix, device, bars)
 
 
 def build_compositor(show: Show, frame_size: tuple[int, int], fps: float, scene_starts: Sequence[float],

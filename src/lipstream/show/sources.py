@@ -22,6 +22,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from lipstream.errors import InputError, check_file
@@ -29,7 +30,8 @@ from lipstream.media.demux import open_input
 from lipstream.media.pixels import i420_to_rgb
 
 STILL_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
-READ_AHEAD = 6  # decoded frames waiting per video
+READ_AHEAD_BYTES = 96 << 20  # decoded frames waiting per video: a render's batch of 1080p I420 frames,
+READ_AHEAD_FRAMES = (6, 64)  # so the decoder works while the GPU renders, not while the batch waits
 EPS = 1e-6  # seconds: a frame starting within this of t covers t (float times of the same rational)
 
 Box = tuple[int, int, int, int]
@@ -114,6 +116,7 @@ class SourceFrame:
     pixels: np.ndarray
     layout: str
     matrix: str | None = None
+    pinned: "torch.Tensor | None" = None  # `pixels`' memory as a pinned tensor, for an async upload to CUDA
 
     def rgb(self, size: tuple[int, int]) -> np.ndarray:
         """The frame as RGB [h, w, 3] uint8 at `size` (w, h), on the CPU (for tests and CPU consumers)."""
@@ -129,6 +132,20 @@ def _device_path(frame: av.VideoFrame) -> str | None:
     return _MATRIX_OF_COLORSPACE.get(int(frame.colorspace))
 
 
+def _i420(frame: av.VideoFrame, pin: bool) -> SourceFrame:
+    """The frame's planes copied once, straight into packed I420 (in pinned memory when `pin`)."""
+    w, h = frame.width, frame.height
+    pinned = torch.empty((h * 3 // 2, w), dtype=torch.uint8, pin_memory=True) if pin else None
+    out = pinned.numpy() if pinned is not None else np.empty((h * 3 // 2, w), np.uint8)
+    flat = out.reshape(-1)
+    at = 0
+    for plane, (pw, ph) in zip(frame.planes, ((w, h), (w // 2, h // 2), (w // 2, h // 2))):
+        src = np.frombuffer(plane, np.uint8)[: plane.line_size * ph].reshape(ph, plane.line_size)[:, :pw]
+        np.copyto(flat[at:at + pw * ph].reshape(ph, pw), src)
+        at += pw * ph
+    return SourceFrame(out, "i420", _device_path(frame), pinned)
+
+
 @dataclass
 class _Frame:
     start: float  # seconds since the video's first frame, including the loops before it
@@ -142,20 +159,37 @@ class VideoSource:
     A thread decodes ahead into a small queue; with `loop` it starts the file again at its end, each
     pass's timestamps offset by the previous passes' length, so the stream of frames the reader sees is
     endless and monotonic. A request for an earlier time than the last one starts the file afresh.
-    `raw` False: every frame through swscale to RGB at `size` (the CPU path, whatever the source)."""
+    `raw` False: every frame through swscale to RGB at `size` (the CPU path, whatever the source).
+    `pin`: I420 frames land in pinned memory (the decoder thread's one copy; the upload is then async)."""
 
-    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True):
+    def __init__(self, path: str | Path, size: tuple[int, int], *, loop: bool = False, raw: bool = True,
+                 pin: bool = False, start: bool = True):
         self.path = check_file(path, "picture")
         self.size = (int(size[0]), int(size[1]))
         self.loop = loop
         self.raw = raw
+        self.pin = pin and torch.cuda.is_available()
         self.decoded = 0  # frames the decoder has converted (tests read it)
         self._thread: threading.Thread | None = None
-        self._start()
+        self._closed = False
+        w, h, _ = probe_picture(self.path)
+        lo, hi = READ_AHEAD_FRAMES
+        self.read_ahead = max(lo, min(hi, READ_AHEAD_BYTES // (w * h * 3 // 2)))
+        if start:
+            self._start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start decoding ahead now (frame_at starts it too), e.g. a scene before the video shows."""
+        if self._thread is None and not self._closed:
+            self._start()
 
     def _start(self) -> None:
         self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
+        self._queue: queue.Queue = queue.Queue(maxsize=self.read_ahead)
         self._current: _Frame | None = None
         self._next: _Frame | BaseException | None = None
         self._ended = False
@@ -201,7 +235,7 @@ class VideoSource:
                         last = t
                         matrix = _device_path(frame) if self.raw else None
                         if matrix:
-                            picture = SourceFrame(frame.to_ndarray(), "i420", matrix)
+                            picture = _i420(frame, self.pin)
                         else:
                             picture = SourceFrame(frame.to_ndarray(format="rgb24", width=w, height=h,
                                                                    interpolation="AREA"), "rgb")
@@ -236,8 +270,11 @@ class VideoSource:
     def frame_at(self, t: float) -> SourceFrame:
         """The frame shown at `t` seconds since the span's start (t < 0: the first). The same object
         comes back while the frame does not change (`index` counts the frames returned)."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: frame_at after close")
+        self.start()
         if self._current is not None and self._current.start > 0 and t + EPS < self._current.start:
-            self.close()
+            self._halt()
             self._start()
         if self._current is None:
             self._current = self._pull()
@@ -254,7 +291,13 @@ class VideoSource:
         return self._current.picture
 
     def close(self) -> None:
-        """Stop the decoder thread (the file closes with it)."""
+        """Stop the decoder thread for good (the file closes with it)."""
+        self._closed = True
+        self._halt()
+
+    def _halt(self) -> None:
+        if self._thread is None:
+            return
         self._stop.set()
         try:
             while True:
