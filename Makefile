@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lipstream-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install browser postgres espeak demo test clean
+.PHONY: install browser postgres espeak demo show test clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m lipstream.demo
+
+# the example newsroom show (examples/newsroom/show.yaml): every layer, a text scene, a music bed
+show: $(STAMP) espeak
+	$(PY) -m lipstream.demo --show
 
 # tests/test_serve_page.py drives a real Chromium (Debian's package; Playwright's own download is not used):
 # installed here when missing and apt-get can run as root; without it that test skips
