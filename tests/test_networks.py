@@ -148,13 +148,18 @@ def test_an_unsupported_config_is_one_line_naming_the_file_and_key(tmp_path, tin
 
 
 BLOCKED = """
-import atexit, json, sys
+import atexit, json, os, sys
 for name in ("diffusers", "transformers"):
     sys.modules[name] = None  # `import diffusers` now raises ImportError
 def report(path=sys.argv[1]):
     loaded = sorted(m for m, v in sys.modules.items() if m.split(".")[0] in ("diffusers", "transformers") and v)
     open(path, "w").write(json.dumps(loaded))
 atexit.register(report)
+_exit = os._exit
+def exit_after_report(code):  # a finished render ends with os._exit, which skips atexit
+    report()
+    _exit(code)
+os._exit = exit_after_report
 sys.argv = ["lipstream", *sys.argv[2:]]
 from lipstream.cli import entry
 entry()
