@@ -208,12 +208,48 @@ def _device_str(device: torch.device) -> str:
     return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
 
 
-def _load_runner(path: Path, device: torch.device):
-    from torch._inductor.package import load_package
+def _load_runner(path: Path, device: torch.device) -> Any:
+    """The package's model, loaded by torch's C++ loader directly.
 
+    Not torch._inductor.package.load_package: before loading it compares the package's recorded CPU ISA
+    with this machine's, which runs Inductor's ISA probes (a C++ compile and a child process per ISA).
+    That was about 19 s per package on the H200 and only ever logs a warning; our package key already
+    holds the GPU, torch and CUDA versions. It also imports all of Inductor."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
     # run_single_threaded: no per-call model pool and its events, so a CUDA graph can capture the call
-    return load_package(str(path), run_single_threaded=True, device_index=index)
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
+    except TypeError:  # another torch's binding: its own Python loader, probes and all
+        from torch._inductor.package import load_package
+
+        return load_package(str(path), run_single_threaded=True, device_index=index)
+    return PackageRunner(loader)
+
+
+class PackageRunner:
+    """A loaded package's model: tensors in, its output out (one tensor, or the exported structure)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        from torch.utils import _pytree as pytree
+
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self._single = self._out_spec.num_leaves == 1 and self._out_spec.num_children == 0
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        outputs = self.loader.boxed_run(list(inputs))  # boxed: the loader may free the list's inputs early
+        if self._single:
+            return outputs[0]
+        from torch.utils import _pytree as pytree
+
+        return pytree.tree_unflatten(outputs, self._out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: dict[str, torch.Tensor], *, check_full_update: bool,
+                       user_managed: bool) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed)
 
 
 def _load_step(folder: Path, weights: dict[str, torch.Tensor], device: torch.device,
