@@ -3,7 +3,9 @@
 # Carry .whl (benchmarks/h200_wheels.sh) in every call; .whl-suite (dlib-bin) too for STAGE=suite.
 #   STAGE=render: benchmarks/user_render.py (compile, a render with nothing cached, `lipstream warmup`
 #     building its packages in parallel processes, warm renders on them, --no-compile), then `lipstream
-#     serve` on those packages, process start to /readyz 200, twice, and a `render --server` job.
+#     serve` on those packages, process start to /readyz 200, twice, and a `render --server` job; then
+#     benchmarks/show_cost.py (issue 29: the monologue with every show layer vs without) and
+#     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
 #   STAGE=suite: the whole test suite on the image (Python 3.12, its torch and wheels), 8 workers.
@@ -65,6 +67,10 @@ if [ "${STAGE:-render}" = render ]; then
   for k in 1 2; do
     serve_row packages$k 90 && { [ $k = 1 ] && server_job packages; serve_stop; }
   done
+  timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
+  echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
+  PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1
+  echo "probe rc $?"; head -60 $OUT/probe.txt
 fi
 
 if [ "${STAGE:-render}" = serve ]; then
@@ -92,8 +98,6 @@ PY
     server_job compiled1; server_job compiled2
     tail -6 $OUT/server_render.txt
     serve_stop
-    timeout ${PROBE_T:-120} python3 benchmarks/aot_load_probe.py $W/cold > $OUT/probe.txt 2>&1
-    echo "probe rc $?"; grep -vE '^  File|^(Thread|Current thread)' $OUT/probe.txt | head -40
   }
 fi
 

@@ -1,0 +1,84 @@
+"""What the newsroom layers cost (issue 29): the same monologue broadcast with and without every layer.
+
+    python benchmarks/show_cost.py --work DIR [--runs 3]
+DIR holds avatars/anchor and speech.wav (benchmarks/user_render.py's DIR/work: the 26 s 1080p30
+monologue); LIPSTREAM_CACHE and TORCHINDUCTOR_CACHE_DIR are passed through, so a warm cache is used.
+Each run is `lipstream broadcast SCRIPT -o OUT --random-weights --timings` in a fresh process,
+the plain script and the show alternating: process wall and the render's own seconds (frames),
+then the medians and the show's cost over the plain one. The show: a lower third, a looping
+video picture-in-picture for most of the speech, a still cutaway, the logo, the ticker and a
+ducked music bed (examples/newsroom's media)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MEDIA = Path(__file__).resolve().parents[1] / "examples" / "newsroom"
+PLAIN = "scenes:\n  - {avatar: anchor, audio: speech.wav}\n"
+SHOW = """scenes:
+  - avatar: anchor
+    audio: speech.wav
+    lower_third: {title: "Anna Berg", subtitle: "City desk, Berlin", from: 0.5, to: 8.0}
+    pip: {source: footage.mp4, box: [1180, 120, 1820, 480], from: 2.0, to: 24.0, loop: true}
+    cutaway: {source: chart.png, from: 10.0, to: 13.0}
+overlays:
+  logo: {image: logo.png, corner: top-right, margin: 32, height: 64}
+  ticker: {text: "Breaking: tram line approved  +++  Markets close higher  +++  Weather: sunny, 21 C", speed: 160}
+music: {file: bed.m4a, gain_db: -18, duck_db: -12}
+"""
+
+
+def run(script: str, work: Path, i: int) -> dict:
+    out = work / f"cost{i}.mp4"
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "lipstream", "broadcast", script, "-o", out.name, "--avatars", "avatars",
+                        "--random-weights", "--timings"], cwd=work, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"})
+    row = {"script": script, "rc": p.returncode, "wall_s": round(time.perf_counter() - t, 2)}
+    m = re.search(r"in ([\d.]+) s = ([\d.]+) fps", p.stdout + p.stderr)
+    row["render_s"], row["fps"] = (float(m.group(1)), float(m.group(2))) if m else (None, None)
+    m = re.search(r"first encoded packet ([\d.]+) s", p.stdout + p.stderr)
+    row["first_packet_s"] = float(m.group(1)) if m else None
+    if p.returncode:
+        row["tail"] = (p.stdout + p.stderr)[-1200:]
+    out.unlink(missing_ok=True)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    for name in ("logo.png", "chart.png", "footage.mp4", "bed.m4a"):
+        shutil.copy(MEDIA / name, args.work / name)
+    (args.work / "plain.yaml").write_text(PLAIN)
+    (args.work / "show.yaml").write_text(SHOW)
+    rows: dict[str, list[dict]] = {"plain.yaml": [], "show.yaml": []}
+    for i in range(args.runs):
+        for script in rows:
+            rows[script].append(run(script, args.work, i))
+    summary = {}
+    for script, rs in rows.items():
+        ok = [r for r in rs if r["rc"] == 0 and r["render_s"]]
+        summary[script] = {k: statistics.median(r[k] for r in ok) if ok else None for k in ("wall_s", "render_s")}
+    print(json.dumps(summary), flush=True)
+    a, b = summary["plain.yaml"], summary["show.yaml"]
+    if a["render_s"] and b["render_s"]:
+        print(f"the show costs {100 * (b['render_s'] / a['render_s'] - 1):+.1f}% render time "
+              f"({a['render_s']:.2f} -> {b['render_s']:.2f} s), {100 * (b['wall_s'] / a['wall_s'] - 1):+.1f}% "
+              f"process wall ({a['wall_s']:.2f} -> {b['wall_s']:.2f} s), medians of {args.runs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
