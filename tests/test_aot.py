@@ -132,6 +132,21 @@ def test_compiled_whisper_matches_the_encoder(built_cache, tiny_models):
     torch.testing.assert_close(fast, plain, atol=2e-4, rtol=1e-4)
 
 
+def test_loading_the_packages_imports_no_inductor_and_runs_no_isa_probe(built_cache):
+    """torch's load_package first compares the package's CPU ISA with this machine's by compiling and running
+    probe programs (about 19 s a package on the H200); the render's loader goes to the C++ loader directly."""
+    code = ("import json, pathlib, sys, torch; from lipstream.engine import aot; from lipstream.models import model_config;"
+            "cpu = torch.device('cpu');"
+            f"n = aot.load_compiled(model_config('tiny'), aot.random_source('tiny', 0, cpu), cpu, root=pathlib.Path({str(built_cache)!r}));"
+            "print(json.dumps({'kinds': sorted(['whisper'] + [str(k) for k in n.steps]),"
+            " 'inductor': sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo')))}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen == {"kinds": ["False", "True", "whisper"], "inductor": []}
+
+
 def test_keys_follow_what_the_code_depends_on():
     info = aot.device_info(CPU)
     options = aot.StepOptions(dtype="float32")
