@@ -9,6 +9,7 @@ machine); "off" always uses the uncompiled networks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -212,4 +213,30 @@ def warmup(models: str | Path | None, device: torch.device, random_weights: bool
     if any(b.status == "failed" for b in built):
         return built
     args = ["--random-size", size] if random_weights else ["--models", str(models or "")]
-    return built + aot_build.build_in_children(m, missing, args, parallel, report=tell)
+
+    def child(kind: str) -> list[str]:
+        return [sys.executable, "-m", "lipstream.startup", "build", kind, str(m.device), *args]
+
+    return built + aot_build.build_in_children(m, missing, child, parallel, report=tell)
+
+
+def _build_child(argv: list[str]) -> None:
+    """`python -m lipstream.startup build KIND DEVICE (--random-size S | --models DIR)`: one package, built
+    in a process of its own for warmup's `parallel`; prints what it built as JSON, last."""
+    import json
+    import sys
+
+    from lipstream.engine.aot_build import Built
+
+    if len(argv) != 5 or argv[0] != "build" or argv[3] not in ("--random-size", "--models"):
+        sys.exit("usage: python -m lipstream.startup build KIND DEVICE (--random-size S | --models DIR)")
+    random = argv[3] == "--random-size"
+    done = warmup(None if random else (argv[4] or None), torch.device(argv[2]), random, argv[4] if random else "full",
+                  kinds=(argv[1],), parallel=1)
+    b = next((b for b in done if b.kind == argv[1]), None) or Built(argv[1], Path(), "failed", message="not built")
+    print(json.dumps({"kind": b.kind, "path": str(b.path), "status": b.status, "seconds": b.seconds,
+                      "bytes": b.bytes, "message": b.message}))
+
+
+if __name__ == "__main__":
+    _build_child(sys.argv[1:])

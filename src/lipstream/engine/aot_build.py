@@ -336,15 +336,15 @@ def default_parallel(missing: int) -> int:
     return max(1, min(missing, limit))
 
 
-def build_in_children(models: MuseTalk, kinds: list[str], network_args: list[str], parallel: int, *,
-                      root: Path | None = None, report: Callable[[Built], None] | None = None) -> list[Built]:
+def build_in_children(models: MuseTalk, kinds: list[str], child_command: Callable[[str], list[str]], parallel: int,
+                      *, root: Path | None = None, report: Callable[[Built], None] | None = None) -> list[Built]:
     """Build each of `kinds` in a process of its own, `parallel` at a time (the weights file is written).
 
-    Each child loads the same networks (`network_args`: `--random-size S` or `--models DIR`), builds its one
-    package as build_all does and prints what it built; Inductor's compile workers are shared out between
-    the children. A child that dies is reported as that kind failing; the others go on."""
+    `child_command(kind)` starts a process that loads the same networks, builds that one package as
+    build_all does and prints what it built as Built's fields in JSON, last (startup.py's `build` entry);
+    Inductor's compile workers are shared out between the children. A child that dies is reported as that
+    kind failing; the others go on."""
     import subprocess
-    import sys
 
     options = default_options(models.device)
     for kind in kinds:  # `force`: the old package goes now (a child builds only what is missing)
@@ -360,8 +360,7 @@ def build_in_children(models: MuseTalk, kinds: list[str], network_args: list[str
     while queue or running:
         while queue and len(running) < parallel:
             kind = queue.pop(0)
-            cmd = [sys.executable, "-m", "lipstream.engine.aot_build", "build", kind, str(models.device), *network_args]
-            running[kind] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+            running[kind] = (subprocess.Popen(child_command(kind), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
                              time.perf_counter())
         time.sleep(0.2)
         for kind, (p, t0) in list(running.items()):
@@ -379,20 +378,3 @@ def build_in_children(models: MuseTalk, kinds: list[str], network_args: list[str
             if report:
                 report(b)
     return results
-
-
-if __name__ == "__main__":  # python -m lipstream.engine.aot_build build KIND DEVICE (--random-size S | --models DIR)
-    import sys
-
-    argv = sys.argv[1:]
-    if len(argv) != 5 or argv[0] != "build" or argv[3] not in ("--random-size", "--models"):
-        sys.exit("usage: python -m lipstream.engine.aot_build build KIND DEVICE (--random-size S | --models DIR)")
-    from lipstream.startup import warmup
-
-    random = argv[3] == "--random-size"
-    done = warmup(None if random else (argv[4] or None), torch.device(argv[2]), random, argv[4] if random else "full",
-                  kinds=(argv[1],), parallel=1)
-    mine = [b for b in done if b.kind == argv[1]] or [Built(argv[1], Path(), "failed", message="not built")]
-    b = mine[0]
-    print(json.dumps({"kind": b.kind, "path": str(b.path), "status": b.status, "seconds": b.seconds,
-                      "bytes": b.bytes, "message": b.message}))
