@@ -176,8 +176,9 @@ def prepare_upload(program: Program, kind: str, output: Path) -> Upload:
 
 def upload_name(n: int, path: Path, fallback: str, prefix: str = "") -> str:
     """`01-intro_speech.wav`: numbered (two files of one name stay two), the stem made safe, the suffix kept."""
-    lower = path.name.lower()
-    suffix = ".onnx.json" if lower.endswith(".onnx.json") else path.suffix.lower()
+    from lipstream.serve.options import file_suffix
+
+    suffix = file_suffix(path.name)
     stem = path.name[:len(path.name) - len(suffix)] if suffix else path.name
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:40] or fallback
     return f"{prefix}{n:02d}-{stem}{suffix}"

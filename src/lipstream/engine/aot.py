@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from lipstream.options import DEFAULT_DECODE_ROW
 from lipstream.models.config import ModelConfig
@@ -231,18 +232,11 @@ class PackageRunner:
 
     def __init__(self, loader: Any):
         self.loader = loader
-        from torch.utils import _pytree as pytree
-
-        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
-        self._single = self._out_spec.num_leaves == 1 and self._out_spec.num_children == 0
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])  # once, not per call
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         outputs = self.loader.boxed_run(list(inputs))  # boxed: the loader may free the list's inputs early
-        if self._single:
-            return outputs[0]
-        from torch.utils import _pytree as pytree
-
-        return pytree.tree_unflatten(outputs, self._out_spec)
+        return outputs[0] if self._out_spec.is_leaf() else pytree.tree_unflatten(outputs, self._out_spec)
 
     def get_constant_fqns(self) -> list[str]:
         return self.loader.get_constant_fqns()

@@ -22,10 +22,15 @@ SHOW_SUFFIXES = IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES | FONT_SUFFIXES
 UPLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name in the job's folder, never a path
 
 
-def show_suffix(name: str) -> str | None:
-    """The suffix by which a show file is taken (".onnx.json" is one), or None when it is not taken."""
+def file_suffix(name: str) -> str:
+    """A file name's suffix, lower-case, taking a Piper voice's ".onnx.json" as one."""
     lower = name.lower()
-    suffix = ".onnx.json" if lower.endswith(".onnx.json") else Path(lower).suffix
+    return ".onnx.json" if lower.endswith(".onnx.json") else Path(lower).suffix
+
+
+def show_suffix(name: str) -> str | None:
+    """The suffix by which a show file is taken, or None when it is not taken."""
+    suffix = file_suffix(name)
     return suffix if suffix in SHOW_SUFFIXES else None
 
 
