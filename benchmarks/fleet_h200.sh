@@ -1,26 +1,31 @@
 #!/bin/bash
 # Issue 26 on one H200: plain `lipstream serve` against `lipstream serve --replicas 1` (Ray Serve: the front
 # and one engine replica), the same avatars (4 of 1280x720@25) and the same serve-bench rows: N live
-# sessions from aiortc clients in their own processes speaking over the WebSocket, a render job beside them.
-# Default flags otherwise (Inductor on the GPU; the second server starts with its cache warm).
-# The wheels travel in three device calls, issued one after the other (the machine stays warm 30 s;
-# `bash benchmarks/h200_wheels.sh` makes the folders):
-#   1. STAGE=one of benchmarks/oneshot_h200.sh, carrying .whl: installed into /tmp/site;
-#   2. STAGE=two of it, carrying .whl-ray1: Ray Serve's dependencies into /tmp/site-ray, the first half of
-#      Ray's wheel staged in /tmp/raywheel;
-#   3. this, carrying .whl-ray2: the second half; the wheel joined, checked and installed, then the rows.
-#   NS=16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+# sessions from aiortc clients in their own processes speaking over the WebSocket, a render job beside them;
+# then render jobs alone (`lipstream render --server`, process wall, three each).
+# Default flags otherwise. Both servers start on the compiled packages that STAGE=render of
+# benchmarks/issue28_h200.sh built in .h200/ur/cache (else Inductor, the second server's cache warm).
+# Issued right after that call (the machine stays warm 30 s; /tmp/site holds its wheels), carrying .whl-ray
+# (`bash benchmarks/h200_wheels.sh`: Ray Serve's dependencies and Ray without its jars, in one call):
+#   NS=16,16,20,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
 set -u
-wheel=/tmp/raywheel/$(awk '{print $2}' .whl-ray2/ray.sha256)
-cat /tmp/raywheel/ray.part1 .whl-ray2/ray.part2 > $wheel
-(cd /tmp/raywheel && sha256sum -c "$OLDPWD/.whl-ray2/ray.sha256") || exit 0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray $wheel 2>&1 \
+[ -d /tmp/site/av ] || { echo "/tmp/site has no PyAV: run STAGE=render of benchmarks/issue28_h200.sh first"; exit 0; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray .whl-ray/*.whl 2>&1 \
   | grep -v "^$" | tail -3
+python3 - <<'PY'  # unzip Ray keeping its files' modes (gcs_server and raylet are executables)
+import os, zipfile
+with zipfile.ZipFile(".whl-ray/ray-lite.zip") as z:
+    for info in z.infolist():
+        path = z.extract(info, "/tmp/site-ray")
+        if info.external_attr >> 16:
+            os.chmod(path, (info.external_attr >> 16) & 0o777)
+PY
 export PYTHONPATH=/tmp/site:/tmp/site-ray:$PWD/src LIPSTREAM_COMMIT=${COMMIT:-?} TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
   PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+[ -d $PWD/.h200/ur/cache/aot ] && export LIPSTREAM_CACHE=$PWD/.h200/ur/cache TORCHINDUCTOR_CACHE_DIR=$PWD/.h200/ur/cache/inductor
 python3 -c "import av, aiortc, fastapi, ray, ray.serve, torch; print('ray', ray.__version__, 'fastapi', fastapi.__version__, 'torch', torch.__version__)" || exit 0
 W=$PWD/.h200-fleet; mkdir -p $W
-NS=${NS:-16,20}
+NS=${NS:-16,20,16,20}
 t=$(date +%s.%N)
 [ -d $W/avatars ] || python3 - <<PY 2>&1 | tail -2
 from pathlib import Path
@@ -51,9 +56,17 @@ stop_server() {
   t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"
 }
 row() {  # name: serve-bench rows $NS with the render job
-  timeout ${BENCH_T:-170} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
+  timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
 }
-[ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; stop_server; }
-start_server replicas1 "--replicas 1" && { row replicas1; curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas1_metrics.txt; stop_server; }
+jobs() {  # name: three render jobs alone, each a `lipstream render --server` process (submit to MP4 written)
+  for k in 1 2 3; do
+    local t=$(date +%s.%N)
+    python3 -m lipstream.cli render --server http://127.0.0.1:8000 --avatar p0 --audio $W/job.wav -o $W/$1_$k.mp4 \
+      >> $OUT/$1_jobs.txt 2>&1
+    echo "$1 job $k: rc $? process wall $(python3 -c "import time; print(round(time.time()-$t,2))") s"
+  done
+}
+[ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; stop_server; }
+start_server replicas1 "--replicas 1" && { row replicas1; jobs replicas1; curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas1_metrics.txt; stop_server; }
 find $OUT -size +15M -delete

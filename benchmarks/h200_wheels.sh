@@ -1,9 +1,9 @@
 #!/bin/bash
 # The wheels the H200 image lacks (Python 3.12), in the folders the device scripts carry (each call's tree
 # travels under 64 MiB): .whl (PyAV, the server's stack, aiortc's, diffusers for tests/test_networks.py),
-# .whl-ray1 (Ray Serve's own imports the image lacks, found by running tests/test_serve_fleet.py with
-# PYTHONPROFILEIMPORTTIME=1 and reading every Ray process's log, plus the first half of Ray's 79 MB wheel)
-# and .whl-ray2 (its second half). Run here, in the repository's root, with pip and the network:
+# .whl-ray (Ray Serve's own imports the image lacks, found by running tests/test_serve_fleet.py with
+# PYTHONPROFILEIMPORTTIME=1 and reading every Ray process's log, and Ray itself without what a fleet never
+# loads). Run here, in the repository's root, with pip and the network:
 #   bash benchmarks/h200_wheels.sh
 set -euo pipefail
 get() {  # folder, requirements...
@@ -18,17 +18,21 @@ get() {  # folder, requirements...
 get .whl av fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
   websockets aiortc aioice pylibsrtp pyee google-crc32c dnspython ifaddr cffi pycparser cryptography pyopenssl \
   sniffio opentelemetry-api importlib-metadata lazy-importer typing-extensions diffusers
-get .whl-ray1 aiohttp-cors colorful "grpcio==1.81.0" "grpcio-reflection==1.81.0" "protobuf>=6,<7" \
+get .whl-ray aiohttp-cors colorful "grpcio==1.81.0" "grpcio-reflection==1.81.0" "protobuf>=6,<7" \
   googleapis-common-protos httptools jsonschema jsonschema-specifications referencing rpds-py opencensus \
   opencensus-context opentelemetry-api opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
   opentelemetry-semantic-conventions platformdirs watchfiles
 tmp=$(mktemp -d)
 get "$tmp" "ray==2.60.0"
-wheel=$(ls "$tmp"/ray-*.whl)
-half=$(( $(stat -c %s "$wheel") / 2 ))
-head -c $half "$wheel" > .whl-ray1/ray.part1
-mkdir -p .whl-ray2
-tail -c +$((half + 1)) "$wheel" > .whl-ray2/ray.part2
-(cd "$tmp" && sha256sum "$(basename "$wheel")") > .whl-ray2/ray.sha256
+# Ray's wheel is 75 MB; without its Java jars (31 MB), RLlib and the dashboard's source map (the fleet starts
+# no dashboard) it is 42 MB, and travels in one call beside its dependencies (fleet_h200.sh unzips it)
+python3 - "$(ls "$tmp"/ray-*.whl)" .whl-ray/ray-lite.zip <<'PY'
+import sys, zipfile
+drop = ("ray/jars/", "ray/rllib/", "ray/dashboard/client/build/static/js/main.84605326.js.map")
+with zipfile.ZipFile(sys.argv[1]) as src, zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED) as out:
+    for info in src.infolist():
+        if not info.filename.startswith(drop):
+            out.writestr(info, src.read(info))
+PY
 rm -rf "$tmp"
-du -sh .whl .whl-ray1 .whl-ray2
+du -sh .whl .whl-ray
