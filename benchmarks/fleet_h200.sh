@@ -7,7 +7,10 @@
 # benchmarks/issue28_h200.sh built in .h200/ur/cache (else Inductor, the second server's cache warm).
 # Issued right after that call (the machine stays warm 30 s; /tmp/site holds its wheels), carrying .whl-ray
 # (`bash benchmarks/h200_wheels.sh`: Ray Serve's dependencies and Ray without its jars, in one call):
-#   NS=16,16,20,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+#   NS=16,20,16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+# Issue 27 (nvidia-h200-x2, one engine per GPU; the one-GPU figures are this script's replicas1 rows):
+#   SKIP_PLAIN=1 REPLICAS=2 NS=32,40,44 JOBS=8 KILL=1 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+#   python benchmarks/fleet_chart.py X1/replicas1_together/fleet_gpus.json X2/replicas2_together/fleet_gpus.json -o docs/fleet_gpus.svg
 set -u
 [ -d /tmp/site/av ] || { echo "/tmp/site has no PyAV: run STAGE=render of benchmarks/issue28_h200.sh first"; exit 0; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ray .whl-ray/*.whl 2>&1 \
@@ -55,8 +58,12 @@ start_server() {  # log name, extra serve flags
 stop_server() {
   t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"
 }
-row() {  # name: serve-bench rows $NS with the render job
+# the monologue's 1080p avatar beside the four 720p ones, for the render jobs submitted together (fleet_gpus.py)
+MONO=$PWD/.h200/ur/work
+[ -d $MONO/avatars/anchor ] && [ ! -d $W/avatars/anchor ] && cp -r $MONO/avatars/anchor $W/avatars/
+row() {  # name: serve-bench rows $NS with the render job (the sessions on the 720p avatars)
   timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
+    --avatar p0 --avatar p1 --avatar p2 --avatar p3 \
     -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
 }
 jobs() {  # name: three render jobs alone, each a `lipstream render --server` process (submit to MP4 written)
@@ -67,6 +74,13 @@ jobs() {  # name: three render jobs alone, each a `lipstream render --server` pr
     echo "$1 job $k: rc $? process wall $(python3 -c "import time; print(round(time.time()-$t,2))") s"
   done
 }
-[ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; stop_server; }
-start_server replicas1 "--replicas 1" && { row replicas1; jobs replicas1; curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas1_metrics.txt; stop_server; }
+together() {  # name, gpus: J monologue render jobs submitted together (jobs per minute); KILL=1: a replica killed
+  [ -d $W/avatars/anchor ] || return 0
+  timeout ${TOGETHER_T:-200} python3 benchmarks/fleet_gpus.py --gpus $2 --avatar anchor --audio $MONO/speech.wav \
+    --jobs ${JOBS:-4} ${KILL:+--kill} --live-report $OUT/$1/serve_bench.json -o $OUT/$1_together 2>&1 | tail -3 | cut -c1-1500
+}
+R=${REPLICAS:-1}
+[ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; together plain 1; stop_server; }
+start_server replicas$R "--replicas $R" && { row replicas$R; jobs replicas$R; together replicas$R $R
+  curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas${R}_metrics.txt; stop_server; }
 find $OUT -size +15M -delete

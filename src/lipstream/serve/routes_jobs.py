@@ -32,11 +32,14 @@ router = APIRouter()
 
 
 def job_json(job: Job) -> dict:
-    """`options`: the output options the job was given (OUTPUT_OPTIONS), so a client sees they were taken."""
+    """`options`: the output options the job was given (OUTPUT_OPTIONS), so a client sees they were taken;
+    `runner` and `attempts`: which server (a fleet's replica) holds or held it, and how many claims it took
+    (more than one: its runner stopped and another ran it again)."""
     out = {"id": job.id, "kind": job.kind, "status": job.status, "progress": round(job.progress, 4),
            "error": job.error, "created_at": job.created_at, "started_at": job.started_at,
            "finished_at": job.finished_at, "avatar": job.params.get("avatar"),
-           "options": {k: job.params[k] for k in OUTPUT_OPTIONS if k in job.params}}
+           "options": {k: job.params[k] for k in OUTPUT_OPTIONS if k in job.params},
+           "runner": job.runner_id, "attempts": job.attempts}
     if job.status == "done":
         out["result"] = f"/v1/jobs/{job.id}/result"
     return out
