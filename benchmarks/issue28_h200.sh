@@ -69,8 +69,10 @@ if [ "${STAGE:-render}" = render ]; then
   done
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
-  PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1
-  echo "probe rc $?"; head -60 $OUT/probe.txt
+  if [ "${PROBE_T:-90}" != 0 ]; then  # PROBE_T=0: no probe
+    PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1
+    echo "probe rc $?"; head -60 $OUT/probe.txt
+  fi
 fi
 
 if [ "${STAGE:-render}" = serve ]; then
