@@ -45,7 +45,7 @@ echo "avatars_s $(python3 -c "import time; print(round(time.time()-$t,1))")"
 start_server() {  # log name, extra serve flags
   rm -rf $W/data
   t0=$(date +%s.%N)
-  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data $2 \
+  python3 -m lipstream.cli serve --avatars $W/avatars --random-weights --sessions-per-key 64 --port 8000 --data $W/data $2 ${SERVE_FLAGS:-} \
     > $OUT/$1.log 2>&1 &
   SPID=$!
   for i in $(seq 800); do
@@ -60,7 +60,9 @@ stop_server() {
 }
 # the monologue's 1080p avatar beside the four 720p ones, for the render jobs submitted together (fleet_gpus.py)
 MONO=$PWD/.h200/ur/work
-[ -d $MONO/avatars/anchor ] && [ ! -d $W/avatars/anchor ] && cp -r $MONO/avatars/anchor $W/avatars/
+# NO_MONO=1: without it (its idle loop beside the sessions'); SERVE_FLAGS: more flags for both servers
+if [ -n "${NO_MONO:-}" ]; then rm -rf $W/avatars/anchor
+elif [ -d $MONO/avatars/anchor ] && [ ! -d $W/avatars/anchor ]; then cp -r $MONO/avatars/anchor $W/avatars/; fi
 row() {  # name: serve-bench rows $NS with the render job (the sessions on the 720p avatars)
   timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     --avatar p0 --avatar p1 --avatar p2 --avatar p3 \
@@ -83,4 +85,6 @@ R=${REPLICAS:-1}
 [ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; together plain 1; stop_server; }
 start_server replicas$R "--replicas $R" && { row replicas$R; jobs replicas$R; together replicas$R $R
   curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas${R}_metrics.txt; stop_server; }
+# the reports' folders as one file (a device call brings back a few files only)
+(cd $OUT && ls -d */ >/dev/null 2>&1 && tar czf reports.tgz */ && rm -rf */)
 find $OUT -size +15M -delete

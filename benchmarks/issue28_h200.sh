@@ -8,7 +8,7 @@
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
-#   STAGE=suite: the whole test suite on the image (Python 3.12, its torch and wheels), 8 workers.
+#   STAGE=suite: the whole test suite on the image (Python 3.12, its torch and wheels), SUITE_N workers (12).
 #   COMMIT=<sha> STAGE=render bash benchmarks/issue28_h200.sh
 set -u
 W=$PWD/.h200
@@ -105,7 +105,11 @@ fi
 
 if [ "${STAGE:-render}" = suite ]; then
   t=$(date +%s.%N)
-  timeout ${SUITE_T:-500} python3 -m pytest -q -n 8 -p no:cacheprovider -o addopts="" > $OUT/suite.txt 2>&1
-  echo "suite rc $? in $(secs $t) s"; tail -25 $OUT/suite.txt
+  # -v: each test's outcome as it ends (a run cut by the limit still names what failed or errored)
+  timeout ${SUITE_T:-500} python3 -m pytest -v -n ${SUITE_N:-12} --tb=short -p no:cacheprovider -o addopts="" \
+    > $OUT/suite.txt 2>&1
+  echo "suite rc $? in $(secs $t) s"
+  grep -E " (FAILED|ERROR) " $OUT/suite.txt | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort | uniq | head -60
+  echo "passed: $(grep -cE " PASSED " $OUT/suite.txt)"; tail -5 $OUT/suite.txt
 fi
 find $OUT -size +15M -delete
