@@ -30,14 +30,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from lipstream.bench.serve_load import submit_render_job as _submit
+
 JOB_LIMIT_S = 600.0
-
-
-def _submit(http: httpx.Client, avatar: str, audio: Path) -> str:
-    with open(audio, "rb") as f:
-        r = http.post("/v1/jobs/render", data={"avatar": avatar}, files={"audio": (audio.name, f, "audio/wav")})
-    r.raise_for_status()
-    return r.json()["id"]
 
 
 def _wait_all(http: httpx.Client, ids: list[str], limit_s: float = JOB_LIMIT_S) -> dict[str, dict]:
@@ -94,13 +89,13 @@ class Talk:
         self.listening = asyncio.ensure_future(self._listen())
 
     async def _push(self, pcm: np.ndarray, rate: int) -> None:
-        step = rate // 50
-        for i in range(0, len(pcm), step):
+        step, t = rate // 50, time.monotonic()
+        for k, i in enumerate(range(0, len(pcm), step)):
             try:
                 self.session.push_audio(pcm[i:i + step], rate)
             except Exception:  # noqa: BLE001 (the session ended under it)
                 return
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(max(0.0, t + (k + 1) * 0.02 - time.monotonic()))  # real time, no drift
         self.session.end_utterance()
 
     async def _listen(self) -> None:

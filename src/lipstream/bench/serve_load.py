@@ -30,7 +30,8 @@ WARMUP_S = 4.0
 CLIENT_NICE = 10  # clients share the server's machine: they yield to it when cores are short
 
 
-def _render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
+def submit_render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
+    """POST a render job of `audio` on `avatar`; its id."""
     with open(audio, "rb") as f:
         r = http.post("/v1/jobs/render", data={"avatar": avatar}, files={"audio": (audio.name, f, "audio/wav")})
     r.raise_for_status()
@@ -60,7 +61,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                                            preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
         time.sleep(max(0.0, start - time.time()))
         cpu0, kids0, host0, t0 = process_cpu_s(server_pid), children_cpu_s(server_pid), host_busy_s(), time.monotonic()
-        job = _render_job(http, avatars[0], render_audio) if render_audio is not None else None
+        job = submit_render_job(http, avatars[0], render_audio) if render_audio is not None else None
         job_s = None
         clients, errors = [], []
         for proc, out in procs:
