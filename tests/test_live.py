@@ -560,6 +560,60 @@ def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
 
+def test_the_offline_lane_queues_ahead_and_gives_each_batch_in_order(streaming):
+    """A render's hinted batches are queued on the live engine at once and come back in order, each equal
+    to an unhinted one; two avatars in one batch land in their rows; a wrong hint is dropped, not served;
+    a cancelled job's queued batches are dropped."""
+    from lipstream.engine import FrameRequest
+    from lipstream.live.offline import AHEAD, JobCancelled, OfflineLane
+
+    a, b = streaming.engine.avatars[0], streaming.engine.avatars[2]
+    torch.manual_seed(3)
+    windows = torch.randn(12, 50, 384)
+    batches = [[FrameRequest(0, (k + i) % a.num_frames, windows[k + i]) for i in range(3)] for k in range(0, 12, 3)]
+    plain = OfflineLane(streaming)
+    plain.add_avatar(a)
+    want = [plain.render(r).clone() for r in batches]  # no hints: one batch at a time
+
+    lane = OfflineLane(streaming)
+    lane.add_avatar(a)
+    for r in batches[:AHEAD + 1]:
+        lane.prefetch(r)
+    lane.prefetch(batches[-1])  # one too many: ignored (the lane's buffers hold AHEAD + 1 queued)
+    assert len(lane._queued) == AHEAD + 1
+    for k, r in enumerate(batches):
+        if k + AHEAD + 1 < len(batches):
+            lane.prefetch(batches[k + AHEAD + 1])
+        got = lane.render(r)
+        assert np.abs(got.numpy().astype(int) - want[k].numpy().astype(int)).max() <= 1, k
+    wrong = [FrameRequest(0, 1, windows[0])]
+    lane.prefetch(wrong)
+    other = [FrameRequest(0, 2, windows[1])]
+    got, want_other = lane.render(other).numpy().astype(int), plain.render(other).numpy().astype(int)
+    assert np.abs(got - want_other).max() <= 1  # the hint was not for it: rendered afresh
+    assert not lane._queued
+
+    mixed = OfflineLane(streaming)  # frames of two avatars of one size in one batch, interleaved
+    mixed.add_avatar(a)
+    mixed.add_avatar(a)
+    requests = [FrameRequest(i % 2, i % a.num_frames, windows[i]) for i in range(6)]
+    assert mixed._live_index == [0, 0]  # one resident avatar behind both: two jobs, one per lane index
+    same = [FrameRequest(0, r.frame, r.window) for r in requests]
+    assert np.abs(mixed.render(requests).numpy().astype(int) - plain.render(same).numpy().astype(int)).max() <= 1
+
+    stop = []
+    cancelled = OfflineLane(streaming, cancelled=lambda: bool(stop))
+    cancelled.add_avatar(b)
+    many = [[FrameRequest(0, i % b.num_frames, windows[i]) for i in range(8)] for _ in range(3)]
+    for r in many:
+        cancelled.prefetch(r)
+    queued = [job for _, _, jobs in cancelled._queued for job in jobs]
+    stop.append(True)
+    with pytest.raises(JobCancelled):
+        cancelled.render(many[0])
+    assert all(job.cancelled() or job.done() for job in queued) and not cancelled._queued
+
+
 def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streaming):
     """Per-session encode: one H.264 packet per rendered frame (pts = frame index), Opus as it plays."""
     import av

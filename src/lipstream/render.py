@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
+PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
 
 Windows = Callable[[torch.Tensor, Fraction, int], torch.Tensor]  # features, fps, frames -> [frames, 50, 384]
 
@@ -295,14 +296,20 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     starts = [0, *range(first, len(items), batch_size)] if len(items) > first else [0]
     ends = starts[1:] + [len(items)]
 
+    batches = [[i.main for i in items[s:e]] + [i.previous for i in items[s:e] if i.previous is not None]
+               for s, e in zip(starts, ends)]
+
     def produce() -> None:
         try:
-            for start, end in zip(starts, ends):
+            hinted = 0  # batches the engine has been told are coming (prefetch)
+            for n, (start, end) in enumerate(zip(starts, ends)):
                 if stop.is_set():
                     return
                 t = time.perf_counter()
-                chunk = items[start:end]
-                requests = [i.main for i in chunk] + [i.previous for i in chunk if i.previous is not None]
+                chunk, requests = items[start:end], batches[n]
+                while hinted < min(n + 1 + PREFETCH_BATCHES, len(batches)):
+                    engine.prefetch(batches[hinted])
+                    hinted += 1
                 rendered = engine.render(requests)
                 batch = rendered[:len(chunk)]
                 if len(requests) > len(chunk):  # crossfades: dissolve the previous scene's frames in

@@ -35,8 +35,12 @@ class FrameEngine(Protocol):
     def clear_avatars(self) -> None:
         """Drop every resident avatar (what was captured or compiled stays)."""
 
-    def warm_up(self) -> None:
-        """Capture or compile everything now, before the first frame."""
+    def warm_up(self) -> dict[str, float]:
+        """Capture or compile everything now, before the first frame; seconds by what was captured."""
+
+    def prefetch(self, requests: list[FrameRequest]) -> None:
+        """A hint: `render` will be asked for these requests (this list) after the ones before. An engine
+        whose frames come from elsewhere (a server's live engine) starts them now; the others ignore it."""
 
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
         """[B, H*3/2, W] uint8 I420 frames, one per request, in order (all of one frame size). It may be a

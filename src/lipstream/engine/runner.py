@@ -219,6 +219,9 @@ class StepEngine:
             out.append(graph.replay()[:n].clone())
         return out[0] if len(out) == 1 else torch.cat(out)
 
+    def prefetch(self, requests: list[FrameRequest]) -> None:
+        """Nothing to start early: `render` queues its GPU work and returns at once."""
+
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
         """[B, H*3/2, W] uint8 I420 frames on the device, one per request, in order.

@@ -95,7 +95,12 @@ class LiveEngine:
         self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
                                         self.o.lookahead_steps, trace=self.o.trace_whisper)
         self.scheduler = Scheduler(buckets[-1], self.o.fill_slack_s)
-        self.runner = StepRunner(self.engine, self.table)
+        # frames are copied out of the host buffers on threads (memcpy without the GIL) and encoded in
+        # worker processes (EncodePool, started with the first encoded session): in this process x264
+        # and PyAV held the GIL ~0.8 ms a frame and, retaking it constantly, starved the core and the
+        # callers' event loops
+        self._copy = ThreadPoolExecutor(max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="live-copy")
+        self.runner = StepRunner(self.engine, self.table, self._copy.submit)
         self.sessions: dict[int, Session] = {}
         self._free_rings = list(range(self.o.max_sessions))[::-1]  # each session's rows of the feature table
         self._next_id = 0
@@ -110,11 +115,6 @@ class LiveEngine:
         self._rest0: dict[int, np.ndarray] = {}  # avatar -> its loop frame 0 on the host (a session's first picture)
         self.idle_loops: dict[int, np.ndarray] = {}  # avatar -> its idle loop [n, H*3/2, W] I420, on the host
         self._idle_bytes = 0  # kept and being rendered
-        # frames are copied out of the host buffers on threads (memcpy without the GIL) and encoded in
-        # worker processes (EncodePool, started with the first encoded session): in this process x264
-        # and PyAV held the GIL ~0.8 ms a frame and, retaking it constantly, starved the core and the
-        # callers' event loops
-        self._copy = ThreadPoolExecutor(max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="live-copy")
         self._encode_processes = encode_processes or max(1, (os.cpu_count() or 2) - 2)
         self.encode_pool: EncodePool | None = None
         self._pool_lock = threading.Lock()
@@ -370,12 +370,26 @@ class LiveEngine:
             if self.sessions.pop(session.id, None) is not None:
                 self._free_rings.append(session.request.ring)
 
-    def render_offline(self, avatar: int, frames: list[int], windows: torch.Tensor) -> Future:
+    def render_offline(self, avatar: int, frames: list[int], windows: torch.Tensor, *, out: np.ndarray | None = None,
+                       rows: list[int] | None = None) -> Future:
         """Offline frames through the same steps at lower priority: loop frames of a resident avatar
-        with their windows [n, 50, 384]. The future's result: [n, H*3/2, W] uint8 I420."""
+        with their windows [n, 50, 384]. The future's result: [n, H*3/2, W] uint8 I420, or `out` (the
+        caller's buffer, frame i at row `rows[i]`) with the frames in it. Cancel the future to drop the
+        frames not yet rendered."""
         if len(windows) != len(frames):
             raise ValueError("one window per frame")
-        job = OfflineJob(avatar, list(frames), windows.to(self.device, self.m.dtype))
+        w, h = self.engine.avatars[avatar].size
+        if out is None:
+            out, rows = np.empty((len(frames), h * 3 // 2, w), np.uint8), None
+        elif out.shape[1:] != (h * 3 // 2, w) or out.dtype != np.uint8:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype}: [n, {h * 3 // 2}, {w}] uint8 is needed")
+        rows = list(range(len(frames))) if rows is None else list(rows)
+        if len(rows) != len(frames) or (rows and not 0 <= min(rows) <= max(rows) < len(out)):
+            raise ValueError("one row of out per frame")
+        job = OfflineJob(avatar, list(frames), windows.to(self.device, self.m.dtype), out, rows)
+        if not frames:
+            job.future.set_result(out)
+            return job.future
         with self._lock:
             self.scheduler.add_offline(job)
         self._wake.set()

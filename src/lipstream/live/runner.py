@@ -3,7 +3,7 @@
 `launch` gathers a plan's frames (their avatars' loop frames, their feature-table rows or offline
 windows) into the engine's captured step, then copies the I420 frames to pinned host buffers on a
 side stream; `finish` waits for that copy and hands each frame to its session's hand-off (which
-copies it out and frees the buffer) or to its offline job. The host buffers are allocated once
+copies it out and frees the buffer) or to its offline job (copied out on a copy thread). The host buffers are allocated once
 per frame size: HOST_BUFFERS steps can be on their way to the host, or being copied out, at once.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from lipstream.engine import Engine
 from lipstream.live.features import FeatureTable
-from lipstream.live.scheduler import StepPlan
+from lipstream.live.scheduler import OfflineJob, StepPlan
 
 HOST_BUFFERS = 4  # steps whose frames can be on their way to the host (or being copied out) at once
 
@@ -61,11 +62,24 @@ def _nothing() -> None:
     pass
 
 
+def _land(job: OfflineJob, frames: np.ndarray, positions: list[int], indices: list[int], release: Callable) -> None:
+    try:
+        job.land(frames, positions, indices)
+    finally:
+        release()
+
+
+def _now(fn: Callable, *args) -> None:
+    fn(*args)
+
+
 class StepRunner:
     """Runs the scheduler's steps on the engine; owns the host buffers and the copy stream."""
 
-    def __init__(self, engine: Engine, table: FeatureTable):
+    def __init__(self, engine: Engine, table: FeatureTable, submit: Callable[..., object] | None = None):
+        """`submit(fn, *args)` runs a copy out of a host buffer (a thread pool's submit; None: at once)."""
         self.engine, self.table = engine, table
+        self._submit = submit or _now
         self.device = engine.device
         self.cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -144,17 +158,20 @@ class StepRunner:
         now = time.monotonic()
         for where, host, use in f.groups:
             frames = host.numpy()
-            use.hold(sum(i < n_live for i in where))
+            landing: dict[int, tuple[OfflineJob, list[int], list[int]]] = {}  # per job: buffer positions, its frames
+            for j, i in enumerate(where):
+                if i >= n_live:
+                    job, index = f.plan.offline[i - n_live]
+                    _, positions, indices = landing.setdefault(id(job), (job, [], []))
+                    positions.append(j)
+                    indices.append(index)
+            use.hold(sum(i < n_live for i in where) + len(landing))  # each session frame, each job's copy
             for j, i in enumerate(where):
                 if i < n_live:
                     c = f.plan.live[i]
                     f.plan.sessions[c.session].handoff.deliver(c, frames[j], now, use.release)
-                else:
-                    job, index = f.plan.offline[i - n_live]
-                    job.results.append((index, frames[j].copy()))
-                    if len(job.results) == len(job.frames):
-                        job.results.sort(key=lambda r: r[0])
-                        job.future.set_result(np.stack([r[1] for r in job.results]))
+            for job, positions, indices in landing.values():  # off the core thread: 100 MB a 1080p step
+                self._submit(_land, job, frames, positions, indices, use.release)
         return took
 
     @staticmethod

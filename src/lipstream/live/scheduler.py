@@ -14,12 +14,14 @@ the offline jobs queued, what a step costs (per bucket, measured at start, and r
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Container
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 from lipstream.live.request import Candidate
@@ -35,14 +37,48 @@ class AdmissionError(RuntimeError):
 
 @dataclass
 class OfflineJob:
-    """Frames of an offline render: the avatar's index, loop frames, their windows [n, 50, 384] on the device."""
+    """Frames of an offline render: the avatar's index, loop frames, their windows [n, 50, 384] on the device.
+
+    Frame i lands in `out[rows[i]]` (host I420), copied there from the step's host buffer on a copy
+    thread; the future's result is `out` once every frame has landed. A cancelled future drops the
+    frames not yet handed to a step."""
 
     avatar: int
     frames: list[int]
     windows: torch.Tensor
+    out: np.ndarray  # [rows, H*3/2, W] uint8
+    rows: list[int]  # where each frame goes in `out`
     future: Future = field(default_factory=Future)
     done: int = 0  # frames handed to a step so far
-    results: list = field(default_factory=list)  # (index, I420 frame)
+    landed: int = 0  # frames copied into `out` so far
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def land(self, frames: np.ndarray, positions: list[int], indices: list[int]) -> None:
+        """Copy the step's host frames at `positions` (this job's frames `indices`) into `out`."""
+        try:
+            rows = [self.rows[i] for i in indices]
+            k = len(rows)
+            if rows == list(range(rows[0], rows[0] + k)) and positions == list(range(positions[0], positions[0] + k)):
+                self.out[rows[0]:rows[0] + k] = frames[positions[0]:positions[0] + k]  # one memcpy, no GIL
+            else:
+                self.out[rows] = frames[positions]
+        except BaseException as e:  # noqa: BLE001  (the job's caller gets it, not a copy thread's log)
+            self._settle(error=e)
+            return
+        with self._lock:
+            self.landed += k
+            complete = self.landed == len(self.frames)
+        if complete:
+            self._settle()
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        try:
+            if error is None:
+                self.future.set_result(self.out)
+            else:
+                self.future.set_exception(error)
+        except InvalidStateError:  # cancelled, or failed already
+            pass
 
 
 @dataclass
@@ -88,8 +124,7 @@ class Scheduler:
 
     def fail_offline(self, error: BaseException) -> None:
         for job in self.offline:
-            if not job.future.done():
-                job.future.set_exception(error)
+            job._settle(error)
 
     # --- planning --------------------------------------------------------------------------------
 
@@ -142,6 +177,8 @@ class Scheduler:
         offline: list[tuple[OfflineJob, int]] = []
         room = self.max_batch - len(live)
         for job in self.offline:
+            if job.future.cancelled():
+                job.done = len(job.frames)  # what is left of it is dropped
             while room and job.done < len(job.frames):
                 offline.append((job, job.done))
                 job.done += 1
