@@ -48,6 +48,8 @@ def run(script: str, work: Path, i: int) -> dict:
     row["render_s"], row["fps"] = (float(m.group(1)), float(m.group(2))) if m else (None, None)
     m = re.search(r"first encoded packet ([\d.]+) s", p.stdout + p.stderr)
     row["first_packet_s"] = float(m.group(1)) if m else None
+    # the --timings table's rows (graph capture, the show's wait past it, frames, ...): where the cost went
+    row["steps"] = {k.strip(): float(v) for k, v in re.findall(r"^│ ([^│]+?)\s+│\s+(-?[\d.]+)\s+│", p.stderr, re.M)}
     if p.returncode:
         row["tail"] = (p.stdout + p.stderr)[-1200:]
     out.unlink(missing_ok=True)

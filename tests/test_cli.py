@@ -211,14 +211,17 @@ def test_render_timings_table_names_every_step_and_adds_up(tmp_path, presenter):
     assert r.returncode == 0, r.stderr
     rows = dict(re.findall(r"^│ ([^│]+?)\s+│\s+(-?[\d.]+)\s+│", r.stderr, re.M))
     for step in ("imports and checks", "torch and the device", "networks", "render set-up", "avatars: load",
-                 "graph capture", "audio decode: wait past the capture", "audio: Whisper features and windows",
+                 "graph capture", "audio decode: wait past the capture",
+                 "show layers and music: wait past the capture", "audio: Whisper features and windows",
                  "first encoded packet (after render start)", "frames (render loop)",
                  "flush: last segments, audio, faststart", "render_program total"):
         assert step in rows, (step, r.stderr)
+    assert "waits:" in r.stderr  # the render loop's note: who waited for whom (GPU side, encoders)
     process = float(re.search(r"process: ([\d.]+) s so far", r.stdout).group(1))
     before = sum(float(rows[k]) for k in ("imports and checks", "torch and the device", "networks", "render set-up"))
     assert abs(before + float(rows["render_program total"]) - process) < 0.5  # the rows cover the whole process
     inside = sum(float(rows[k]) for k in ("avatars: load", "graph capture", "audio decode: wait past the capture",
+                                         "show layers and music: wait past the capture",
                                          "audio: Whisper features and windows", "frames (render loop)",
                                          "flush: last segments, audio, faststart"))
     assert inside <= float(rows["render_program total"]) + 0.05

@@ -46,6 +46,7 @@ from lipstream.rates import AUDIO_RATE
 from lipstream.script import Program, Scene
 from lipstream.show.compose import Compositor, build_compositor, scene_clock
 from lipstream.show.mix import mix_music
+from lipstream.show.spec import Show
 from lipstream.show.tts import Voice, pick_voice
 
 if TYPE_CHECKING:
@@ -140,6 +141,35 @@ def decode_speech(scenes: list[Scene], voice: Voice | None = None) -> list[tuple
     return out
 
 
+def scene_bounds(samples48: list[int], fps: Fraction) -> list[int]:
+    """Each scene's first output frame from its speech's length at 48 kHz, the frame count last."""
+    starts = np.cumsum([0] + samples48)
+    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
+    return bounds + [math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps)]
+
+
+def build_show(show: Show, decoding: _Background, fps: Fraction, size: tuple[int, int], matrix: str,
+               device: torch.device) -> tuple[np.ndarray, Compositor | None]:
+    """The output's track (the speech, with the music bed ducked under it) and the show's layers, made on
+    a thread beside the graph capture: sprites drawn, stills and videos opened, the bed decoded and mixed
+    (CPU work that otherwise came before the first frame). Uploads go on a stream of their own, finished
+    before this returns."""
+    decoded = decoding.result()
+    samples48 = np.concatenate([s48 for _, _, s48 in decoded])
+    if show.music is not None:  # the bed under the speech, ducked where it speaks
+        samples48 = mix_music(samples48, show.music, AUDIO_RATE)
+    if not show.visual():
+        return samples48, None
+    clock = scene_clock(scene_bounds([s48.size for _, _, s48 in decoded], fps), fps)
+    if device.type != "cuda":
+        return samples48, build_compositor(show, size, float(fps), *clock, matrix, device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        compositor = build_compositor(show, size, float(fps), *clock, matrix, device)
+    stream.synchronize()
+    return samples48, compositor
+
+
 class _Background:
     """A function running on its own thread; `result()` joins it and re-raises what it raised."""
 
@@ -159,6 +189,12 @@ class _Background:
         if isinstance(self._out[0], BaseException):
             raise self._out[0]
         return self._out[0]
+
+    def discard(self, close: Callable) -> None:
+        """The caller failed: wait for the thread and `close` what it made (what it raised is dropped)."""
+        self._thread.join()
+        if not isinstance(self._out[0], BaseException):
+            close(self._out[0])
 
 
 def plan(program: Program, avatars: dict[str, int], engine: FrameEngine, fps: Fraction,
@@ -233,31 +269,32 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
             raise InputError(a.path, f"is {a.size[0]}x{a.size[1]}, the broadcast is {width}x{height}: "
                                      "all avatars of one video must have the same frame size")
     t_load = time.perf_counter()
-    engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
-    t_warm = time.perf_counter()
-
-    decoded = decoding.result()
-    t_decoded = time.perf_counter()
-    speech = [(resample(mono.to(device), rate, SAMPLE_RATE), s48) for mono, rate, s48 in decoded]
-    samples48 = np.concatenate([s[1] for s in speech])
-    starts = np.cumsum([0] + [s[1].size for s in speech])
-    bounds = [round(Fraction(int(n), AUDIO_RATE) * fps) for n in starts[:-1]]
-    bounds.append(math.ceil(Fraction(int(starts[-1]), AUDIO_RATE) * fps))
-    if show.music is not None:  # the bed under the speech, ducked where it speaks
-        samples48 = mix_music(samples48, show.music, AUDIO_RATE)
-    scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
-                     for k, (s16, _) in enumerate(speech)]
-    silence = None  # the mouth at rest, for the outgoing scene of a crossfade
-    if any(scene.crossfade for scene in program.scenes):
-        quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
-        silence = audio_windows(quiet, fps)[int(fps) // 2]
-    t_audio = time.perf_counter()
-    items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
-    compositor = build_compositor(show, (width, height), float(fps), *scene_clock(bounds, fps),
-                                  first.meta["colour_matrix"], device)
-    # decode_wait_s: how long the decode outlasted the capture (0 when it was hidden behind it)
+    building = _Background(build_show, show, decoding, fps, (width, height), first.meta["colour_matrix"], device)
+    try:
+        captured = engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
+        t_warm = time.perf_counter()
+        decoded = decoding.result()
+        t_decoded = time.perf_counter()
+        speech = [resample(mono.to(device), rate, SAMPLE_RATE) for mono, rate, _ in decoded]
+        bounds = scene_bounds([s48.size for _, _, s48 in decoded], fps)
+        scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
+                         for k, s16 in enumerate(speech)]
+        silence = None  # the mouth at rest, for the outgoing scene of a crossfade
+        if any(scene.crossfade for scene in program.scenes):
+            quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
+            silence = audio_windows(quiet, fps)[int(fps) // 2]
+        t_audio = time.perf_counter()
+        items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
+        t_plan = time.perf_counter()
+        samples48, compositor = building.result()
+    except BaseException:
+        building.discard(lambda built: built[1] is not None and built[1].close())
+        raise
+    # decode_wait_s: how long the decode outlasted the capture (0 when it was hidden behind it); show_wait_s:
+    # how long the show's layers and music outlasted the capture, the features and the plan
     timings = {"load_s": t_load - t0, "warmup_s": t_warm - t_load, "decode_wait_s": t_decoded - t_warm,
-               "audio_s": t_audio - t_decoded, "plan_s": time.perf_counter() - t_audio}
+               "audio_s": t_audio - t_decoded, "plan_s": t_plan - t_audio, "show_wait_s": time.perf_counter() - t_plan,
+               **{f"warmup {name} s": v for name, v in captured.items()}}
     return RenderPlan(engine, items, samples48, fps, (width, height), first.meta["colour_matrix"], t0, timings,
                       compositor)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -152,16 +153,25 @@ class StepEngine:
         pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731
         return self._step(pad(latents), pad(windows), cropped)[:n]
 
-    def warm_up(self) -> None:
-        """Compile and capture every bucket now (startup), not on the first frames."""
+    def warm_up(self) -> dict[str, float]:
+        """Compile and capture every bucket now (startup), not on the first frames; the seconds each
+        bucket's step and blend took (nothing for what was captured before)."""
+        seconds: dict[str, float] = {}
         if not self.use_graphs:
-            return
+            return seconds
         kinds = {self._cropped([a]) for a in range(len(self.avatars))} or {self._cropped(None)}
         for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
             for cropped in kinds:
+                t = time.perf_counter()
                 self._net_graph(b, cropped)
+                torch.cuda.synchronize(self.device)
+                seconds[f"step {b}"] = seconds.get(f"step {b}", 0.0) + time.perf_counter() - t
                 for a in self.avatars:
+                    t = time.perf_counter()
                     self._blend_graph(b, *a.size, cropped)
+                    torch.cuda.synchronize(self.device)
+                    seconds[f"blend {b}"] = seconds.get(f"blend {b}", 0.0) + time.perf_counter() - t
+        return seconds
 
     def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
         key = (bucket, self._cropped(None) if cropped is None else cropped)
@@ -417,11 +427,12 @@ class CompiledEngine(StepEngine):
     def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
         return self._steps[cropped](latents, windows)
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> dict[str, float]:
         try:
-            super().warm_up()
+            return super().warm_up()
         except RuntimeError as e:
             # A compiled package whose calls cannot be captured still runs, only with more CPU work.
             log.warning("the compiled step cannot be captured in a CUDA graph (%s); running it without graphs", e)
             torch.cuda.synchronize(self.device)
             self.use_graphs, self._net, self._blend, self._pool = False, {}, {}, None
+            return {}
