@@ -271,7 +271,11 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
     t_load = time.perf_counter()
     building = _Background(build_show, show, decoding, fps, (width, height), first.meta["colour_matrix"], device)
     try:
-        captured = engine.warm_up()  # CUDA graphs (and compile) before the first frame, not during it
+        # CUDA graphs (and compile) before the frames need them: here the first batch's bucket (every
+        # one when crossfades may double a batch); the others while that batch encodes (write), so the
+        # first frames are not held up by them
+        crossfades = any(scene.crossfade for scene in program.scenes)
+        captured = engine.warm_up(None if crossfades else engine.buckets[:1])
         t_warm = time.perf_counter()
         decoded = decoding.result()
         t_decoded = time.perf_counter()
@@ -280,7 +284,7 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
         scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
                          for k, s16 in enumerate(speech)]
         silence = None  # the mouth at rest, for the outgoing scene of a crossfade
-        if any(scene.crossfade for scene in program.scenes):
+        if crossfades:
             quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
             silence = audio_windows(quiet, fps)[int(fps) // 2]
         t_audio = time.perf_counter()
@@ -378,6 +382,11 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 stages["produce_launch_s"] += t1 - t
                 stages["produce_buffer_wait_s"] += t2 - t1
                 stages["produce_queue_wait_s"] += time.perf_counter() - t2
+                if n == 0 and len(batches) > 1:  # the other buckets, while the first frames encode
+                    t = time.perf_counter()
+                    later = engine.warm_up()
+                    marks.update({f"warmup {name} s": v for name, v in later.items()})
+                    marks["warmup_later_s"] = time.perf_counter() - t
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it
             frames.put(e)

@@ -150,6 +150,7 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
             ("show layers and music: wait past the capture", t.get("show_wait_s"), "made beside the capture"),
             ("audio: Whisper features and windows", t.get("audio_s"), ""),
             ("first encoded packet (after render start)", report.first_frame_s, ""),
+            ("graph capture, the other buckets", t.get("warmup_later_s"), "in the render loop, as the first frames encode"),
             ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
                 t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "decode_wait_s", "plan_s", "show_wait_s")), stages),
             ("flush: last segments, audio, faststart", t.get("finish_s"), "")]

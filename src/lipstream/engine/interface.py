@@ -35,8 +35,9 @@ class FrameEngine(Protocol):
     def clear_avatars(self) -> None:
         """Drop every resident avatar (what was captured or compiled stays)."""
 
-    def warm_up(self) -> dict[str, float]:
-        """Capture or compile everything now, before the first frame; seconds by what was captured."""
+    def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
+        """Capture or compile these buckets (None: all) now, before the frames that need them; seconds by
+        what was captured."""
 
     def prefetch(self, requests: list[FrameRequest]) -> None:
         """A hint: `render` will be asked for these requests (this list) after the ones before. An engine

@@ -153,24 +153,26 @@ class StepEngine:
         pad = lambda t: torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])  # noqa: E731
         return self._step(pad(latents), pad(windows), cropped)[:n]
 
-    def warm_up(self) -> dict[str, float]:
-        """Compile and capture every bucket now (startup), not on the first frames; the seconds each
-        bucket's step and blend took (nothing for what was captured before)."""
+    def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
+        """Compile and capture these buckets (None: every one) now, not on the first frames that need
+        them; the seconds each bucket's step and blend took (none for what was captured before)."""
         seconds: dict[str, float] = {}
         if not self.use_graphs:
             return seconds
         kinds = {self._cropped([a]) for a in range(len(self.avatars))} or {self._cropped(None)}
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+        wanted = self.buckets if buckets is None else [b for b in self.buckets if b in buckets]
+        for b in sorted(wanted, reverse=True):  # largest first: smaller ones reuse its memory
             for cropped in kinds:
-                t = time.perf_counter()
-                self._net_graph(b, cropped)
-                torch.cuda.synchronize(self.device)
-                seconds[f"step {b}"] = seconds.get(f"step {b}", 0.0) + time.perf_counter() - t
-                for a in self.avatars:
+                graphs = [(f"step {b}", functools.partial(self._net_graph, b, cropped), (b, cropped) in self._net)]
+                graphs += [(f"blend {b}", functools.partial(self._blend_graph, b, *a.size, cropped),
+                            self._blend_key(b, *a.size, cropped) in self._blend) for a in self.avatars]
+                for name, capture, done in graphs:
+                    if done:
+                        continue
                     t = time.perf_counter()
-                    self._blend_graph(b, *a.size, cropped)
+                    capture()
                     torch.cuda.synchronize(self.device)
-                    seconds[f"blend {b}"] = seconds.get(f"blend {b}", 0.0) + time.perf_counter() - t
+                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t
         return seconds
 
     def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
@@ -184,11 +186,15 @@ class StepEngine:
             self._pool = self._pool or self._net[key].graph.pool()
         return self._net[key]
 
+    def _blend_key(self, bucket: int, width: int, height: int, cropped: bool, own_faces: bool = False) -> tuple:
+        canvas = (min(height, self.canvas[0]), min(width, self.canvas[1]))
+        return bucket, width, height, canvas, cropped, own_faces
+
     def _blend_graph(self, bucket: int, width: int, height: int, cropped: bool, own_faces: bool = False) -> _Graph:
         """The blend of a bucket into frames of one size; `own_faces`: it reads a static `faces` input
         (a subset of a mixed-size step's faces) instead of the network graph's output."""
-        canvas = (min(height, self.canvas[0]), min(width, self.canvas[1]))
-        key = (bucket, width, height, canvas, cropped, own_faces)
+        key = self._blend_key(bucket, width, height, cropped, own_faces)
+        canvas = key[3]
         if key not in self._blend:
             faces = self._net_graph(bucket, cropped).out
             if own_faces:
@@ -427,9 +433,9 @@ class CompiledEngine(StepEngine):
     def _step(self, latents: torch.Tensor, windows: torch.Tensor, cropped: bool = False) -> torch.Tensor:
         return self._steps[cropped](latents, windows)
 
-    def warm_up(self) -> dict[str, float]:
+    def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
         try:
-            return super().warm_up()
+            return super().warm_up(buckets)
         except RuntimeError as e:
             # A compiled package whose calls cannot be captured still runs, only with more CPU work.
             log.warning("the compiled step cannot be captured in a CUDA graph (%s); running it without graphs", e)

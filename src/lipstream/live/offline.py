@@ -60,7 +60,7 @@ class OfflineLane:
         self._live_index.append(index)
         return len(self.avatars) - 1
 
-    def warm_up(self) -> dict[str, float]:
+    def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
         """The live engine is warm from its start."""
         return {}
 
