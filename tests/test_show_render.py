@@ -108,3 +108,25 @@ def test_the_text_scene_is_spoken_and_the_bed_lies_under_the_speech(rendered):
     bed = audio[:n] - bare_audio[:n]
     assert np.sqrt(np.mean(bed ** 2)) > 1e-3  # the music is in the mix
     assert len(frames) == round(seconds * 10) or abs(len(frames) - seconds * 10) <= 1
+
+
+def test_a_server_job_paints_the_show_over_the_live_engines_host_frames(show_script, tmp_path):
+    """A server's job: its frames come back from the live engine on the host, the show's layers live on
+    the networks' device (the GPU's on a GPU server, where the H200's suite runs this): the render moves
+    each batch over and paints it there; the logo shows."""
+    import torch
+
+    from lipstream.live.engine import LiveEngine
+    from lipstream.live.offline import OfflineLane
+    from lipstream.models import load_musetalk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = load_musetalk(random_weights=True, size="tiny", device=device, seed=0)
+    program = load_script(show_script)
+    live = LiveEngine(models, "realtime" if device == "cuda" else "cpu")
+    live.add_avatar(program.avatars_dir / "p")
+    with live:
+        render_program(program, tmp_path / "job.mp4", models, RenderOptions(crf=0, progress=False),
+                       engine=OfflineLane(live))
+    frames, _, _ = _rgb(tmp_path / "job.mp4")
+    assert np.abs(frames[5][16 + 16, 640 - 16 - 32].astype(int) - [0, 255, 0]).max() < 40

@@ -363,6 +363,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                         out.append(frame)
                     batch = torch.stack(out)
                 if render.compositor is not None:  # the show's layers, on the device, before the copy out
+                    if batch.device != render.compositor.device:  # a server's frames come from its live engine
+                        batch = batch.to(render.compositor.device)  # on the host: painted on the GPU all the same
                     with torch.inference_mode():  # the engine's frames are inference tensors, painted in place
                         batch = render.compositor.apply(
                             batch, [(i.scene, float(i.local / fps), float((start + j) / fps)) for j, i in enumerate(chunk)])
