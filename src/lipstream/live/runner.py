@@ -3,8 +3,9 @@
 `launch` gathers a plan's frames (their avatars' loop frames, their feature-table rows or offline
 windows) into the engine's captured step, then copies the I420 frames to pinned host buffers on a
 side stream; `finish` waits for that copy and hands each frame to its session's hand-off (which
-copies it out and frees the buffer) or to its offline job (copied out on a copy thread). The host buffers are allocated once
-per frame size: HOST_BUFFERS steps can be on their way to the host, or being copied out, at once.
+copies it out and frees the buffer) or to its offline job (copied out on a copy thread too). The
+host buffers are allocated once per frame size: HOST_BUFFERS steps can be on their way to the host,
+or being copied out, at once.
 """
 
 from __future__ import annotations
