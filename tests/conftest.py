@@ -37,3 +37,26 @@ def presenter(tmp_path_factory, tiny_models):
     compile_avatar(root / "p.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
                    backend=DlibBackend(), progress=False)
     return root / "avatars" / "p"
+
+
+class _ReplayGraph:
+    """Stands in for a CUDA graph on the CPU: static inputs and output, `fn` run again at each replay."""
+
+    def __init__(self, fn, inputs, device, pool, warmups=2):
+        self.fn, self.inputs = fn, inputs
+        self.out = fn(**inputs)
+        self.graph = type("Pool", (), {"pool": staticmethod(lambda: "pool")})()
+
+    def replay(self):
+        out = self.fn(**self.inputs)
+        if out is not None:
+            self.out.copy_(out)  # the graph's output memory is fixed: readers hold this tensor
+        return self.out
+
+
+@pytest.fixture
+def replay_graphs(monkeypatch):
+    """The engine's CUDA graphs played by a CPU stand-in (an engine made with graphs=True uses it)."""
+    from lipstream.engine import runner
+
+    monkeypatch.setattr(runner, "_Graph", _ReplayGraph)

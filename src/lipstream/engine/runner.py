@@ -171,7 +171,8 @@ class StepEngine:
                         continue
                     t = time.perf_counter()
                     capture()
-                    torch.cuda.synchronize(self.device)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
                     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t
         return seconds
 
