@@ -363,8 +363,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                         out.append(frame)
                     batch = torch.stack(out)
                 if render.compositor is not None:  # the show's layers, on the device, before the copy out
-                    if batch.device != render.compositor.device:  # a server's frames come from its live engine
-                        batch = batch.to(render.compositor.device)  # on the host: painted on the GPU all the same
+                    if batch.device.type != render.compositor.device.type:  # a server's live engine gives
+                        batch = batch.to(render.compositor.device)  # host frames: painted on the GPU all the same
                     with torch.inference_mode():  # the engine's frames are inference tensors, painted in place
                         batch = render.compositor.apply(
                             batch, [(i.scene, float(i.local / fps), float((start + j) / fps)) for j, i in enumerate(chunk)])
@@ -387,7 +387,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 if n == 0 and len(batches) > 1:  # the other buckets, while the first frames encode
                     t = time.perf_counter()
                     later = engine.warm_up()
-                    marks.update({f"warmup {name} s": v for name, v in later.items()})
+                    marks.update({f"warmup later {name} s": v for name, v in later.items()})
                     marks["warmup_later_s"] = time.perf_counter() - t
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it

@@ -138,19 +138,23 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
         f", {k.removesuffix('_s')} {v:.2f} s" for k, v in nets.timings.items() if k != "networks_s")}
     for name, seconds in before.items():
         table.add_row(name, f"{seconds:.2f}", notes.get(name, ""))
-    captured = ", ".join(f"{k.removeprefix('warmup ').removesuffix(' s')} {v:.2f}" for k, v in t.items()
-                         if k.startswith("warmup ") and k.endswith(" s"))
+    def captured(later: bool) -> str:  # each bucket's step and blend: "step 8 0.61, blend 8 0.05"
+        prefix = "warmup later " if later else "warmup "
+        return ", ".join(f"{k.removeprefix(prefix).removesuffix(' s')} {v:.2f}" for k, v in t.items()
+                         if k.startswith(prefix) and k.endswith(" s") and k.startswith("warmup later ") == later)
+
     # who waited for whom in the render loop: the GPU side (producer) or the encoders (writer)
     stages = (f"waits: for a free buffer {t.get('produce_buffer_wait_s', 0):.2f}, for frames "
               f"{t.get('consume_wait_s', 0):.2f}, for the GPU {t.get('consume_gpu_wait_s', 0):.2f}; "
               f"to the encoders {t.get('consume_write_s', 0):.2f}") if "consume_write_s" in t else ""
     rows = [("avatars: load", t.get("load_s"), ""),
-            ("graph capture", t.get("warmup_s"), "the audio decodes meanwhile" + (f"; {captured}" if captured else "")),
+            ("graph capture", t.get("warmup_s"), "; ".join(["the audio decodes meanwhile", captured(False)]).strip("; ")),
             ("audio decode: wait past the capture", t.get("decode_wait_s"), ""),
             ("show layers and music: wait past the capture", t.get("show_wait_s"), "made beside the capture"),
             ("audio: Whisper features and windows", t.get("audio_s"), ""),
             ("first encoded packet (after render start)", report.first_frame_s, ""),
-            ("graph capture, the other buckets", t.get("warmup_later_s"), "in the render loop, as the first frames encode"),
+            ("graph capture, the other buckets", t.get("warmup_later_s"),
+             "; ".join(["in the render loop, as the first frames encode", captured(True)]).strip("; ")),
             ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
                 t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "decode_wait_s", "plan_s", "show_wait_s")), stages),
             ("flush: last segments, audio, faststart", t.get("finish_s"), "")]
