@@ -8,6 +8,8 @@
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
+#   STAGE=bench: `lipstream bench --modes fast,oneshot --scenarios B` (its one-shot rows), on the packages
+#     of a STAGE=render call just before on the same machine.
 #   STAGE=suite: the whole test suite on the image (Python 3.12, its torch and wheels), SUITE_N workers (12).
 #   COMMIT=<sha> STAGE=render bash benchmarks/issue28_h200.sh
 set -u
@@ -102,6 +104,15 @@ PY
     tail -6 $OUT/server_render.txt
     serve_stop
   }
+fi
+
+if [ "${STAGE:-render}" = bench ]; then  # after STAGE=render on the same warm machine: its packages
+  export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
+  t=$(date +%s.%N)
+  timeout ${BENCH_T:-300} python3 -m lipstream.cli bench -o $W/bench --weights random --modes fast,oneshot \
+    --scenarios B > $OUT/bench.txt 2>&1
+  echo "bench rc $? in $(secs $t) s"; tail -12 $OUT/bench.txt
+  cp $W/bench/*.md $W/bench/*.json $OUT/ 2>/dev/null
 fi
 
 if [ "${STAGE:-render}" = suite ]; then
