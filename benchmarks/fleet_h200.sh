@@ -54,7 +54,7 @@ start_server() {  # log name, extra serve flags
     sleep 0.5
   done
   echo "$1: ready after $(python3 -c "import time; print(round(time.time()-$t0,1))") s (process start to /readyz 200)"
-  grep -m2 -oE "(live engine: on the compiled packages, )?steps \{[^}]*\}[^\"]*" $OUT/$1.log  # each bucket's step: packages vs Inductor
+  grep -m3 -oE "(live engine: on the compiled packages, )?steps \{[^}]*\}[^\"]*|cannot be captured[^\"]*" $OUT/$1.log  # each bucket's step: packages vs Inductor
 }
 stop_server() {
   t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "server exit $? after SIGTERM, $(python3 -c "import time; print(round(time.time()-$t0,1))") s"

@@ -49,7 +49,7 @@ serve_row() {  # name, limit s (env: LIPSTREAM_CACHE, TORCHINDUCTOR_CACHE_DIR)
   local said; said=$(wait_ready $t0 $SPID $2); local rc=$?
   echo "serve $1: $said"
   grep -m1 '"ready"' $OUT/serve_$1.log | cut -c1-900
-  grep -m2 -oE "(live engine: on the compiled packages, )?steps \{[^}]*\}[^\"]*" $OUT/serve_$1.log
+  grep -m3 -oE "(live engine: on the compiled packages, )?steps \{[^}]*\}[^\"]*|cannot be captured[^\"]*" $OUT/serve_$1.log
   [ $rc = 0 ] || tail -5 $OUT/serve_$1.log
   return $rc
 }
