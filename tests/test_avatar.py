@@ -21,6 +21,8 @@ from lipstream.avatar.video import read_loop
 from lipstream.errors import InputError
 from lipstream.fixtures.avatar import EYE_RADIUS, action_loop, still_image
 
+pytestmark = pytest.mark.face_model  # dlib's 68-point model tracks the faces here
+
 W, H = 640, 360
 
 

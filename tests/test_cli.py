@@ -149,6 +149,7 @@ def test_cuda_requested_without_a_gpu(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.face_model
 def test_compile_command(tmp_path):
     from lipstream.fixtures.avatar import action_loop, still_image
 
@@ -170,6 +171,7 @@ def test_compile_command(tmp_path):
     assert lipstream(*args, "--force").stdout.count("compiled") == 2
 
 
+@pytest.mark.face_model
 def test_random_weights_alone_just_work_on_a_cpu(tmp_path):
     """--random-weights with no size: compile picks tiny on the CPU, render follows the avatar (it used to build
     full-size networks, about 4 s a frame here, and then refuse the tiny avatar's VAE)."""

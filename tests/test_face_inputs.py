@@ -15,6 +15,9 @@ from lipstream.cli import main
 from lipstream.errors import InputError
 from lipstream.fixtures.avatar import ASTRONAUT_POINTS, FACE_CENTER, render_frame, still_image
 
+pytestmark = pytest.mark.face_model  # dlib's 68-point model tracks the faces here
+
+
 def _photo() -> np.ndarray:
     from skimage import data
 

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from lipstream.avatar import compile_avatar, load_avatar, ping_pong
-from lipstream.avatar.face import DlibBackend
+from lipstream.avatar import load_avatar, ping_pong
 from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.fixtures.avatar import action_loop
+from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.engine import Engine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import load_musetalk
@@ -35,13 +34,12 @@ W, H, FPS = 640, 360, 10
 
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory, tiny_models):
-    """Three compiled presenters (different motion) and some speech files."""
+    """Three compiled presenters (different motion; landmarks from the known motion, no face detector)
+    and some speech files."""
     root = tmp_path_factory.mktemp("studio")
-    backend = DlibBackend()
     for i, name in enumerate(("anna", "ben", "cleo")):
-        action_loop(root / f"{name}.mp4", width=W, height=H, seconds=1.0, fps=FPS, motion=1.5 + i, seed=10 + i)
-        compile_avatar(root / f"{name}.mp4", root / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
-                       backend=backend, progress=False)
+        tracked_avatar(root, name, tiny_models.vae, tiny_models.fingerprints["vae"], width=W, height=H,
+                       seconds=1.0, fps=FPS, motion=1.5 + i, seed=10 + i)
     for name, seconds in (("a", 0.8), ("b", 1.1), ("c", 0.7), ("long", 2.0)):
         write_audio(root / f"{name}.wav", speech_like(seconds, 16000, seed=len(name)), 16000)
     return root
