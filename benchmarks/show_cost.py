@@ -42,14 +42,16 @@ def run(script: str, work: Path, i: int) -> dict:
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "lipstream", "broadcast", script, "-o", out.name, "--avatars", "avatars",
                         "--random-weights", "--timings"], cwd=work, capture_output=True, text=True,
-                       env={**os.environ, "COLUMNS": "200"})
+                       env={**os.environ, "COLUMNS": "320"})
     row = {"script": script, "rc": p.returncode, "wall_s": round(time.perf_counter() - t, 2)}
     m = re.search(r"in ([\d.]+) s = ([\d.]+) fps", p.stdout + p.stderr)
     row["render_s"], row["fps"] = (float(m.group(1)), float(m.group(2))) if m else (None, None)
     m = re.search(r"first encoded packet ([\d.]+) s", p.stdout + p.stderr)
     row["first_packet_s"] = float(m.group(1)) if m else None
     # the --timings table's rows (graph capture, the show's wait past it, frames, ...): where the cost went
-    row["steps"] = {k.strip(): float(v) for k, v in re.findall(r"^│ ([^│]+?)\s+│\s+(-?[\d.]+)\s+│", p.stderr, re.M)}
+    found = re.findall(r"^│ ([^│]+?)\s+│\s+(-?[\d.]+)\s+│([^│]*)│", p.stderr, re.M)
+    row["steps"] = {k.strip(): float(v) for k, v, _ in found}
+    row["loop"] = next((n.strip() for k, _, n in found if k.strip() == "frames (render loop)"), None)  # its waits
     if p.returncode:
         row["tail"] = (p.stdout + p.stderr)[-1200:]
     out.unlink(missing_ok=True)

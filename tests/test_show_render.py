@@ -66,14 +66,23 @@ def rendered(show_script, tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     program = load_script(show_script)
     options = RenderOptions(crf=0, progress=False)
-    render_program(program, out / "show.mp4", tiny_models, options)
+    shown = render_program(program, out / "show.mp4", tiny_models, options)
     bare = dataclasses.replace(program, show=Show(scenes=[SceneLayers() for _ in program.scenes]))
-    render_program(bare, out / "bare.mp4", tiny_models, options)
-    return _rgb(out / "show.mp4"), _rgb(out / "bare.mp4"), list(out.iterdir())
+    plain = render_program(bare, out / "bare.mp4", tiny_models, options)
+    return _rgb(out / "show.mp4"), _rgb(out / "bare.mp4"), list(out.iterdir()), (shown, plain)
+
+
+def test_the_render_loop_accounts_for_the_shows_layers(rendered):
+    """--timings says what the layers cost the producer and how long it waited on video decoders (none
+    here: stills); a render without a show has no such rows."""
+    shown, plain = rendered[3]
+    assert 0 < shown.timings["produce_show_s"] <= shown.timings["produce_launch_s"]
+    assert shown.timings["show_decoder_wait_s"] == 0
+    assert "produce_show_s" not in plain.timings and "show_decoder_wait_s" not in plain.timings
 
 
 def test_the_show_renders_every_layer_where_and_when_the_script_says(rendered):
-    (frames, _, _), (bare, _, _), files = rendered
+    (frames, _, _), (bare, _, _), files, _ = rendered
     assert len(frames) == len(bare) and sorted(f.name for f in files) == ["bare.mp4", "show.mp4"]
     fps, n1 = 10, 16  # the avatar's rate; scene 1 is 1.6 s
     x1, y1, x2, y2 = PIP
@@ -99,7 +108,7 @@ def test_the_show_renders_every_layer_where_and_when_the_script_says(rendered):
 
 
 def test_the_text_scene_is_spoken_and_the_bed_lies_under_the_speech(rendered):
-    (frames, rate, audio), (_, _, bare_audio), _ = rendered
+    (frames, rate, audio), (_, _, bare_audio), _, _ = rendered
     assert abs(len(audio) - len(bare_audio)) <= rate // 50
     seconds = len(audio) / rate
     assert 1.6 + 1.0 < seconds < 1.6 + 5.0  # 1.6 s of speech, then "Markets closed higher today."

@@ -363,11 +363,13 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                         out.append(frame)
                     batch = torch.stack(out)
                 if render.compositor is not None:  # the show's layers, on the device, before the copy out
+                    ts = time.perf_counter()
                     if batch.device.type != render.compositor.device.type:  # a server's live engine gives
                         batch = batch.to(render.compositor.device)  # host frames: painted on the GPU all the same
                     with torch.inference_mode():  # the engine's frames are inference tensors, painted in place
                         batch = render.compositor.apply(
                             batch, [(i.scene, float(i.local / fps), float((start + j) / fps)) for j, i in enumerate(chunk)])
+                    stages["produce_show_s"] = stages.get("produce_show_s", 0.0) + time.perf_counter() - ts
                 t1 = time.perf_counter()
                 k = free.get()
                 t2 = time.perf_counter()
@@ -437,6 +439,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
             loop_end = time.perf_counter()
         report.first_frame_s = (out.first_packet_at or time.perf_counter()) - t0
         report.disk_bytes_written = out.disk_bytes_written
+        if render.compositor is not None:
+            stages["show_decoder_wait_s"] = render.compositor.decoder_wait_s()
         report.timings.update({k: round(v, 4) for k, v in stages.items()})
         if out.first_submit_at is not None:
             marks["first_segment_submitted_s"] = out.first_submit_at - t0

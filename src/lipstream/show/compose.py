@@ -330,6 +330,10 @@ class Compositor:
             layer.paint(planes, lo, hi, rows[2 * k, lo:hi], rows[2 * k + 1, lo:hi])
         return frames
 
+    def decoder_wait_s(self) -> float:
+        """Seconds `apply` has waited for the video layers' decoders (the render loop's share of the show)."""
+        return sum(layer.source.wait_s for layer in self.layers if isinstance(layer, VideoLayer))
+
     def close(self) -> None:
         for layer in self.layers:
             layer.close()

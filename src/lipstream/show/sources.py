@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,7 @@ class VideoSource:
         self.raw = raw
         self.pin = pin and torch.cuda.is_available()
         self.decoded = 0  # frames the decoder has converted (tests read it)
+        self.wait_s = 0.0  # seconds frame_at has waited for the decoder (--timings)
         self._thread: threading.Thread | None = None
         self._closed = False
         w, h, _ = probe_picture(self.path)
@@ -262,7 +264,9 @@ class VideoSource:
             self._put(stop, q, e)
 
     def _pull(self) -> _Frame | None:
+        t = time.perf_counter()
         item = self._queue.get()
+        self.wait_s += time.perf_counter() - t
         if isinstance(item, BaseException):
             raise item
         return item
