@@ -8,6 +8,7 @@
 # Issued right after that call (the machine stays warm 30 s; /tmp/site holds its wheels), carrying .whl-ray
 # (`bash benchmarks/h200_wheels.sh`: Ray Serve's dependencies and Ray without its jars, in one call):
 #   NS=16,20,16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+# PROFILE=25 NS=16 ...: py-spy of the engine's process 25 s into the rows (its wheel in .whl-ray), both servers.
 # Issue 27 (nvidia-h200-x2, one engine per GPU; the one-GPU figures are this script's replicas1 rows):
 #   SKIP_PLAIN=1 REPLICAS=2 NS=32,40,44 JOBS=8 KILL=1 COMMIT=<sha> bash benchmarks/fleet_h200.sh
 #   python benchmarks/fleet_chart.py X1/replicas1_together/fleet_gpus.json X2/replicas2_together/fleet_gpus.json -o docs/fleet_gpus.svg
@@ -64,10 +65,23 @@ MONO=$PWD/.h200/ur/work
 # NO_MONO=1: without it (its idle loop beside the sessions'); SERVE_FLAGS: more flags for both servers
 if [ -n "${NO_MONO:-}" ]; then rm -rf $W/avatars/anchor
 elif [ -d $MONO/avatars/anchor ] && [ ! -d $W/avatars/anchor ]; then cp -r $MONO/avatars/anchor $W/avatars/; fi
+profile() {  # name: PROFILE=S: S s into the rows, 10 s of py-spy on the engine's process (plain: the server;
+  # the fleet: its replica actor), every thread with --idle, then the GIL's holders (--gil): who the core thread waits for
+  [ -n "${PROFILE:-}" ] || return 0
+  sleep $PROFILE
+  local pid=$SPID; [ "$1" != plain ] && pid=$(pgrep -f "ServeReplica:.*$ENGINE_NAME" | head -1)
+  [ -n "$pid" ] || { echo "profile: no engine process"; return 0; }
+  PATH=/tmp/site/bin:$PATH py-spy record --idle --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_idle.txt -p $pid > /dev/null 2>&1
+  PATH=/tmp/site/bin:$PATH py-spy record --gil --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_gil.txt -p $pid > /dev/null 2>&1
+  echo "profile $1 (pid $pid): $(wc -c < $OUT/$1_pyspy_idle.txt 2>/dev/null) + $(wc -c < $OUT/$1_pyspy_gil.txt 2>/dev/null) bytes"
+}
+ENGINE_NAME=engine
 row() {  # name: serve-bench rows $NS with the render job (the sessions on the 720p avatars)
+  profile $1 & local prof=$!
   timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     --avatar p0 --avatar p1 --avatar p2 --avatar p3 \
     -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
+  wait $prof
 }
 jobs() {  # name: three render jobs alone, each a `lipstream render --server` process (submit to MP4 written)
   for k in 1 2 3; do
