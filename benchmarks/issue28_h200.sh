@@ -5,6 +5,7 @@
 #     building its packages in parallel processes, warm renders on them, --no-compile), then `lipstream
 #     serve` on those packages, process start to /readyz 200, twice, and a `render --server` job; then
 #     benchmarks/show_cost.py (issue 29: the monologue with every show layer vs without) and
+#     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
@@ -73,6 +74,10 @@ if [ "${STAGE:-render}" = render ]; then
   done
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
+  if [ "${GRAPHS_T:-150}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
+    timeout ${GRAPHS_T:-150} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --runs 2 --out $OUT \
+      > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -4 $OUT/package_graphs.txt
+  fi
   if [ "${PROBE_T:-90}" != 0 ]; then  # PROBE_T=0: no probe
     PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1
     echo "probe rc $?"; head -60 $OUT/probe.txt
