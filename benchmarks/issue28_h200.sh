@@ -75,7 +75,7 @@ if [ "${STAGE:-render}" = render ]; then
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
   if [ "${GRAPHS_T:-150}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
-    timeout ${GRAPHS_T:-150} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --runs 2 --out $OUT \
+    timeout ${GRAPHS_T:-150} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --runs 2 \
       > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -4 $OUT/package_graphs.txt
   fi
   if [ "${PROBE_T:-90}" != 0 ]; then  # PROBE_T=0: no probe
