@@ -219,6 +219,8 @@ def test_render_timings_table_names_every_step_and_adds_up(tmp_path, presenter):
                  "flush: last segments, audio, faststart", "render_program total"):
         assert step in rows, (step, r.stderr)
     assert "waits:" in r.stderr  # the render loop's note: who waited for whom (GPU side, encoders)
+    busy = re.search(r"([\d.]+) of (\d+) cores busy", r.stderr)  # and how full the cores were meanwhile
+    assert busy and 0 < float(busy.group(1)) <= int(busy.group(2)) + 0.5, r.stderr
     process = float(re.search(r"process: ([\d.]+) s so far", r.stdout).group(1))
     before = sum(float(rows[k]) for k in ("imports and checks", "torch and the device", "networks", "render set-up"))
     assert abs(before + float(rows["render_program total"]) - process) < 0.5  # the rows cover the whole process

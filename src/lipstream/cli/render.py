@@ -147,6 +147,8 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
     stages = (f"waits: for a free buffer {t.get('produce_buffer_wait_s', 0):.2f}, for frames "
               f"{t.get('consume_wait_s', 0):.2f}, for the GPU {t.get('consume_gpu_wait_s', 0):.2f}; "
               f"to the encoders {t.get('consume_write_s', 0):.2f}") if "consume_write_s" in t else ""
+    if t.get("loop_s"):  # the cores the process kept busy (the encoders' threads too): headroom or not
+        stages += f"; {t['loop_cpu_s'] / t['loop_s']:.1f} of {os.cpu_count()} cores busy"
     if "produce_show_s" in t:  # the show's layers, in the producer's time (its video decoders' waits within)
         stages += (f"; the show's layers {t['produce_show_s']:.2f}, waiting on its video decoders "
                    f"{t.get('show_decoder_wait_s', 0):.2f}")
