@@ -360,7 +360,12 @@ def _port(server) -> int:
 
 def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
     """Both tracks arrive in sync (offset <= 40 ms at the client); speech over the WebSocket plays, with its
-    events; an interrupt returns to idle; DELETE ends the session."""
+    events; an interrupt returns to idle; DELETE ends the session.
+
+    The engine's H.264 leaves late frames out, so how much video arrives is the machine's speed: of the
+    ~90 frames played, 56 came under one CPU hog and 38 under two (speech frames, and the kept idle loop's
+    frames the core hands out between its steps, late). So the count is held to what the server says it
+    sent, and to a floor the idle frames before the speech plays and after the interrupt make."""
     import websockets
 
     port = _port(server)
@@ -410,12 +415,16 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
             assert (await c.get(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 404
             assert "lipstream_live_frame_latency_seconds_count" in (await c.get("/metrics")).text
         await pc.close()
-        return video, audio, events
+        return video, audio, events, status["stats"]
 
-    video, audio, events = asyncio.run(run())
+    video, audio, events, stats = asyncio.run(run())
     kinds = [e["kind"] for e in events]
     assert kinds[:2] == ["started", "finished"] and "interrupted" in kinds, events
-    assert len(video) >= 40 and len(audio) >= 200, (len(video), len(audio))  # 10 fps video, 20 ms audio frames
+    assert len(video) >= 20 and len(audio) >= 200, (len(video), len(audio), stats)  # 10 fps video, 20 ms audio
+    # a frame goes out as video only if it was rendered: in time, or after it played (its packet then goes
+    # with the next frame); frames played before the recording started never arrive
+    assert len(video) <= stats["played"] - stats["late"] + stats["arrived_after_play"], (len(video), stats)
+    assert all(a[1] < b[1] for a, b in zip(video, video[1:]))  # in order, none twice
     assert (video[0][3].shape[0], video[0][3].shape[1]) == (270, 320)  # I420 rows of 320x180
     assert any(not np.array_equal(a[3], b[3]) for a, b in zip(video, video[1:]))  # the picture moves
     assert max(np.abs(a[3]).max() for a in audio) > 1000  # the speech came back
@@ -531,7 +540,16 @@ def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_n
 def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server, root, tmp_path, monkeypatch):
     """Two client processes against the real server, with a render job beside them: every client connects,
     speaks, and matches frames to its audio (the A/V offset would be whole frames off if the match were);
-    the render job completes; the report is written."""
+    the render job completes; the report is written.
+
+    The clients run at the server's priority, not serve-bench's nice 10: beside other load (two CPU hogs
+    here) niced clients started after the 6 s connect window and sent no utterance. And the server's speech
+    frames are held to its account, not to a count: with the render job filling the steps, a loaded 2-core
+    machine under one hog rendered 16 of them, all late, in one run, and none in another (all ~45 played
+    late as the picture before); under two it skipped every one."""
+    from lipstream.bench import serve_load
+
+    monkeypatch.setattr(serve_load, "CLIENT_NICE", 0)  # a loaded CI's other processes are not the server
     monkeypatch.setenv("LIPSTREAM_API_KEYS", KEY)
     url = str(server[0].base_url).rstrip("/")
     # VP8: aiortc sends every frame, late ones as the previous picture (on 2 cores most speech frames are
@@ -555,7 +573,10 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
     assert row["playout_delay_ms"] == 1500  # the sessions' own, asked for by the clients
     stages = row["server_stages_ms"]  # the server's account of the speech frames, per stage
-    assert stages["frames"] > 0 and {"audio", "features", "render", "encode", "slack"} <= set(stages), stages
+    # each speech frame rendered keeps its stages; with no frame late, the speech frames played were rendered
+    assert stages["frames"] > 0 or row["frames_late"] > 0, (stages, row["frames_late"])
+    assert stages["frames"] == 0 or {"audio", "features", "render", "encode", "slack"} <= set(stages), stages
+    assert stages["ready_after_deadline"] <= stages["frames"] <= row["frames_played"], (stages, row["frames_played"])
     assert row["host_busy_cores"] > 0 and row["client_cores"] > 0, row
     assert "| 2 |" in (tmp_path / "serve_bench.md").read_text()
 

@@ -89,6 +89,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                      "queued_s": round(status["started_at"] - status["created_at"], 2)
                      if status.get("started_at") else None}
     lat = [x for c in clients for x in c["latency_ms"]]
+    firsts = [c["first_frame_s"] for c in clients if c["first_frame_s"] is not None]  # none: no client got video
     decoded = [x for c in clients for x in c["decoded_latency_ms"]]
     offsets = [c["av_offset_ms"] for c in clients if c["av_offset_ms"] is not None]
     decoded_offsets = [c["av_offset_decoded_ms"] for c in clients if c.get("av_offset_decoded_ms") is not None]
@@ -113,9 +114,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                        sum(c["utterances_finished"] for c in clients)],  # sent, started, finished
         "av_offset_ms": spread(offsets),  # video minus audio as the packets arrived: the server's sync
         "av_offset_decoded_ms": spread(decoded_offsets),  # as aiortc handed them over (its buffers differ by track)
-        "first_frame_s": {f"p{q}": round(float(np.percentile([c["first_frame_s"] for c in clients
-                                                                 if c["first_frame_s"] is not None], q)), 2)
-                          for q in (50, 100)} if clients else {},
+        "first_frame_s": {f"p{q}": round(float(np.percentile(firsts, q)), 2) for q in (50, 100)} if firsts else {},
         "render_job": job_s,
         "server_stages_ms": stages,  # the server's account of each speech frame (GET /v1/sessions/{id})
         "server_skipped": sum((c.get("server_stats") or {}).get("skipped", 0) for c in clients),
