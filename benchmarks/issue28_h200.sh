@@ -74,9 +74,9 @@ if [ "${STAGE:-render}" = render ]; then
   done
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
-  if [ "${GRAPHS_T:-150}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
-    timeout ${GRAPHS_T:-150} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --runs 2 \
-      > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -4 $OUT/package_graphs.txt
+  if [ "${GRAPHS_T:-200}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
+    timeout ${GRAPHS_T:-200} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --audio $AUDIO --runs 2 \
+      > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -12 $OUT/package_graphs.txt
   fi
   if [ "${PROBE_T:-90}" != 0 ]; then  # PROBE_T=0: no probe
     PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1

@@ -11,6 +11,10 @@ in fresh processes (a process's first call pays CUDA's lazy module loading, cuBL
 
 Each row: the networks' load, the first batch (its capture included) to its frames on the device, the
 first full batch likewise, and the steady rate over the full batches (GPU work only: no encode).
+With `--audio`, two more modes render that speech to an MP4 in-process (`render_program`, default options
+but `EngineOptions.capture`): `render:before` (the default: the first bucket captured before the first
+frame) and `render:later` (the first batch uncaptured, every bucket captured in the loop): render seconds
+and first packet.
 
     LIPSTREAM_CACHE=DIR python benchmarks/package_graphs.py --avatar AVATAR_FOLDER [--runs 2] [--out DIR]
 AVATAR_FOLDER: a compiled avatar (benchmarks/user_render.py's DIR/work/avatars/anchor); the packages in
@@ -29,6 +33,31 @@ import time
 from pathlib import Path
 
 MODES = ("graphs", "eager")
+RENDER_MODES = ("render:before", "render:later")
+
+
+def render_row(mode: str, avatar: str, audio: str, device_name: str, size: str) -> dict:
+    import tempfile
+
+    import torch
+
+    from lipstream.options import RenderOptions
+    from lipstream.render import render_program
+    from lipstream.script import single_scene
+    from lipstream.startup import load_networks
+
+    t0 = time.perf_counter()
+    nets = load_networks(None, torch.device(device_name), True, size, compile="auto")
+    t_nets = time.perf_counter() - t0
+    options = RenderOptions(avatars_dir=Path(avatar).parent, progress=False)
+    options = options.for_machine(torch.device(device_name).type, os.cpu_count() or 1)
+    options = options.replace(engine=options.engine.replace(capture=mode.split(":")[1]))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = render_program(single_scene(Path(avatar).name, Path(audio)), Path(tmp) / "out.mp4", nets.models, options)
+    return {"mode": mode, "engine": nets.engine, "networks_s": round(t_nets, 3), "render_s": round(report.wall_s, 3),
+            "first_packet_s": round(report.first_frame_s, 3), "frames": report.frames,
+            "capture_before_s": round(report.timings.get("warmup_s", 0.0), 3),
+            "capture_in_loop_s": round(report.timings.get("warmup_later_s", 0.0), 3)}
 
 
 def one(mode: str, avatar: str, device_name: str, size: str, batches: int) -> dict:
@@ -93,29 +122,40 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", default="full", help="the random networks' size (tiny: a CPU check)")
     p.add_argument("--out", type=Path, default=None, help="write package_graphs.json and .md here")
-    p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--audio", default=None, help="speech for the render:before / render:later rows")
+    p.add_argument("--one", choices=MODES + RENDER_MODES, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, a.avatar, a.device, a.size, a.batches)), flush=True)
+        row = (render_row(a.one, a.avatar, a.audio, a.device, a.size) if a.one in RENDER_MODES
+               else one(a.one, a.avatar, a.device, a.size, a.batches))
+        print(json.dumps(row), flush=True)
         return
     rows = []
+    modes = MODES + (RENDER_MODES if a.audio else ())
     for run in range(a.runs):
-        for mode in MODES:
+        for mode in modes:
             r = subprocess.run([sys.executable, __file__, "--one", mode, "--avatar", a.avatar, "--device", a.device,
-                                "--size", a.size, "--batches", str(a.batches)], capture_output=True, text=True)
+                                "--size", a.size, "--batches", str(a.batches)] + (["--audio", a.audio] if a.audio else []),
+                               capture_output=True, text=True)
             line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith("{")), None)
             if r.returncode or line is None:
                 print(f"{mode} run {run}: rc {r.returncode}\n{r.stderr[-1500:]}", flush=True)
                 continue
             rows.append({"run": run, **json.loads(line)})
             print(line, flush=True)
-    keys = ("networks_s", "first_batch_s", "first_full_batch_s", "steady_fps", "launch_ms_per_batch")
-    lines = ["| mode | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for mode in MODES:
-        mine = [r for r in rows if r["mode"] == mode]
-        if mine:
-            med = [statistics.median(r[k] for r in mine) if mine[0][k] is not None else None for k in keys]
-            lines.append(f"| {mode} (median of {len(mine)}) | " + " | ".join(str(m) for m in med) + " |")
+    lines = []
+    for group, keys in ((MODES, ("networks_s", "first_batch_s", "first_full_batch_s", "steady_fps",
+                                 "launch_ms_per_batch")),
+                        (RENDER_MODES, ("networks_s", "render_s", "first_packet_s", "capture_before_s",
+                                        "capture_in_loop_s"))):
+        table = ["| mode | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for mode in group:
+            mine = [r for r in rows if r["mode"] == mode]
+            if mine:
+                med = [statistics.median(r[k] for r in mine) if mine[0][k] is not None else None for k in keys]
+                table.append(f"| {mode} (median of {len(mine)}) | " + " | ".join(str(m) for m in med) + " |")
+        if len(table) > 2:
+            lines += table + [""]
     print("\n".join(lines))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

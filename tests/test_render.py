@@ -25,7 +25,7 @@ from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.engine import Engine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import load_musetalk
-from lipstream.options import ENGINE_PRESETS, RenderOptions
+from lipstream.options import ENGINE_PRESETS, EngineOptions, RenderOptions
 from lipstream.render import prepare, render_program, write
 from lipstream.script import load_script, single_scene
 
@@ -161,6 +161,29 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
     assert len(a) == len(b) == math.ceil(2.0 * FPS)
     assert max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b)) == 0
+
+
+def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device):
+    """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
+    uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
+    models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
+    program = single_scene("ben", studio / "long.wav")
+    frames = {}
+    for capture in ("before", "later"):
+        options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, capture=capture),
+                                avatars_dir=studio / "avatars", crf=0, progress=False)
+        engine = Engine(models, options.for_machine(graph_device, 2).engine)
+        report = render_program(program, tmp_path / f"{capture}.mp4", models, options, engine=engine)
+        frames[capture] = decode(tmp_path / f"{capture}.mp4")[0]
+        assert len(engine._net) == len(engine.buckets) == 2  # every bucket captured once, either way
+    steps = {k for k in report.timings if k.startswith("warmup") and "step" in k}
+    assert steps == {f"warmup later step {b} s" for b in engine.buckets}, report.timings
+    assert report.timings["warmup_s"] < report.timings["warmup_later_s"]  # nothing captured before the frames
+    assert len(frames["later"]) == len(frames["before"]) == math.ceil(2.0 * FPS)
+    diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(frames["before"], frames["later"]))
+    assert diff == 0 if graph_device == "cpu" else diff <= 1  # the same kernels, in a graph or not
+    with pytest.raises(ValueError, match="capture 'soon'"):
+        EngineOptions(capture="soon").check()
 
 
 def write_script(root: Path, text: str) -> Path:

@@ -14,6 +14,7 @@ DECODE_ROWS = ("auto", "full", "mask")  # engine/decode.py: which face rows the 
 UPSAMPLE_MODES = ("transpose", "phases", "plain")  # engine/upsample.py: how upsample + conv run
 DECODE_STATS = ("rows", "near")  # engine/decode.py: what a cropped decode's GroupNorms see
 INDUCTOR_MODES = ("off", "vae", "all")  # torch.compile of the uncompiled networks' step
+CAPTURE_MODES = ("before", "later")  # a one-shot render's CUDA graphs: before its first frame, or in the loop
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
                 "placebo")
 DEFAULT_DECODE_ROW = 8  # latent row the cropped decode starts at (64 of 256 px)
@@ -29,8 +30,11 @@ class EngineOptions:
     avatars it cannot crop. `upsample`: "transpose" fuses each nearest-upsample + 3x3 conv into one
     transposed conv (exact, fewer FLOPs), "phases" into four phase convs, "plain" keeps the modules.
     `inductor`: torch.compile of the uncompiled networks' step ("vae": the decoder, "all": UNet too).
-    `graphs`: CUDA graphs (None: on a GPU). `reference`: the plain eager fp32 path with a numpy blend,
-    slow on purpose: the fast path is checked against it."""
+    `graphs`: CUDA graphs (None: on a GPU). `capture`: when a one-shot render captures them: "before" its
+    first frame for the first batch's bucket (the others in the render loop), or "later": the first batch
+    runs uncaptured and every bucket is captured in the loop (a package's direct call may cost less than a
+    capture: benchmarks/package_graphs.py decides). `reference`: the plain eager fp32 path with a numpy
+    blend, slow on purpose: the fast path is checked against it."""
 
     batch: int | None = None
     first_batch: int = 8
@@ -40,6 +44,7 @@ class EngineOptions:
     upsample: str = "transpose"
     inductor: str = "off"
     graphs: bool | None = None
+    capture: str = "before"
     reference: bool = False
 
     def check(self) -> None:
@@ -49,7 +54,8 @@ class EngineOptions:
         for name, value, allowed in (("decode_rows", self.decode_rows, DECODE_ROWS),
                                      ("decode_stats", self.decode_stats, DECODE_STATS),
                                      ("upsample", self.upsample, UPSAMPLE_MODES),
-                                     ("inductor", self.inductor, INDUCTOR_MODES)):
+                                     ("inductor", self.inductor, INDUCTOR_MODES),
+                                     ("capture", self.capture, CAPTURE_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r}: one of {', '.join(allowed)} is allowed")
         if not 0 <= self.decode_row < 32:

@@ -275,7 +275,8 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
         # one when crossfades may double a batch); the others while that batch encodes (write), so the
         # first frames are not held up by them
         crossfades = any(scene.crossfade for scene in program.scenes)
-        captured = engine.warm_up(None if crossfades else engine.buckets[:1])
+        later = options.engine.capture == "later" and not crossfades  # the first batch uncaptured
+        captured = {} if later else engine.warm_up(None if crossfades else engine.buckets[:1])
         t_warm = time.perf_counter()
         decoded = decoding.result()
         t_decoded = time.perf_counter()

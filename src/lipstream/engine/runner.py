@@ -263,7 +263,10 @@ class StepEngine:
             groups.setdefault(r.avatar, []).append(i)
         windows = torch.stack([r.window for r in chunk])
         cropped = self._cropped(list(groups))
-        if self.use_graphs:
+        # capture "later": a bucket not captured yet runs uncaptured (warm_up captures it, in the render loop)
+        graphs = self.use_graphs and (self.o.capture != "later" or (
+            (bucket, cropped) in self._net and self._blend_key(bucket, w, h, cropped) in self._blend))
+        if graphs:
             net, blend = self._net_graph(bucket, cropped), self._blend_graph(bucket, w, h, cropped)
             latents, frames = net.inputs["latents"], blend.inputs["frames"]
             masks, geometry = blend.inputs["masks"], blend.inputs["geometry"]
@@ -287,7 +290,7 @@ class StepEngine:
                 at = self._staging.upload(where)
                 for dst, src in targets:
                     dst.index_copy_(0, at, src.index_select(0, index))
-        if not self.use_graphs:
+        if not graphs:
             faces = self._eager_step(latents, windows.to(self.device, self.dtype), cropped)
             blend_static(frames, faces, masks, geometry, h, w, (min(h, self.canvas[0]), min(w, self.canvas[1])))
             return frames
