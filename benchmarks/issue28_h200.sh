@@ -7,6 +7,7 @@
 #     benchmarks/show_cost.py (issue 29: the monologue with every show layer vs without) and
 #     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
+#   ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
 #   STAGE=bench: `lipstream bench --modes fast,oneshot --scenarios B` (its one-shot rows), on the packages
@@ -65,7 +66,8 @@ server_job() {  # name
 
 if [ "${STAGE:-render}" = render ]; then
   t=$(date +%s.%N)
-  timeout 420 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs 2 --no-exact > $OUT/user_render.txt 2>&1
+  timeout 480 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs ${RUNS:-2} --no-exact \
+    ${ALSO:+--also "$ALSO"} > $OUT/user_render.txt 2>&1
   echo "user_render rc $? in $(secs $t) s"; grep -E "^(compile|warmup)" $OUT/user_render.txt; tail -8 $OUT/user_render.txt
   cp $W/ur/user_render.json $OUT/ 2>/dev/null
   export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
@@ -74,6 +76,10 @@ if [ "${STAGE:-render}" = render ]; then
   done
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
+  if [ "${ENC_T:-0}" != 0 ]; then  # the segment encoders alone: threads or processes (benchmarks/encoders_alone.py)
+    timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 > $OUT/encoders_alone.txt 2>&1
+    echo "encoders_alone rc $?"; cat $OUT/encoders_alone.txt | tail -8
+  fi
   if [ "${GRAPHS_T:-200}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
     timeout ${GRAPHS_T:-200} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --audio $AUDIO --runs 2 \
       > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -12 $OUT/package_graphs.txt

@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--no-exact", action="store_true", help="skip the --decode-rows full runs")
     ap.add_argument("--keep-cache", action="store_true", help="reuse DIR/cache (and DIR/work) from an earlier run")
     ap.add_argument("--track-truth", action="store_true", help="compile from the fixture's landmarks (no dlib)")
+    ap.add_argument("--also", action="append", default=[],
+                    help="flags of another warm row, run after each warm default run (e.g. '--encoder-threads')")
     ap.add_argument("extra", nargs="*", help="extra render flags, after --")
     args = ap.parse_args()
     import numpy as np
@@ -143,6 +145,8 @@ def main() -> None:
         print(f"warmup: rc {p.returncode}, {wall:.2f} s\n{report['warmup']['tail']}", flush=True)
     for run in range(args.runs):
         render_row("warm, defaults", args.extra, work, len(runs), env, report, dest)
+        for flags in args.also:  # interleaved with the defaults: the machine's drift hits both alike
+            render_row(f"warm, {flags}", [*flags.split(), *args.extra], work, len(runs), env, report, dest)
     for run in range(0 if args.no_exact else args.runs):
         render_row("warm, exact (--decode-rows full)", ["--decode-rows", "full", *args.extra], work, len(runs), env,
                    report, dest)

@@ -7,6 +7,7 @@ whose segment joins need the decode timestamps renumbered.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -105,3 +106,54 @@ def test_an_aborted_segment_write_leaves_nothing(tmp_path):
                 w.write(f)
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
+
+
+def _arena_files() -> list[str]:
+    from lipstream.media.encode_pool import slot_dir
+
+    return sorted(f for f in os.listdir(slot_dir()) if f.startswith(f"lipstream-encode-{os.getpid()}-arena"))
+
+
+def test_segment_processes_equal_threads_and_leave_no_shared_memory(tmp_path):
+    """The same packets as the thread pool (x264 is deterministic at one thread count), frames through the
+    arena, and no shared-memory file left once the writer closes (nor while it writes: unlinked once mapped)."""
+    frames = moving_frames(FRAMES, seed=3)
+    write(tmp_path / "t.mp4", frames, "veryfast", encoders=3)
+    write(tmp_path / "p.mp4", frames, "veryfast", encoders=3, processes=True)
+    t, p = probe(tmp_path / "t.mp4"), probe(tmp_path / "p.mp4")
+    assert len(p["frames"]) == FRAMES and p["dts"] == t["dts"] and p["pts"] == t["pts"]
+    assert all(np.array_equal(a, b) for a, b in zip(t["frames"], p["frames"]))
+    assert _arena_files() == []
+
+
+def test_a_dead_segment_worker_fails_the_write_in_one_line_and_leaves_nothing(tmp_path):
+    from lipstream.media.segment_pool import segment_pool
+
+    frames = moving_frames(40, seed=4)
+    audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
+    pool = segment_pool(2)
+    with pytest.raises(RuntimeError) as failed:
+        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, x264_preset="medium", encoders=2, processes=True,
+                       total_frames=40) as w:
+            for i, f in enumerate(frames):
+                if i == 12:
+                    for worker in pool.workers:
+                        worker.proc.kill()
+                w.write(f)
+    assert "encode worker" in str(failed.value) and "\n" not in str(failed.value)
+    assert list(tmp_path.iterdir()) == [] and _arena_files() == []
+    # the next writer gets fresh workers in their place
+    write(tmp_path / "again.mp4", frames, "ultrafast", encoders=2, processes=True)
+    assert len(probe(tmp_path / "again.mp4")["frames"]) == 40
+
+
+def test_an_aborted_process_write_leaves_nothing(tmp_path):
+    frames = moving_frames(40, seed=5)
+    audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
+    with pytest.raises(KeyboardInterrupt):
+        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, x264_preset="medium", encoders=2, processes=True,
+                       total_frames=80) as w:
+            for f in frames:
+                w.write(f)
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == [] and _arena_files() == []

@@ -59,7 +59,7 @@ def device_option(value: str) -> None:
 
 
 def render_options(fps: str | None, crf: int, x264_preset: str | None, batch: int | None, encoders: int | None,
-                   decode_rows: str, reference: bool = False) -> RenderOptions:
+                   decode_rows: str, reference: bool = False, encoder_processes: bool | None = None) -> RenderOptions:
     """The render and broadcast flags a user typed, each checked (one line naming the flag), as the options
     render_program takes; what is left open (None) is chosen for the machine when it renders."""
     in_range("--crf", crf, 0, 51, "an x264 quality")
@@ -73,7 +73,8 @@ def render_options(fps: str | None, crf: int, x264_preset: str | None, batch: in
     # the reference path: the plain eager fp32 maths, whatever the flags for the fast one say
     engine = ENGINE_PRESETS["reference"].replace(batch=batch) if reference else \
         EngineOptions(batch=batch, decode_rows=decode_rows)
-    return RenderOptions(engine, fps=fps_option(fps), crf=crf, x264_preset=x264_preset, encoders=encoders)
+    return RenderOptions(engine, fps=fps_option(fps), crf=crf, x264_preset=x264_preset, encoders=encoders,
+                         encoder_processes=encoder_processes)
 
 
 def machine_options(device: str, random_size: str) -> None:

@@ -401,9 +401,12 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     try:
         with DeferredInterrupt() as interrupt, \
                 writer(output, width, height, render.fps, render.audio48, crf=options.crf, x264_preset=options.x264_preset,
-                       matrix=render.matrix, encoders=options.encoders, total_frames=len(items)) as out:
+                       matrix=render.matrix, encoders=options.encoders, total_frames=len(items),
+                       **({"processes": True} if options.encoder_processes else {})) as out:
             marks["writer_open_s"] = time.perf_counter() - t0
-            loop_start, loop_cpu = time.perf_counter(), time.process_time()  # every thread's CPU: are the cores full?
+            # every thread's CPU and the encoder processes': are the cores full?
+            worker_cpu = getattr(out, "worker_cpu_s", lambda: 0.0)
+            loop_start, loop_cpu = time.perf_counter(), time.process_time() + worker_cpu()
             producer.start()
             while True:
                 t = time.perf_counter()
@@ -439,7 +442,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
             if out.frames != len(items):
                 raise LipStreamError(f"rendered {out.frames} of {len(items)} frames")
             loop_end = time.perf_counter()
-            stages["loop_s"], stages["loop_cpu_s"] = loop_end - loop_start, time.process_time() - loop_cpu
+            stages["loop_s"] = loop_end - loop_start
+            stages["loop_cpu_s"] = time.process_time() + worker_cpu() - loop_cpu
         report.first_frame_s = (out.first_packet_at or time.perf_counter()) - t0
         report.disk_bytes_written = out.disk_bytes_written
         if render.compositor is not None:

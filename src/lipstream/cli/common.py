@@ -64,6 +64,10 @@ DecodeRowsOpt = Annotated[str, typer.Option(
          "too high.")]
 EncodersOpt = Annotated[Optional[int], typer.Option(
     help="Parallel x264 segment encoders (default: one per 2 cores, at most 8; 1 below 8 cores).")]
+EncoderProcessesOpt = Annotated[Optional[bool], typer.Option(
+    "--encoder-processes/--encoder-threads", show_default=False,
+    help="Run the segment encoders as worker processes (frames through shared memory: the default on a GPU, "
+         "where in threads their Python held back the render) or as threads (the default on a CPU).")]
 FpsOpt = Annotated[Optional[str], typer.Option(
     help="Output frame rate, e.g. 25, 29.97 or 30000/1001 (default: the first avatar's).")]
 ServerOpt = Annotated[Optional[str], typer.Option(

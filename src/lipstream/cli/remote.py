@@ -24,6 +24,7 @@ LOCAL_ONLY = {
     "--reference": "the server's engine computes the frames",
     "--batch": "the server's engine sets its batches",
     "--encoders": "the server's machine sets its encoders",
+    "--encoder-processes/--encoder-threads": "the server's machine sets its encoders",
     "--compile/--no-compile": "the server's engine is compiled or not when it starts",
     "--decode-rows": "the server's engine decodes as it was started",
     "--models": "the server's networks are its own",

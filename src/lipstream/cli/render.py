@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from lipstream.cli.common import (
-    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncodersOpt, FpsOpt, ModelsOpt,
+    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncoderProcessesOpt, EncodersOpt, FpsOpt, ModelsOpt,
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
     avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed,
     warn_random_weights)
@@ -92,6 +92,10 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     dev = pick_device(device)
     t_torch = process_age()
     options = options.for_machine(dev.type, os.cpu_count() or 1)
+    if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load
+        from lipstream.media.segment_pool import segment_pool
+
+        segment_pool(options.encoders)
     reference = options.engine.reference
     size = random_size_for(random_size, dev.type, next(iter(metas.values())))
     if random_weights:
@@ -106,7 +110,8 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     engine = "reference path" if reference else f"{nets.engine} engine"
     encoders = options.encoders
     err.print(f"{engine}: {where} on {dev}, batch {options.engine.batch}, {encoders} x264 encoder"
-              f"{'s' * (encoders > 1)} ({options.x264_preset}, crf {options.crf})", highlight=False)
+              f"{'s' * (encoders > 1)} ({options.x264_preset}, crf {options.crf}"
+              f"{', in processes' if options.encoder_processes and encoders > 1 else ''})", highlight=False)
     if nets.note:
         err.print(nets.note, highlight=False, soft_wrap=True)
     report = render_program(program, output, nets.models, options)
@@ -179,7 +184,7 @@ def render_cmd(ctx: typer.Context,
                start_frame: Annotated[int, typer.Option(help="Where in its loop the avatar starts.")] = 0,
                fps: FpsOpt = None, crf: CrfOpt = 18, x264_preset: X264PresetOpt = None, preset: OldPresetOpt = None,
                reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
-               compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
+               encoder_processes: EncoderProcessesOpt = None, compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
                random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto",
                timings: TimingsOpt = False, server: ServerOpt = None, api_key: ServerKeyOpt = None) -> None:
     """Make an avatar speak an audio file: one lip-synced MP4 (here, or on a server with --server)."""
@@ -187,11 +192,12 @@ def render_cmd(ctx: typer.Context,
 
     in_range("--start-frame", start_frame, 0, 10**9, "a loop frame")
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
-                             decode_rows, reference)
+                             decode_rows, reference, encoder_processes)
     program = single_scene(avatar, audio, start_frame)
     if server:
         _on_server(ctx, program, "render", output, options, start_frame, server, api_key, avatars=avatars,
-                   reference=reference, batch=batch, encoders=encoders, compile=compile, decode_rows=decode_rows,
+                   reference=reference, batch=batch, encoders=encoders,
+                   encoder_processes=encoder_processes, compile=compile, decode_rows=decode_rows,
                    models=models, random_weights=random_weights, random_size=random_size, device=device,
                    timings=timings)
         return
@@ -205,8 +211,8 @@ def broadcast_cmd(ctx: typer.Context,
                   output: Annotated[Path, typer.Option("-o", "--output", help="Output .mp4 (H.264 + AAC).")],
                   avatars: AvatarsOpt = None, fps: FpsOpt = None, crf: CrfOpt = 18, x264_preset: X264PresetOpt = None,
                   preset: OldPresetOpt = None, reference: ReferenceOpt = False, batch: BatchOpt = None,
-                  encoders: EncodersOpt = None, compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto",
-                  models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
+                  encoders: EncodersOpt = None, encoder_processes: EncoderProcessesOpt = None,
+                  compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                   device: DeviceOpt = "auto", timings: TimingsOpt = False, server: ServerOpt = None,
                   api_key: ServerKeyOpt = None) -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4 (here, or on a
@@ -214,10 +220,11 @@ def broadcast_cmd(ctx: typer.Context,
     from lipstream.script import load_script
 
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
-                             decode_rows, reference)
+                             decode_rows, reference, encoder_processes)
     if server:
         _on_server(ctx, None, "broadcast", output, options, 0, server, api_key, script=script, avatars=avatars,
-                   reference=reference, batch=batch, encoders=encoders, compile=compile, decode_rows=decode_rows,
+                   reference=reference, batch=batch, encoders=encoders,
+                   encoder_processes=encoder_processes, compile=compile, decode_rows=decode_rows,
                    models=models, random_weights=random_weights, random_size=random_size, device=device,
                    timings=timings)
         return
@@ -227,7 +234,7 @@ def broadcast_cmd(ctx: typer.Context,
 
 def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: RenderOptions, start_frame: int,
                server: str, api_key: str | None, *, script: Path | None = None, avatars, reference, batch, encoders,
-               compile, decode_rows, models, random_weights, random_size, device, timings) -> None:
+               encoder_processes, compile, decode_rows, models, random_weights, random_size, device, timings) -> None:
     """--server: the address checked, every flag only a local render takes refused (one line naming it),
     then the job handed over (cli/remote.py). Never a local render instead."""
     from lipstream.cli.remote import refuse_local_options, render_on_server
@@ -236,7 +243,8 @@ def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: Re
     url = server_url(server)
     from_env = ctx.get_parameter_source("server") == click.core.ParameterSource.ENVIRONMENT
     refuse_local_options({"--avatars": avatars is not None, "--reference": reference, "--batch": batch is not None,
-                          "--encoders": encoders is not None, "--compile/--no-compile": compile is not None,
+                          "--encoders": encoders is not None,
+                          "--encoder-processes/--encoder-threads": encoder_processes is not None, "--compile/--no-compile": compile is not None,
                           "--decode-rows": decode_rows != "auto", "--models": models is not None,
                           "--random-weights": random_weights, "--random-size": random_size != "auto",
                           "--device": device != "auto", "--timings": timings}, from_env)

@@ -17,6 +17,13 @@ Messages are framed as lipstream.media.wire frames them (length, JSON header lin
   close {sid}                                                   closed {sid, packets: [...]} + data (the flush)
   ping {}                                                       pong {pid, torch: whether torch is imported}
 
+MP4Writer's segment encoders (media/segment_pool.py) use the same workers with three more messages:
+
+  map {sid, arena, path, slots, width, height}                  mapped {sid, arena}
+  segment {sid, arena, slots: [...], start, width, height,      segment {sid, packets: [[pts, dts, keyframe,
+           fps, options, colorspace, threads}                            size], ...]} + data: encode_segment's
+  unmap {arena}                                                 (no reply unless it fails)
+
 A frame always answers 'packets' (with an 'error' field if its video or audio failed: the rest still goes out).
 Anything else that fails (an unknown sid, an open or restart that raises) answers error {sid, request, message}
 (plus pts and slot for a frame, so the parent can free the slot) and the worker goes on. EOF on stdin ends it.
@@ -33,21 +40,18 @@ from typing import BinaryIO
 
 import numpy as np
 
+from lipstream.media.segments import encode_segment
 from lipstream.media.session_encoder import SessionEncoder
 from lipstream.media.wire import one_line, pack, packets_message, read_message
 
 
-class WorkerSession:
-    """One session's encoder, and its view of the frame slots the parent writes."""
+class FrameSlots:
+    """The worker's view of a shared-memory file of I420 frame slots that the parent writes."""
 
-    def __init__(self, h: dict):
-        width, height, slots = h["width"], h["height"], h["slots"]
-        self.encoder = SessionEncoder(width, height, Fraction(*h["fps"]), audio=h["audio"], x264_preset=h["x264_preset"],
-                                      crf=h["crf"], gop_frames=h["gop_frames"], matrix=h["matrix"])
-        size = slots * height * 3 // 2 * width
-        fd = os.open(h["path"], os.O_RDWR)
+    def __init__(self, path: str, slots: int, width: int, height: int):
+        fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, slots * height * 3 // 2 * width)
         finally:
             os.close(fd)
         self.frames: np.ndarray | None = np.frombuffer(self._map, np.uint8).reshape(slots, height * 3 // 2, width)
@@ -57,12 +61,23 @@ class WorkerSession:
         self._map.close()
 
 
+class WorkerSession(FrameSlots):
+    """One session's encoder, and its view of the frame slots the parent writes."""
+
+    def __init__(self, h: dict):
+        super().__init__(h["path"], h["slots"], h["width"], h["height"])
+        self.encoder = SessionEncoder(h["width"], h["height"], Fraction(*h["fps"]), audio=h["audio"],
+                                      x264_preset=h["x264_preset"], crf=h["crf"], gop_frames=h["gop_frames"],
+                                      matrix=h["matrix"])
+
+
 class EncodeWorker:
     """The sessions of one encode worker process, and the handling of each message."""
 
     def __init__(self, out: BinaryIO):
         self.out = out
         self.sessions: dict[int, WorkerSession] = {}
+        self.arenas: dict[int, FrameSlots] = {}  # MP4Writers' frame arenas, by the parent's arena id
 
     def reply(self, header: dict, payload: bytes = b"") -> None:
         self.out.write(pack(header, payload))
@@ -84,6 +99,15 @@ class EncodeWorker:
                 self.session(sid).encoder.restart(h["video_pts"], h["audio_pts"])
             elif kind == "close":
                 self.close(sid)
+            elif kind == "segment":
+                self.segment(sid, h)
+            elif kind == "map":
+                if h["arena"] in self.arenas:
+                    raise ValueError(f"arena {h['arena']} is already mapped")
+                self.arenas[h["arena"]] = FrameSlots(h["path"], h["slots"], h["width"], h["height"])
+                self.reply({"type": "mapped", "sid": sid, "arena": h["arena"]})
+            elif kind == "unmap":
+                self.arenas.pop(h["arena"]).release()
             elif kind == "ping":
                 self.reply({"type": "pong", "pid": os.getpid(), "torch": "torch" in sys.modules})
             else:
@@ -124,6 +148,16 @@ class EncodeWorker:
             reply["error"] = f"frame {h['pts']}: " + "; ".join(errors)
         self.reply(reply, data)
 
+    def segment(self, sid: int, h: dict) -> None:
+        """One closed-GOP segment of MP4Writer's, from frame slots of a mapped arena."""
+        if h["arena"] not in self.arenas:
+            raise LookupError(f"arena {h['arena']} is not mapped")
+        frames = self.arenas[h["arena"]].frames
+        encoded = encode_segment([frames[slot] for slot in h["slots"]], h["start"], h["width"], h["height"],
+                                 Fraction(*h["fps"]), h["options"], h["colorspace"], h["threads"])
+        listed = [[pts, dts, key, len(data)] for data, pts, dts, key in encoded]
+        self.reply({"type": "segment", "sid": sid, "packets": listed}, b"".join(data for data, *_ in encoded))
+
     def close(self, sid: int) -> None:
         session = self.sessions.pop(sid)
         try:
@@ -145,8 +179,8 @@ def main() -> None:
             worker.handle(*message)
     except BrokenPipeError:  # the parent is gone
         pass
-    for session in worker.sessions.values():
-        session.release()
+    for mapped in [*worker.sessions.values(), *worker.arenas.values()]:
+        mapped.release()
 
 
 if __name__ == "__main__":

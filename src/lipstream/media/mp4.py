@@ -7,10 +7,11 @@ under a temporary name beside the output and renamed only when complete.
 
 One libx264 tops out near 160 fps at 1080p even with 16 threads. With `encoders > 1` the video
 is cut into closed-GOP segments, each encoded by its own x264 in a thread pool (PyAV releases
-the GIL while x264 works) or, with `processes=True`, in a persistent pool of spawned encoder
-processes; the packets are muxed in order into the one track, without any re-encode. Identical
-settings give identical SPS/PPS, so one avcC serves all segments. The first segments are short
-so the first encoded frame comes out quickly.
+the GIL while x264 works) or, with `processes=True`, in the process's pool of encode worker
+processes (media/segment_pool.py: the frames go through shared memory, and the Python around
+x264 runs under the workers' own GILs); the packets are muxed in order into the one track,
+without any re-encode. Identical settings give identical SPS/PPS, so one avcC serves all
+segments. The first segments are short so the first encoded frame comes out quickly.
 
 Joining segments: with B-frames x264 stamps decode times `delay` frames before presentation
 times, but a segment too short to hold a B-frame comes out with no delay, so the segments' own
@@ -24,12 +25,9 @@ the MP4 muxer's edit list then starts the video at 0.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-import types
 from collections import deque
-import multiprocessing
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -45,7 +43,6 @@ AAC_FRAME = 1024
 # segment is flushed: a 2-frame first segment measured 0.12-0.19 s to the first packet, 4 frames 0.20-0.23 s.
 SEGMENT_FRAMES = (2, 8, 16, 32)
 TAIL_FRAMES = 8  # the shortest segment near the end
-_PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
 _EXTRADATA: dict[str, bytes | None] = {}  # SPS/PPS per encoder settings: opening an x264 costs ~10 ms
 _DTS_DELAY: dict[str, int] = {}  # B-frame reorder delay (frames) per encoder settings
 
@@ -75,26 +72,6 @@ def dts_delay(options: dict[str, str]) -> int:
         dts += [p.dts for p in ctx.encode(None)]
         _DTS_DELAY[key] = max(0, -min(dts))
     return _DTS_DELAY[key]
-
-
-def encoder_processes(n: int) -> ProcessPoolExecutor:
-    """A persistent pool of n spawned encoder processes (started once, reused by every render).
-
-    Processes, not threads: each x264 call is GIL-free, but the Python around it (frame
-    wrapping, packets, muxing) is not, and with 8+ encoders that serial part becomes the limit.
-    """
-    if n not in _PROCESS_POOLS:
-        pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))  # no fork: CUDA is live
-        # A spawned child re-imports the parent's __main__ (a script, a notebook, stdin...); the
-        # encoders need none of it, so they start under a blank one.
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            list(pool.map(default_threads, [1] * n))  # start all n now, not at the first segment
-        finally:
-            sys.modules["__main__"] = main
-        _PROCESS_POOLS[n] = pool
-    return _PROCESS_POOLS[n]
 
 
 class MP4Writer:
@@ -132,9 +109,11 @@ class MP4Writer:
             self._video_packets = 0  # muxed so far: the joined track's decode order
             self._segment_start = 0
             self._segments_done = 0
-            self._pending: deque[tuple[Future, list[np.ndarray]]] = deque()
-            self._free: list[np.ndarray] = []  # recycled frame buffers of finished segments
+            # a segment's frames: buffers (threads) or slots of the shared arena (processes)
+            self._pending: deque[tuple[Future, list]] = deque()
+            self._free: list = []  # recycled buffers (or free slots) of finished segments
             self._pool = None
+            self._arena = None
             self._sizes = (*SEGMENT_FRAMES[:-1], segment)
             if self.encoders > 1:
                 self._segment_args = (width, height, self.fps, self._x264, self.video.codec_context.colorspace,
@@ -142,12 +121,20 @@ class MP4Writer:
                 self.video.codec_context.flags |= GLOBAL_HEADER
                 self.video.codec_context.extradata = _extradata(self._segment_args)
                 self._dts_delay = dts_delay(self._x264)
-                self._owns_pool = not processes
-                self._pool = (encoder_processes(self.encoders) if processes
-                              else ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment"))
+                if processes:
+                    from lipstream.media.segment_pool import segment_pool
+
+                    self._pool = segment_pool(self.encoders)
+                    # in use at most: the segment being filled and encoders + 1 in flight (write's block)
+                    self._arena = self._pool.arena(width, height, (self.encoders + 2) * max(self._sizes))
+                    self._free = list(range(self._arena.slots)) if self._arena is not None else []
+                if self._arena is None:
+                    self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment")
             self.audio_stream = self.container.add_stream("aac", rate=sample_rate, layout="mono")
             self.audio_stream.bit_rate = audio_bitrate
         except BaseException as e:
+            if getattr(self, "_arena", None) is not None:
+                self._arena.close()
             self._atomic.__exit__(type(e), e, e.__traceback__)
             raise
 
@@ -161,9 +148,16 @@ class MP4Writer:
         """
         self.frames += 1
         if self._pool is not None:
-            buffer = self._free.pop() if self._free else np.empty_like(planes)
-            np.copyto(buffer, planes)
-            self._segment.append(buffer)
+            if self._arena is not None:
+                if not self._free:  # cannot happen with write's block; a wait rather than a crash
+                    self._mux_ready(block=True)
+                slot = self._free.pop()
+                np.copyto(self._arena.frames[slot], planes)
+                self._segment.append(slot)
+            else:
+                buffer = self._free.pop() if self._free else np.empty_like(planes)
+                np.copyto(buffer, planes)
+                self._segment.append(buffer)
             if len(self._segment) >= self._segment_size():
                 self._submit()
             self._mux_ready(block=len(self._pending) > self.encoders)
@@ -197,7 +191,10 @@ class MP4Writer:
             args = self._segment_args
             if self._segment_start == 0:  # alone on the cores: the first packet sooner
                 args = (*args[:-1], max(args[-1], default_threads(2)))
-            future = self._pool.submit(encode_segment, self._segment, self._segment_start, *args)
+            if self._arena is not None:
+                future = self._pool.submit(self._arena, self._segment, self._segment_start, *args)
+            else:
+                future = self._pool.submit(encode_segment, self._segment, self._segment_start, *args)
             self.first_submit_at = self.first_submit_at or time.perf_counter()
             self._pending.append((future, self._segment))
             self._segment_start += len(self._segment)
@@ -224,6 +221,17 @@ class MP4Writer:
             end = max((pts for _, pts, _, _ in encoded), default=-1) + 1
             self._write_audio(int(end / self.fps * self.rate))
 
+    def _close_pool(self, wait: bool = True) -> None:
+        """The thread pool ends with the writer; the worker processes stay for the next, the arena goes."""
+        if self._arena is not None:
+            self._arena.close()
+        else:
+            self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def worker_cpu_s(self) -> float:
+        """CPU time of the encoder processes so far (0 with threads: the process's own time counts them)."""
+        return self._pool.cpu_s() if self._arena is not None else 0.0
+
     def _write_audio(self, until: int, final: bool = False) -> None:
         until = min(until, self.audio.size)
         while self._audio_pos < until and (final or until - self._audio_pos >= AAC_FRAME):
@@ -241,8 +249,7 @@ class MP4Writer:
                     self._submit()
                     while self._pending:
                         self._mux_ready(block=True)
-                    if self._owns_pool:
-                        self._pool.shutdown()
+                    self._close_pool()
                 else:
                     for packet in self.video.encode(None):
                         self._mux_video(packet)
@@ -260,11 +267,10 @@ class MP4Writer:
             if self._pool is not None:
                 # Queued segments are cancelled; running ones are not waited for (a 1080p segment takes
                 # over a second, and Ctrl-C must stop within one): they only return packets, which are
-                # dropped, and never touch the file.
+                # dropped, and never touch the file. A worker process finishes what it was sent first.
                 for future, _ in self._pending:
                     future.cancel()
-                if self._owns_pool:
-                    self._pool.shutdown(wait=False, cancel_futures=True)
+                self._close_pool(wait=False)
             with contextlib.suppress(Exception):
                 self.container.close()
             self._atomic.__exit__(exc_type, exc, tb)

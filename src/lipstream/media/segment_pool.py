@@ -1,0 +1,215 @@
+"""MP4Writer's parallel x264 segment encoders as worker processes: frames through shared memory, off our GIL.
+
+In one process the segment encoders' Python (wrapping frames, packets, bytes) shares a GIL with the render's
+producer and muxer; on 16 cores a one-shot render kept only 4 of them busy, waiting on its encoders for
+most of its loop (docs/NOTES.md). Here each encoder is an encode worker process (encode_worker.py, the
+live sessions' kind): a writer's frames go into one shared-memory arena that every worker maps, a segment
+is a list of its slots, and the packets come back on the worker's reader thread. Pickling 3 MB frames
+through pipes instead ran 3x slower than threads (docs/BENCHMARKS.md): only slot numbers travel here.
+Torch-free, like the workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from fractions import Fraction
+
+import numpy as np
+
+from lipstream.media.encode_pool import EncodeWorkerProcess, SHM_PREFIX, slot_dir
+from lipstream.media.segments import Encoded
+
+log = logging.getLogger(__name__)
+
+ROOM = 1.25  # an arena is made only where its file system has this much more room than it needs
+_POOLS: dict[int, SegmentPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+class _Job:
+    """One segment in flight: the reader thread's side (EncodeWorkerProcess calls _reply and _fail)."""
+
+    def __init__(self, worker: EncodeWorkerProcess, jid: int):
+        self.worker, self.jid = worker, jid
+        self.future: Future[list[Encoded]] = Future()
+
+    def _reply(self, h: dict, payload: memoryview) -> None:
+        self.worker.sessions.pop(self.jid, None)
+        if h["type"] == "segment":
+            out, at = [], 0
+            for pts, dts, key, size in h["packets"]:
+                out.append((bytes(payload[at:at + size]), pts, dts, key))
+                at += size
+            self.future.set_result(out)
+        else:
+            self.future.set_exception(RuntimeError(f"x264 segment encoder: {h.get('message', h['type'])}"))
+
+    def _fail(self, why: str, report: bool) -> None:
+        if not self.future.done():
+            self.future.set_exception(RuntimeError(why))
+
+
+class _Mapping(_Job):
+    """An arena's map request to one worker: once every worker has mapped it, its file can go."""
+
+    def __init__(self, worker: EncodeWorkerProcess, jid: int, arena: Arena):
+        super().__init__(worker, jid)
+        self.arena = arena
+
+    def _reply(self, h: dict, payload: memoryview) -> None:
+        self.worker.sessions.pop(self.jid, None)
+        if h["type"] != "mapped":
+            self.arena.failure = f"x264 segment encoder: {h.get('message', h['type'])}"
+        self.arena._mapped_one()
+
+    def _fail(self, why: str, report: bool) -> None:
+        self.arena.failure = why
+        self.arena._mapped_one()
+
+
+class Arena:
+    """A writer's frame slots, [slots, H*3/2, W] uint8, in a shared-memory file that every worker maps.
+
+    The file is unlinked as soon as all workers have mapped it (or the arena closes): nothing stays on disk
+    whoever dies. Its pages come with the first writes; `SegmentPool.arena` checked the room for them."""
+
+    def __init__(self, pool: SegmentPool, aid: int, width: int, height: int, slots: int):
+        import mmap
+
+        self.pool, self.aid, self.slots = pool, aid, slots
+        self.width, self.height = width, height
+        self.failure: str | None = None
+        size = slots * height * 3 // 2 * width
+        self.path = os.path.join(slot_dir(), f"{SHM_PREFIX}{os.getpid()}-arena{aid}-{os.urandom(4).hex()}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.frames: np.ndarray | None = np.frombuffer(self._map, np.uint8).reshape(slots, height * 3 // 2, width)
+        self._waiting = len(pool.workers)
+        self._lock = threading.Lock()
+
+    def _mapped_one(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self._unlink()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmapped here and (after the segments already sent) in every worker. Idempotent."""
+        if self.frames is None:
+            return
+        self._unlink()
+        for worker in self.pool.workers:
+            try:
+                worker.send({"type": "unmap", "arena": self.aid})
+            except RuntimeError:
+                pass  # a dead worker holds no map
+        self.frames = None  # the array holds the map's buffer: drop it first
+        try:
+            self._map.close()
+        except BufferError:  # a view is still out (an aborted write): the map goes with it
+            pass
+
+
+class SegmentPool:
+    """`processes` encode workers that MP4Writers hand closed-GOP segments to; each runs one at a time."""
+
+    def __init__(self, processes: int):
+        if processes < 1:
+            raise ValueError(f"processes: {processes}; at least 1")
+        self.workers = [EncodeWorkerProcess(i) for i in range(processes)]
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def arena(self, width: int, height: int, slots: int) -> Arena | None:
+        """Frame slots every worker can read; None where the shared-memory file system lacks the room."""
+        size = slots * height * 3 // 2 * width
+        stat = os.statvfs(slot_dir())
+        if stat.f_bavail * stat.f_frsize < size * ROOM:
+            log.warning("no room for %d MiB of encoder frames in %s: the segment encoders run as threads",
+                        size >> 20, slot_dir())
+            return None
+        with self._lock:
+            self._replace_dead()
+            arena = Arena(self, next(self._ids), width, height, slots)
+            for worker in self.workers:
+                jid = next(self._ids)
+                worker.sessions[jid] = _Mapping(worker, jid, arena)
+                try:
+                    worker.send({"type": "map", "sid": jid, "arena": arena.aid, "path": arena.path, "slots": slots,
+                                 "width": width, "height": height})
+                except RuntimeError as e:
+                    worker.sessions.pop(jid, None)
+                    arena.failure = str(e)
+                    arena._mapped_one()
+        return arena
+
+    def submit(self, arena: Arena, slots: list[int], start: int, width: int, height: int, fps: Fraction,
+               options: dict[str, str], colorspace: int, threads: int) -> Future[list[Encoded]]:
+        """encode_segment of arena.frames[slots] on the worker with the fewest segments in flight."""
+        if arena.failure is not None:
+            raise RuntimeError(arena.failure)
+        with self._lock:
+            worker = min(self.workers, key=lambda w: (w.failure is not None, len(w.sessions)))
+            jid = next(self._ids)
+            job = worker.sessions[jid] = _Job(worker, jid)
+        try:
+            worker.send({"type": "segment", "sid": jid, "arena": arena.aid, "slots": slots, "start": start,
+                         "width": width, "height": height, "fps": [fps.numerator, fps.denominator],
+                         "options": options, "colorspace": colorspace, "threads": threads})
+        except RuntimeError as e:
+            worker.sessions.pop(jid, None)
+            job.future.set_exception(e)
+        return job.future
+
+    def _replace_dead(self) -> None:
+        """A dead worker's segments have failed; a new arena gets a fresh worker in its place."""
+        for i, w in enumerate(self.workers):
+            if w.failure is not None:
+                log.warning("%s; starting another", w.failure)
+                self.workers[i] = EncodeWorkerProcess(i)
+
+    def cpu_s(self) -> float:
+        """The workers' CPU time so far (user + system), where /proc says it: are the cores full?"""
+        total = 0.0
+        for w in self.workers:
+            try:
+                with open(f"/proc/{w.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, ValueError, IndexError):
+                pass
+        return total
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.end_input()
+        for w in self.workers:
+            w.reader.join()
+
+
+def segment_pool(processes: int) -> SegmentPool:
+    """The process's pool of that many segment encoders, started at the first call and reused after.
+
+    Starting it costs a few milliseconds here; each worker imports PyAV in its own process, so a caller
+    that starts it early (the CLI, before its networks load) finds the workers ready at the first segment."""
+    with _POOLS_LOCK:
+        if processes not in _POOLS:
+            _POOLS[processes] = SegmentPool(processes)
+        return _POOLS[processes]
