@@ -1,10 +1,11 @@
 """MP4Writer's segment encoders alone: threads or worker processes, with or without a GIL-holding producer.
 
 775 moving 1080p I420 frames from memory into MP4Writer (no GPU), as a one-shot render hands them over.
-`--producer-ms` adds a thread that holds the GIL that long per frame (Python work, as the render's producer
-launching batches does): what threads lose to the GIL and processes should not.
+`--producer-ms` adds a thread that spins in Python that long, then sleeps 0.1 ms, over and over: a busy
+GIL (as the render's producer launching batches and the muxer make it), which threads lose to and
+processes should not. The frames are harder to encode than a presenter's (about 3x the bytes).
 
-  python benchmarks/encoders_alone.py [--frames 775] [--encoders N] [--runs 2] [--producer-ms 1.0]
+  python benchmarks/encoders_alone.py [--frames 775] [--encoders N[,N...]] [--runs 2] [--producer-ms 1.0]
 """
 
 from __future__ import annotations
@@ -80,19 +81,22 @@ def run(pictures: list[np.ndarray], encoders: int, processes: bool, producer_ms:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--frames", type=int, default=775)
-    ap.add_argument("--encoders", type=int, default=default_encoders(os.cpu_count() or 1))
+    ap.add_argument("--encoders", default=str(default_encoders(os.cpu_count() or 1)), help="a comma list")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--producer-ms", type=float, default=1.0)
     a = ap.parse_args()
     pictures = frames(a.frames)
     from lipstream.media.segment_pool import segment_pool
 
-    segment_pool(a.encoders)  # started once, as a render's CLI does before its networks load
+    counts = [int(n) for n in a.encoders.split(",")]
+    for n in counts:
+        segment_pool(n)  # started once, as a render's CLI does before its networks load
     time.sleep(1.0)
-    for producer_ms in dict.fromkeys([0.0, a.producer_ms]):
-        for processes in (False, True):
-            for _ in range(a.runs):
-                print(json.dumps(run(pictures, a.encoders, processes, producer_ms)), flush=True)
+    for n in counts:
+        for producer_ms in dict.fromkeys([0.0, a.producer_ms]):
+            for processes in (False, True):
+                for _ in range(a.runs):
+                    print(json.dumps(run(pictures, n, processes, producer_ms)), flush=True)
 
 
 if __name__ == "__main__":

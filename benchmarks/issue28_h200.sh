@@ -67,7 +67,7 @@ server_job() {  # name
 if [ "${STAGE:-render}" = render ]; then
   t=$(date +%s.%N)
   timeout 480 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs ${RUNS:-2} --no-exact \
-    ${ALSO:+--also "$ALSO"} > $OUT/user_render.txt 2>&1
+    ${ALSO:+--also="$ALSO"} > $OUT/user_render.txt 2>&1
   echo "user_render rc $? in $(secs $t) s"; grep -E "^(compile|warmup)" $OUT/user_render.txt; tail -8 $OUT/user_render.txt
   cp $W/ur/user_render.json $OUT/ 2>/dev/null
   export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
@@ -77,8 +77,8 @@ if [ "${STAGE:-render}" = render ]; then
   timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
   if [ "${ENC_T:-0}" != 0 ]; then  # the segment encoders alone: threads or processes (benchmarks/encoders_alone.py)
-    timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 > $OUT/encoders_alone.txt 2>&1
-    echo "encoders_alone rc $?"; cat $OUT/encoders_alone.txt | tail -8
+    timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 --encoders ${ENC_N:-8} > $OUT/encoders_alone.txt 2>&1
+    echo "encoders_alone rc $?"; tail -16 $OUT/encoders_alone.txt
   fi
   if [ "${GRAPHS_T:-200}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
     timeout ${GRAPHS_T:-200} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --audio $AUDIO --runs 2 \
