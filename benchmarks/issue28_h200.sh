@@ -8,6 +8,7 @@
 #     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
+#   STAGE=encoders: encoders_alone.py (ENC_N counts) and user_render.py without packages (ALSO: another row).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
 #   STAGE=bench: `lipstream bench --modes fast,oneshot --scenarios B` (its one-shot rows), on the packages
@@ -88,6 +89,15 @@ if [ "${STAGE:-render}" = render ]; then
     PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1
     echo "probe rc $?"; head -60 $OUT/probe.txt
   fi
+fi
+
+if [ "${STAGE:-render}" = encoders ]; then  # segment encoders: alone, then renders on the uncompiled engine
+  timeout ${ENC_T:-120} python3 benchmarks/encoders_alone.py --runs 1 --encoders ${ENC_N:-8,16} > $OUT/encoders_alone.txt 2>&1
+  echo "encoders_alone rc $?"; tail -16 $OUT/encoders_alone.txt
+  timeout ${UR_T:-240} python3 benchmarks/user_render.py --out $W/ur --track-truth --runs ${RUNS:-2} --no-exact --no-warmup \
+    ${ALSO:+--also="$ALSO"} > $OUT/user_render.txt 2>&1
+  echo "user_render rc $?"; tail -9 $OUT/user_render.txt | cut -c1-200
+  cp $W/ur/user_render.json $OUT/ 2>/dev/null
 fi
 
 if [ "${STAGE:-render}" = serve ]; then
