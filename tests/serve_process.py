@@ -37,7 +37,8 @@ def serve_process(args: list, env: dict[str, str], log: Path, ready_s: float = 1
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() - t < ready_s, "the server did not get ready"
+            assert time.monotonic() - t < ready_s, \
+                f"the server did not get ready in {ready_s:g} s; its log ends: " + log.read_text()[-1500:]
             time.sleep(0.2)
         yield url
     finally:
