@@ -114,15 +114,21 @@ def _arena_files() -> list[str]:
     return sorted(f for f in os.listdir(slot_dir()) if f.startswith(f"lipstream-encode-{os.getpid()}-arena"))
 
 
-def test_segment_processes_equal_threads_and_leave_no_shared_memory(tmp_path):
-    """The same packets as the thread pool (x264 is deterministic at one thread count), frames through the
-    arena, and no shared-memory file left once the writer closes (nor while it writes: unlinked once mapped)."""
+def test_segment_processes_match_threads_and_leave_no_shared_memory(tmp_path):
+    """The thread pool's track (frame order, timestamps, pictures), frames through the arena, and no
+    shared-memory file left once the writer closes (nor while it writes: unlinked once mapped).
+
+    Not bit for bit: this libx264 reads memory it never wrote (MALLOC_PERTURB_ changes its bytes, even
+    alone on one thread, docs/NOTES.md), so two encodes of the same frames differ in a few decisions."""
     frames = moving_frames(FRAMES, seed=3)
     write(tmp_path / "t.mp4", frames, "veryfast", encoders=3)
     write(tmp_path / "p.mp4", frames, "veryfast", encoders=3, processes=True)
     t, p = probe(tmp_path / "t.mp4"), probe(tmp_path / "p.mp4")
     assert len(p["frames"]) == FRAMES and p["dts"] == t["dts"] and p["pts"] == t["pts"]
-    assert all(np.array_equal(a, b) for a, b in zip(t["frames"], p["frames"]))
+    for i, (a, b) in enumerate(zip(t["frames"], p["frames"])):
+        to_source = np.abs(b.astype(np.int16) - frames[i]).mean()
+        to_threads = np.abs(b.astype(np.int16) - a).mean()
+        assert to_source < 3.5 and to_threads < 1.5, f"frame {i}: {to_source:.2f} off source, {to_threads:.2f} off threads"
     assert _arena_files() == []
 
 
