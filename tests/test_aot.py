@@ -184,6 +184,24 @@ def test_another_torch_is_not_built(cache, monkeypatch):
         aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=cache)
 
 
+def test_the_weights_file_does_not_depend_on_the_upsample_folds_other_engines_made(tiny_models):
+    """An engine of another upsample mode in the process folds its weights onto the shared modules; the
+    package weights must not take them in (the cached file would read as stale, and be rebuilt)."""
+    from lipstream.models.blocks import fuse_upsamplers
+    from lipstream.options import UPSAMPLE_MODES
+
+    options = aot.default_options(CPU)
+
+    def names() -> set[str]:
+        return set(aot_build._canonical(aot_build._steps_for_export(tiny_models, options), options.upsample))
+
+    before = names()
+    for mode in UPSAMPLE_MODES:
+        fuse_upsamplers(tiny_models.vae.decoder, mode)
+    assert names() == before
+    assert any(n.endswith(f"folded_{options.upsample}") for n in before) == (options.upsample != "plain")
+
+
 def test_a_corrupt_package_is_removed_with_a_warning_and_rebuilt(cache, tiny_models, caplog):
     folder = next((cache / "aot" / "packages").glob("whisper-*"))
     (folder / aot.PACKAGE_FILE).write_bytes(b"not a package")

@@ -46,6 +46,7 @@ from lipstream.engine.aot import (
     weights_key,
 )
 from lipstream.models.config import AUDIO_DIM, MEL_FRAMES, N_MELS
+from lipstream.options import UPSAMPLE_MODES
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -84,14 +85,20 @@ def _steps_for_export(models: MuseTalk, options: StepOptions) -> dict[str, torch
     return out
 
 
-def _canonical(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """One name per tensor the steps read: the full step's names, then the Whisper encoder's."""
+def _canonical(modules: dict[str, torch.nn.Module], upsample: str) -> dict[str, torch.Tensor]:
+    """One name per tensor the steps read: the full step's names, then the Whisper encoder's.
+
+    The upsamplers' folds of other modes are left out: an engine of another mode in this process folded them
+    onto the shared modules, and the weights file would depend on what else the process ran."""
+    other_folds = {f"folded_{mode}" for mode in UPSAMPLE_MODES if mode != upsample}
     named = _named_tensors(modules["full"], "step.")
     if "whisper" in modules:
         named.update(_named_tensors(modules["whisper"], "whisper."))
     seen: dict[tuple, str] = {}
     out = {}
     for name, t in named.items():
+        if name.rsplit(".", 1)[-1] in other_folds:
+            continue
         ident = _identity(t)
         if ident not in seen:
             seen[ident] = name
@@ -262,7 +269,7 @@ def build_all(models: MuseTalk, source: dict[str, Any], kinds: Iterable[str] = K
     info = device_info(device)
     base = aot_dir(root)
     modules = _steps_for_export(models, options)
-    canonical = _canonical(modules)
+    canonical = _canonical(modules, options.upsample)
     results: list[Built] = []
 
     def done(b: Built) -> None:
