@@ -283,6 +283,20 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
     return front.bind(options, engine.bind(options, weights))
 
 
+def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replicas: int) -> float:
+    """Each engine replica's share of a node's CPUs (`nodes`: the alive nodes' resources), asked of Ray.
+
+    Ray sets a replica's OMP_NUM_THREADS (torch's CPU threads) to what it asked: with Ray's default of
+    one, an engine did its CPU work on one thread where a plain server has them all (a CPU fleet's jobs
+    took 1.5x as long, docs/NOTES.md). A GPU replica gets the CPUs that go with its GPU on the scarcest
+    GPU node (so that it fits on every one); a CPU replica its part of the largest node."""
+    if gpus_per_replica > 0:
+        shares = [n.get("CPU", 0.0) * gpus_per_replica / n["GPU"] for n in nodes if n.get("GPU", 0) >= gpus_per_replica]
+    else:
+        shares = [max((n.get("CPU", 0.0) for n in nodes), default=1.0) / max(1, replicas)]
+    return float(max(1, int(min(shares, default=1.0))))
+
+
 def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
               min_replicas: int = 1, max_replicas: int | None = None) -> None:
     """`lipstream serve --replicas`: Ray (a local one started here, or the cluster at `ray_address`), the
@@ -300,12 +314,13 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         if max_replicas is None:
             max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": options.host, "port": options.port})
+        cpus = replica_cpus([n["Resources"] for n in ray.nodes() if n.get("Alive")], gpus, replicas or max_replicas)
         serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
-                            gpus_per_replica=gpus),
+                            gpus_per_replica=gpus, cpus_per_replica=cpus),
                   name=APP, route_prefix="/", blocking=False)
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
-                             or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "host": options.host,
-                             "port": options.port, "ray": ray_address or "local"}))
+                             or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
+                             "host": options.host, "port": options.port, "ray": ray_address or "local"}))
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
