@@ -19,7 +19,8 @@ from PIL import Image
 from lipstream.avatar.colour import i420_to_rgb
 from lipstream.errors import InputError, LipStreamError
 from lipstream.show import text as show_text
-from lipstream.show.compose import build_compositor, fade, frame_times, logo_position, scene_clock
+from lipstream.show.compose import (Planes, Sprite, SpriteLayer, TickerLayer, build_compositor, fade, frame_times,
+                                    logo_position, scene_clock)
 from lipstream.show.sources import VideoSource, fit_box, probe_picture
 from lipstream.show.spec import CORNERS, Logo, LowerThird, Picture, SceneLayers, Show, Span, Ticker
 
@@ -168,6 +169,57 @@ def test_ticker_scrolls_at_its_speed():
     assert abs(lefts[0] - (W - speed * ts[0])) <= 6  # starts at the right edge
     assert abs((lefts[0] - lefts[1]) - speed * 1.0) <= 2
     assert abs((lefts[1] - lefts[2]) - speed * 0.75) <= 2
+
+
+def test_the_ticker_tape_equals_band_then_text_within_one_code_value():
+    """The ticker paints band and text as one pre-combined tape: the same as the band blended, then the
+    text over it (each rounded), within the one rounding it saves."""
+    band, strip = show_text.ticker_strip("Breaking: markets closed higher today.", W, H)
+    band_s, strip_s = (Sprite.from_rgba(x, MATRIX, torch.device("cpu")) for x in (band, strip))
+    layer = TickerLayer(band_s, strip_s, (W, H), 120.0)
+    xs = [W - 40, 200, 0, -strip.shape[1] + 60, -strip.shape[1] - 10]  # entering, across, leaving, gone
+    src = gradient(len(xs))
+    out = src.clone()
+    layer.paint(Planes.of(out, H, W), 0, len(xs), None, torch.tensor(xs, dtype=torch.float32))
+    top, sw = H - band.shape[0], strip.shape[1]
+    for i, x in enumerate(xs):  # the reference: two blends of the sprites, frame by frame
+        ref = src[i:i + 1].clone()
+        planes = Planes.of(ref, H, W)
+        SpriteLayer(band_s, (0, top), lambda ft: 1.0).paint(planes, 0, 1, None, torch.zeros(1))
+        a, b = max(0, x), min(W, x + sw)
+        if b > a:
+            for plane, t, lo_, hi_, pre, alpha in ((planes.y, top, a, b, strip_s.y, strip_s.a),
+                                                   (planes.u, top // 2, a // 2, b // 2, strip_s.u, strip_s.ac),
+                                                   (planes.v, top // 2, a // 2, b // 2, strip_s.v, strip_s.ac)):
+                off = (x if plane is planes.y else x // 2)
+                region = plane[:, t:, lo_:hi_]
+                region.copy_((region.float() * (1 - alpha[:, lo_ - off:hi_ - off])
+                              + pre[:, lo_ - off:hi_ - off]).round_().clamp_(0, 255))
+        assert (out[i].int() - ref[0].int()).abs().max() <= 1, x
+        assert torch.equal(out[i, :top], src[i, :top])
+    assert not torch.equal(out[0], out[1])
+
+
+def test_a_fully_shown_layer_gives_the_faded_paths_bits_at_opacity_one(tmp_path):
+    """Fully shown layers skip the fade's arithmetic (opacity None): the same bits as opacity 1."""
+    logo = write_still(tmp_path / "logo.png", (255, 200, 0), (60, 30), alpha=180)
+    clip = write_video(tmp_path / "clip.mp4", 8, 10)
+    show = Show(scenes=[SceneLayers(pip=Picture(clip, (100, 60, 260, 180), Span(0.0, 9.0, fade=0.0)))],
+                logo=Logo(logo, corner="top-left", margin=16))
+    times = scene_times(0, [0.5, 0.54, 0.58])
+    results = []
+    for full in (True, False):
+        comp = build_compositor(show, (W, H), FPS, [0.0], [10.0], MATRIX, "cpu")
+        with comp:
+            src = gradient(len(times))
+            out = src.clone()
+            planes = Planes.of(out, H, W)
+            for layer in comp.layers:
+                op, aux = layer.plan(times)
+                assert op == [1.0] * len(times)
+                layer.paint(planes, 0, len(times), None if full else torch.ones(len(times)), torch.tensor(aux))
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], src)
 
 
 def test_ticker_wraps_after_passing():

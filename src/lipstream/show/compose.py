@@ -7,7 +7,10 @@ where it shows (s: the fade). Everything outside the boxes, and every frame wher
 show, is left untouched to the bit. Order: cutaway, pip, lower third, logo, ticker.
 
 Per batch the CPU works out each layer's opacity per frame (and the ticker's offset, a video's frame),
-uploads them as one small tensor, and each layer blends its box over the batch's frames in one go.
+uploads them as one small tensor, and each layer blends its box over the batch's frames in one go. The
+ops are few because each one is a kernel launch on the render's producer thread, which shares the GIL
+with the encoders' feeder: a layer shown fully in every frame of the batch (the usual case) skips the
+fade's arithmetic (the same bits), and the ticker's band and text are one pre-combined tape.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Sprite:
     v: torch.Tensor
     a: torch.Tensor  # [h, w] float in [0, 1]
     ac: torch.Tensor  # [h/2, w/2]: alpha averaged 2x2
+    keep: torch.Tensor  # 1 - a: what a fully shown sprite leaves of the frame
+    keepc: torch.Tensor  # 1 - ac
 
     @classmethod
     def from_rgba(cls, rgba: np.ndarray, matrix: str, device: torch.device) -> "Sprite":
@@ -66,39 +71,46 @@ class Sprite:
         yuv = rgb_to_yuv(rgb, matrix) * a
         pool = lambda x: F.avg_pool2d(x[None], 2)[0]  # noqa: E731
         chroma = pool(yuv[1:])
-        return cls(yuv[0].contiguous(), chroma[0].contiguous(), chroma[1].contiguous(), a.contiguous(),
-                   pool(a[None])[0].contiguous())
+        ac = pool(a[None])[0].contiguous()
+        return cls(yuv[0].contiguous(), chroma[0].contiguous(), chroma[1].contiguous(), a.contiguous(), ac,
+                   (1 - a).contiguous(), (1 - ac).contiguous())
 
     @property
     def size(self) -> tuple[int, int]:
         return self.y.shape[1], self.y.shape[0]
 
 
-def _blend(region: torch.Tensor, pre: torch.Tensor, alpha: torch.Tensor, s: torch.Tensor) -> None:
-    """region [n, h, w] uint8 (a view, written in place) <- s*pre + (1 - s*alpha)*region; s [n, 1, 1]."""
-    out = region.float().mul_(1 - alpha * s).add_(pre * s)
+def _blend(region: torch.Tensor, pre: torch.Tensor, alpha: torch.Tensor, keep: torch.Tensor,
+           s: torch.Tensor | None) -> None:
+    """region [n, h, w] uint8 (a view, written in place) <- s*pre + (1 - s*alpha)*region; s [n, 1, 1], or
+    None for fully shown: then `keep` (1 - alpha) gives the same bits in three ops fewer."""
+    if s is None:
+        out = region.float().mul_(keep).add_(pre)
+    else:
+        out = region.float().mul_(1 - alpha * s).add_(pre * s)
     region.copy_(out.round_().clamp_(0, 255))
 
 
-def _paint_sprite(planes: Planes, lo: int, hi: int, sprite: Sprite, x: int, y: int, s: torch.Tensor) -> None:
-    """Blend `sprite` at (x, y) (even) into frames lo:hi, with opacity s [hi-lo]."""
+def _paint_sprite(planes: Planes, lo: int, hi: int, sprite: Sprite, x: int, y: int, s: torch.Tensor | None) -> None:
+    """Blend `sprite` at (x, y) (even) into frames lo:hi, with opacity s [hi-lo] (None: fully shown)."""
     w, h = sprite.size
-    s = s.view(-1, 1, 1)
-    _blend(planes.y[lo:hi, y:y + h, x:x + w], sprite.y, sprite.a, s)
+    s = None if s is None else s.view(-1, 1, 1)
+    _blend(planes.y[lo:hi, y:y + h, x:x + w], sprite.y, sprite.a, sprite.keep, s)
     cx, cy, cw, ch = x // 2, y // 2, w // 2, h // 2
-    _blend(planes.u[lo:hi, cy:cy + ch, cx:cx + cw], sprite.u, sprite.ac, s)
-    _blend(planes.v[lo:hi, cy:cy + ch, cx:cx + cw], sprite.v, sprite.ac, s)
+    _blend(planes.u[lo:hi, cy:cy + ch, cx:cx + cw], sprite.u, sprite.ac, sprite.keepc, s)
+    _blend(planes.v[lo:hi, cy:cy + ch, cx:cx + cw], sprite.v, sprite.ac, sprite.keepc, s)
 
 
 class Layer(Protocol):
     """One kind of thing painted over the presenters. `plan` runs on the CPU per batch: each frame's
     opacity (0: not painted) and a layer-specific number (the ticker's x, a video's frame), or None when
     the layer shows in none of the batch's frames. `paint` blends frames lo:hi (the first to the last
-    frame with opacity > 0) with those numbers as tensors on the device."""
+    frame with opacity > 0) with those numbers as tensors on the device; opacity is None when every
+    frame lo:hi shows the layer fully."""
 
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None: ...
 
-    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None: ...
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None: ...
 
     def close(self) -> None: ...
 
@@ -138,7 +150,7 @@ class SpriteLayer:
         op = [self.when(t) for t in times]
         return (op, [0.0] * len(op)) if any(op) else None
 
-    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         _paint_sprite(planes, lo, hi, self.sprite, *self.at, opacity)
 
     def close(self) -> None:
@@ -148,15 +160,28 @@ class SpriteLayer:
 class TickerLayer:
     """The band at the bottom and the text strip scrolling over it, right to left: at show time t the
     strip's left edge is at W - (speed * t mod (strip width + W)), so it enters at the right edge, leaves
-    at the left and starts again. Offsets are even (chroma), so the text moves in steps of 2 px."""
+    at the left and starts again. Offsets are even (chroma), so the text moves in steps of 2 px.
+
+    The band is one colour across, so band and text are combined once into a tape (premultiplied colour
+    and what is kept of the frame: text over band, one band-only column at each end) and a frame column
+    takes the tape's column under it: one gather and one blend per plane. The ticker never fades."""
 
     def __init__(self, band: Sprite, strip: Sprite, frame_size: tuple[int, int], speed: float):
         self.band, self.strip, self.speed = band, strip, float(speed)
         self.width, self.height = frame_size
         self.top = self.height - band.size[1]
         dev = band.y.device
-        self._cols = torch.arange(self.width, device=dev)
-        self._ccols = torch.arange(self.width // 2, device=dev)
+        self._cols = torch.arange(1, self.width + 1, device=dev)  # + 1: the tape's band-only first column
+        self._ccols = torch.arange(1, self.width // 2 + 1, device=dev)
+
+        def tape(b_pre, b_keep, s_pre, s_keep):  # band [h, 1], strip [h, w] -> [h, w + 2]
+            pre = torch.cat([b_pre, s_pre + s_keep * b_pre, b_pre], 1)
+            keep = torch.cat([b_keep, s_keep * b_keep, b_keep], 1)
+            return pre.contiguous(), keep.contiguous()
+
+        self._tapes = (tape(band.y[:, :1], band.keep[:, :1], strip.y, strip.keep),
+                       tape(band.u[:, :1], band.keepc[:, :1], strip.u, strip.keepc),
+                       tape(band.v[:, :1], band.keepc[:, :1], strip.v, strip.keepc))
 
     def x_at(self, show_t: float) -> int:
         """The strip's left edge (even) at `show_t`."""
@@ -166,19 +191,18 @@ class TickerLayer:
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
         return [1.0] * len(times), [float(self.x_at(t[2])) for t in times]
 
-    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
-        _paint_sprite(planes, lo, hi, self.band, 0, self.top, opacity)
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         x = aux.long()[:, None]
-        sw, s = self.strip.size[0], opacity.view(-1, 1, 1)
-        for plane, cols, top, width, pre, alpha in (
-                (planes.y, self._cols, self.top, sw, self.strip.y, self.strip.a),
-                (planes.u, self._ccols, self.top // 2, sw // 2, self.strip.u, self.strip.ac),
-                (planes.v, self._ccols, self.top // 2, sw // 2, self.strip.v, self.strip.ac)):
-            idx = cols[None] - (x if plane is planes.y else x // 2)  # [n, W]: the strip's column at each column
-            inside = ((idx >= 0) & (idx < width)).to(alpha.dtype)[:, None]  # [n, 1, W]
-            idx = idx.clamp_(0, width - 1)
-            gather = lambda m: m[:, idx].permute(1, 0, 2)  # noqa: E731  [h, W] -> [n, h, W]
-            _blend(plane[lo:hi, top:top + pre.shape[0]], gather(pre) * inside, gather(alpha) * inside, s)
+        sw = self.strip.size[0]
+        idx = (self._cols[None] - x).clamp_(0, sw + 1)  # [n, W]: the tape's column under each frame column
+        cidx = (self._ccols[None] - x // 2).clamp_(0, sw // 2 + 1)
+        for plane, top, at, (pre, keep) in ((planes.y, self.top, idx, self._tapes[0]),
+                                            (planes.u, self.top // 2, cidx, self._tapes[1]),
+                                            (planes.v, self.top // 2, cidx, self._tapes[2])):
+            gather = lambda m: m[:, at].permute(1, 0, 2)  # noqa: E731  [h, T] -> [n, h, W]
+            kept = gather(keep)
+            _blend(plane[lo:hi, top:top + pre.shape[0]], gather(pre), None if opacity is None else 1 - kept, kept,
+                   None if opacity is None else opacity.view(-1, 1, 1))
 
     def close(self) -> None:
         pass
@@ -278,18 +302,18 @@ class VideoLayer:
             y, u, v = yuv[:, 0], chroma[:, 0], chroma[:, 1]
         return y, u, v
 
-    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor, aux: torch.Tensor) -> None:
+    def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         for bar in self.bars:
             bar.paint(planes, lo, hi, opacity, aux)
         ys, us, vs = self._upload()
         pick = aux.long()
-        s = opacity.view(-1, 1, 1)
+        s = None if opacity is None else opacity.view(-1, 1, 1)
         x1, y1, x2, y2 = self.rect
         for plane, src, (a, b, c, d) in ((planes.y, ys, (x1, y1, x2, y2)),
                                          (planes.u, us, (x1 // 2, y1 // 2, x2 // 2, y2 // 2)),
                                          (planes.v, vs, (x1 // 2, y1 // 2, x2 // 2, y2 // 2))):
             region = plane[lo:hi, b:d, a:c]
-            out = torch.lerp(region.float(), src[pick], s)
+            out = src[pick] if s is None else torch.lerp(region.float(), src[pick], s)  # lerp at 1: the source
             region.copy_(out.round_().clamp_(0, 255))
 
     def close(self) -> None:
@@ -327,7 +351,8 @@ class Compositor:
         for k, (layer, (op, _)) in enumerate(plans):
             shown = [i for i, o in enumerate(op) if o > 0]
             lo, hi = shown[0], shown[-1] + 1
-            layer.paint(planes, lo, hi, rows[2 * k, lo:hi], rows[2 * k + 1, lo:hi])
+            full = all(o == 1.0 for o in op[lo:hi])  # fully shown throughout: no fade to multiply in
+            layer.paint(planes, lo, hi, None if full else rows[2 * k, lo:hi], rows[2 * k + 1, lo:hi])
         return frames
 
     def decoder_wait_s(self) -> float:
