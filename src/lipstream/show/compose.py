@@ -200,9 +200,8 @@ class TickerLayer:
                                             (planes.u, self.top // 2, cidx, self._tapes[1]),
                                             (planes.v, self.top // 2, cidx, self._tapes[2])):
             gather = lambda m: m[:, at].permute(1, 0, 2)  # noqa: E731  [h, T] -> [n, h, W]
-            kept = gather(keep)
-            _blend(plane[lo:hi, top:top + pre.shape[0]], gather(pre), None if opacity is None else 1 - kept, kept,
-                   None if opacity is None else opacity.view(-1, 1, 1))
+            # the ticker never fades (its plan's opacity is 1 everywhere): the fully shown blend
+            _blend(plane[lo:hi, top:top + pre.shape[0]], gather(pre), None, gather(keep), None)
 
     def close(self) -> None:
         pass
