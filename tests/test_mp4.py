@@ -8,6 +8,7 @@ whose segment joins need the decode timestamps renumbered.
 from __future__ import annotations
 
 import os
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -163,3 +164,34 @@ def test_an_aborted_process_write_leaves_nothing(tmp_path):
                 w.write(f)
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == [] and _arena_files() == []
+
+
+def test_a_prepared_arena_is_taken_by_the_writer_and_kept_for_the_next(tmp_path):
+    """The CLI makes the arena before the frames exist (its pages faulted in on a thread); the writer takes it,
+    a finished writer leaves it for the next of that size, whose output is as good; an aborted one does not."""
+    from lipstream.media.mp4 import arena_slots
+    from lipstream.media.segment_pool import segment_pool
+
+    frames = moving_frames(40, seed=6)
+    pool = segment_pool(2)
+    pool.prepare(W, H, arena_slots(2))
+    deadline = time.monotonic() + 30
+    while not pool._idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (prepared,) = pool._idle
+    assert prepared.prefaulted.wait(30) and prepared.shape == (W, H, arena_slots(2))
+    write(tmp_path / "a.mp4", frames, "ultrafast", encoders=2, processes=True)
+    assert pool._idle == [prepared]  # taken, then given back
+    write(tmp_path / "b.mp4", frames, "ultrafast", encoders=2, processes=True)
+    assert pool._idle == [prepared]
+    for name in ("a.mp4", "b.mp4"):
+        got = probe(tmp_path / name)["frames"]
+        assert len(got) == 40 and max(np.abs(g.astype(np.int16) - f).mean() for g, f in zip(got, frames)) < 3.5
+    audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
+    with pytest.raises(KeyboardInterrupt):
+        with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, x264_preset="ultrafast", encoders=2, processes=True,
+                       total_frames=40) as w:
+            w.write(frames[0])
+            raise KeyboardInterrupt
+    assert pool._idle == [] and prepared.frames is None  # closed, not kept
+    assert _arena_files() == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "b.mp4"]

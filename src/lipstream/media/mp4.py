@@ -47,6 +47,12 @@ _EXTRADATA: dict[str, bytes | None] = {}  # SPS/PPS per encoder settings: openin
 _DTS_DELAY: dict[str, int] = {}  # B-frame reorder delay (frames) per encoder settings
 
 
+def arena_slots(encoders: int, segment: int = SEGMENT_FRAMES[-1]) -> int:
+    """Frames a writer's shared-memory arena holds: in use at most, the segment being filled and
+    encoders + 1 in flight (write's block)."""
+    return (encoders + 2) * max(*SEGMENT_FRAMES[:-1], segment)
+
+
 def _extradata(args: tuple) -> bytes | None:
     key = repr(args)  # the options dict makes the tuple unhashable; its repr is as good a key
     if key not in _EXTRADATA:
@@ -125,8 +131,7 @@ class MP4Writer:
                     from lipstream.media.segment_pool import segment_pool
 
                     self._pool = segment_pool(self.encoders)
-                    # in use at most: the segment being filled and encoders + 1 in flight (write's block)
-                    self._arena = self._pool.arena(width, height, (self.encoders + 2) * max(self._sizes))
+                    self._arena = self._pool.arena(width, height, arena_slots(self.encoders, segment))
                     self._free = list(range(self._arena.slots)) if self._arena is not None else []
                 if self._arena is None:
                     self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="x264-segment")
@@ -222,9 +227,10 @@ class MP4Writer:
             self._write_audio(int(end / self.fps * self.rate))
 
     def _close_pool(self, wait: bool = True) -> None:
-        """The thread pool ends with the writer; the worker processes stay for the next, the arena goes."""
+        """The thread pool ends with the writer; the worker processes stay for the next, and so does the
+        arena after a finished write (its pages are in: segment_pool.py), not after an aborted one."""
         if self._arena is not None:
-            self._arena.close()
+            self._arena.release() if wait else self._arena.close()
         else:
             self._pool.shutdown(wait=wait, cancel_futures=not wait)
 

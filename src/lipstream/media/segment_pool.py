@@ -7,10 +7,16 @@ live sessions' kind): a writer's frames go into one shared-memory arena that eve
 is a list of its slots, and the packets come back on the worker's reader thread. Pickling 3 MB frames
 through pipes instead ran 3x slower than threads (docs/BENCHMARKS.md): only slot numbers travel here.
 Torch-free, like the workers.
+
+An arena is a gigabyte at 1080p, and on a virtual machine the first touch of fresh memory is what costs
+(0.6-1.2 s a GiB on this project's machines, against 0.06 s for a copy into touched pages): so its pages
+are faulted in on a thread as soon as it is made (`SegmentPool.prepare`, which the CLI calls while the
+networks load), and a closed writer's arena stays mapped for the pool's next writer of that frame size.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -26,6 +32,8 @@ from lipstream.media.segments import Encoded
 log = logging.getLogger(__name__)
 
 ROOM = 1.25  # an arena is made only where its file system has this much more room than it needs
+IDLE_ARENAS = 1  # closed writers' arenas kept mapped for the next writer (each ~1 GiB at 1080p)
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, their contents untouched
 _POOLS: dict[int, SegmentPool] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -39,6 +47,8 @@ class _Job:
 
     def _reply(self, h: dict, payload: memoryview) -> None:
         self.worker.sessions.pop(self.jid, None)
+        if self.future.done():  # cancelled by an aborted write: its packets go nowhere (the worker is sound)
+            return
         if h["type"] == "segment":
             out, at = [], 0
             for pts, dts, key, size in h["packets"]:
@@ -97,6 +107,31 @@ class Arena:
         self.frames: np.ndarray | None = np.frombuffer(self._map, np.uint8).reshape(slots, height * 3 // 2, width)
         self._waiting = len(pool.workers)
         self._lock = threading.Lock()
+        self.prefaulted = threading.Event()
+        threading.Thread(target=self._prefault, name="lipstream-arena-prefault", daemon=True).start()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.width, self.height, self.slots
+
+    def _prefault(self) -> None:
+        """Every page faulted in now, on this thread (the kernel's work, outside the GIL), not one by one in
+        the writer's copies. MADV_POPULATE_WRITE leaves the contents alone, so a writer may already be
+        writing; where the kernel lacks it, a read of one byte a page faults them in (a shared-memory file
+        has no zero page to map)."""
+        try:
+            frames = self.frames
+            if frames is None:
+                return
+            flat = frames.reshape(-1)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            if libc.madvise(flat.ctypes.data, flat.size, MADV_POPULATE_WRITE) != 0:
+                int(flat[::mmap_page()].sum(dtype=np.uint64))
+        except (OSError, AttributeError, ValueError):
+            pass  # the writer's copies fault them in, as before
+        finally:
+            self.prefaulted.set()
 
     def _mapped_one(self) -> None:
         with self._lock:
@@ -110,10 +145,15 @@ class Arena:
         except FileNotFoundError:
             pass
 
+    def release(self) -> None:
+        """The writer is done with it: kept mapped for the pool's next writer (see IDLE_ARENAS), or closed."""
+        self.pool._keep(self)
+
     def close(self) -> None:
         """Unmapped here and (after the segments already sent) in every worker. Idempotent."""
         if self.frames is None:
             return
+        self.prefaulted.wait()  # its thread reads the map
         self._unlink()
         for worker in self.pool.workers:
             try:
@@ -136,9 +176,28 @@ class SegmentPool:
         self.workers = [EncodeWorkerProcess(i) for i in range(processes)]
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._idle: list[Arena] = []  # closed writers' arenas, mapped in every worker, for the next writer
+
+    def prepare(self, width: int, height: int, slots: int) -> None:
+        """Make the arena a writer of this frame size will ask for, on a thread, its pages faulted in there:
+        called before the frames exist (the CLI, while its networks load), the first frames find it ready."""
+        def make() -> None:
+            arena = self.arena(width, height, slots)
+            if arena is not None:
+                arena.release()
+
+        threading.Thread(target=make, name="lipstream-arena", daemon=True).start()
 
     def arena(self, width: int, height: int, slots: int) -> Arena | None:
-        """Frame slots every worker can read; None where the shared-memory file system lacks the room."""
+        """Frame slots every worker can read; None where the shared-memory file system lacks the room.
+
+        An idle arena of this shape is reused (its pages are in already); else a new one is made."""
+        with self._lock:
+            self._replace_dead()
+            for arena in self._idle:
+                if arena.shape == (width, height, slots) and arena.failure is None:
+                    self._idle.remove(arena)
+                    return arena
         size = slots * height * 3 // 2 * width
         stat = os.statvfs(slot_dir())
         if stat.f_bavail * stat.f_frsize < size * ROOM:
@@ -178,12 +237,24 @@ class SegmentPool:
             job.future.set_exception(e)
         return job.future
 
+    def _keep(self, arena: Arena) -> None:
+        """A released arena: kept for the next writer if it is sound and there is room, else closed."""
+        with self._lock:
+            if arena.failure is None and arena.frames is not None and len(self._idle) < IDLE_ARENAS:
+                self._idle.append(arena)
+                return
+        arena.close()
+
     def _replace_dead(self) -> None:
-        """A dead worker's segments have failed; a new arena gets a fresh worker in its place."""
+        """A dead worker's segments have failed; a new arena gets a fresh worker in its place (the idle
+        arenas, which the new worker has not mapped, are closed). Called under the lock."""
         for i, w in enumerate(self.workers):
-            if w.failure is not None:
-                log.warning("%s; starting another", w.failure)
+            if w.failure is not None or w.proc.poll() is not None:  # exited, its reader may not have said so yet
+                log.warning("%s; starting another", w.failure or f"{w.name} exited with code {w.proc.returncode}")
                 self.workers[i] = EncodeWorkerProcess(i)
+                idle, self._idle = self._idle, []
+                for arena in idle:
+                    arena.close()
 
     def cpu_s(self) -> float:
         """The workers' CPU time so far (user + system), where /proc says it: are the cores full?"""
@@ -198,10 +269,20 @@ class SegmentPool:
         return total
 
     def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for arena in idle:
+            arena.close()
         for w in self.workers:
             w.end_input()
         for w in self.workers:
             w.reader.join()
+
+
+def mmap_page() -> int:
+    import mmap
+
+    return mmap.PAGESIZE
 
 
 def segment_pool(processes: int) -> SegmentPool:
