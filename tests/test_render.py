@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from lipstream import render
 from lipstream.avatar import load_avatar, ping_pong
 from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
@@ -139,9 +140,10 @@ def graph_device(request):
     return "cpu"
 
 
-def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, tmp_path, graph_device):
+def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, tmp_path, graph_device, monkeypatch):
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
+    monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
     models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -161,6 +163,29 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
     assert len(a) == len(b) == math.ceil(2.0 * FPS)
     assert max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b)) == 0
+
+
+def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device):
+    """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
+    first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
+    those of an engine with every bucket captured before."""
+    models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
+    program = single_scene("ben", studio / "long.wav")
+    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
+                            progress=False, encoders=2, encoder_processes=True)
+    engine_options = options.for_machine(graph_device, 2).engine
+    lazy, eager = Engine(models, engine_options), Engine(models, engine_options)
+    report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
+    t = report.timings
+    assert 1 <= t["early_batches"] <= render.EARLY_BATCHES, t
+    assert t["early_batches"] == render.EARLY_BATCHES or report.first_frame_s <= t["warmup_later_at_s"], t
+    eager.add_avatar(lazy.avatars[0])
+    eager.warm_up()
+    render_program(program, tmp_path / "eager.mp4", models, options, engine=eager)
+    (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
+    assert len(a) == len(b) == math.ceil(2.0 * FPS)
+    diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b))
+    assert diff == 0 if graph_device == "cpu" else diff <= 1  # lossless: the same kernels, in a graph or not
 
 
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device):

@@ -10,6 +10,7 @@ and both sides stay busy. The benchmark's ablations call the two steps with thei
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
+EARLY_BATCHES = 8  # at most this many first-bucket batches before the other buckets are captured anyway
 
 Windows = Callable[[torch.Tensor, Fraction, int], torch.Tensor]  # features, fps, frames -> [frames, 50, 384]
 
@@ -317,11 +319,12 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     frames: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
     done = object()
-    # Host frames land in a ring of batch buffers allocated at the first batch (pinned on CUDA, so
+    # Host frames land in a ring of batch buffers, each allocated when first needed (pinned on CUDA, so
     # the copy is an async DMA, and no fresh 100 MB allocation page-faults in every batch). A buffer
     # goes back to the producer as soon as the writer has taken (copied or encoded) its frames.
     cuda = engine.device.type == "cuda"
-    ring: list[torch.Tensor] = []
+    capturing = bool(getattr(engine, "use_graphs", False))  # else the first batch alone takes the first bucket
+    ring: list[torch.Tensor | None] = [None] * (QUEUE_BATCHES + 2)
     free: queue.Queue = queue.Queue()
     for k in range(QUEUE_BATCHES + 2):
         free.put(k)
@@ -334,24 +337,36 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
               "consume_write_s": 0.0}  # handing frames to the encoder(s)
 
     marks: dict[str, float] = {"ring_ready_s": time.perf_counter() - t0}  # the first packet's path, from t0
+    # The first batches take the first (captured) bucket. The other buckets are captured once the first
+    # packet is out: a capture holds the GIL for a while, and the first segment's reply and mux need it.
+    # Until then the first bucket goes on (at most EARLY_BATCHES), so the GPU and the encoders keep busy.
     first = min(engine.buckets[0], batch_size)
-    starts = [0, *range(first, len(items), batch_size)] if len(items) > first else [0]
-    ends = starts[1:] + [len(items)]
+    first_out = threading.Event()  # set by the writer's side once the first video packet is muxed
+    to_capture = len(items) > first  # after the first batch: what warm_up() still has to capture
+    planned: collections.deque[tuple[int, int, list[FrameRequest]]] = collections.deque()  # hinted, in order
+    next_start = 0
 
-    batches = [[i.main for i in items[s:e]] + [i.previous for i in items[s:e] if i.previous is not None]
-               for s, e in zip(starts, ends)]
+    def plan(size: int) -> None:
+        """The next batch of `size` frames, told to the engine now (prefetch) and rendered in this order."""
+        nonlocal next_start
+        chunk = items[next_start:next_start + size]
+        requests = [i.main for i in chunk] + [i.previous for i in chunk if i.previous is not None]
+        engine.prefetch(requests)
+        planned.append((next_start, next_start + len(chunk), requests))
+        next_start += len(chunk)
 
     def produce() -> None:
+        nonlocal to_capture
         try:
-            hinted = 0  # batches the engine has been told are coming (prefetch)
-            for n, (start, end) in enumerate(zip(starts, ends)):
+            early = 0  # batches rendered while the other buckets wait for their capture
+            while planned or next_start < len(items):
                 if stop.is_set():
                     return
                 t = time.perf_counter()
-                chunk, requests = items[start:end], batches[n]
-                while hinted < min(n + 1 + PREFETCH_BATCHES, len(batches)):
-                    engine.prefetch(batches[hinted])
-                    hinted += 1
+                while len(planned) < 1 + PREFETCH_BATCHES and next_start < len(items):
+                    plan(first if next_start == 0 or (to_capture and capturing) else batch_size)
+                start, end, requests = planned.popleft()
+                chunk = items[start:end]
                 rendered = engine.render(requests)
                 batch = rendered[:len(chunk)]
                 if len(requests) > len(chunk):  # crossfades: dissolve the previous scene's frames in
@@ -374,9 +389,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 t1 = time.perf_counter()
                 k = free.get()
                 t2 = time.perf_counter()
-                if not ring:
-                    ring.extend(torch.empty((batch_size, *batch.shape[1:]), dtype=batch.dtype, pin_memory=cuda)
-                                for _ in range(QUEUE_BATCHES + 2))
+                if ring[k] is None:  # each buffer when first needed: pinning ~100 MB is slow on a fresh VM's memory
+                    ring[k] = torch.empty((batch_size, *batch.shape[1:]), dtype=batch.dtype, pin_memory=cuda)
                 ring[k][:len(chunk)].copy_(batch, non_blocking=cuda)
                 ready = None
                 if cuda:
@@ -387,11 +401,14 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 stages["produce_launch_s"] += t1 - t
                 stages["produce_buffer_wait_s"] += t2 - t1
                 stages["produce_queue_wait_s"] += time.perf_counter() - t2
-                if n == 0 and len(batches) > 1:  # the other buckets, while the first frames encode
-                    t = time.perf_counter()
+                early += to_capture
+                if to_capture and (first_out.is_set() or early >= EARLY_BATCHES or not capturing):
+                    t = time.perf_counter()  # the other buckets, while the first frames encode
                     later = engine.warm_up()
                     marks.update({f"warmup later {name} s": v for name, v in later.items()})
                     marks["warmup_later_s"] = time.perf_counter() - t
+                    marks["warmup_later_at_s"], marks["early_batches"] = t - t0, early
+                    to_capture = False
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it
             frames.put(e)
@@ -417,6 +434,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                         break
                     except queue.Empty:
                         out.poll()  # mux finished segments while waiting: the first packet goes out sooner
+                        if out.first_packet_at is not None:
+                            first_out.set()
                 t1 = time.perf_counter()
                 stages["consume_wait_s"] += t1 - t
                 if batch is done:
@@ -433,6 +452,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 for i in range(count):
                     out.write(host[i])
                 free.put(k)
+                if out.first_packet_at is not None:
+                    first_out.set()
                 marks.setdefault("first_batch_written_s", time.perf_counter() - t0)
                 stages["consume_write_s"] += time.perf_counter() - t1
                 bar.update(count)
