@@ -83,6 +83,9 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
 
         err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
     check_models(models, random_weights)
+    from lipstream.cuda_early import start_primary_context
+
+    start_primary_context(device)  # the GPU's context made while torch imports
     t_checked = process_age()
 
     import torch
@@ -92,10 +95,11 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     dev = pick_device(device)
     t_torch = process_age()
     options = options.for_machine(dev.type, os.cpu_count() or 1)
-    if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load
+    if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load,
+        from lipstream.media.mp4 import arena_slots  # and the frames' shared memory is faulted in meanwhile
         from lipstream.media.segment_pool import segment_pool
 
-        segment_pool(options.encoders)
+        segment_pool(options.encoders).prepare(*frame_size_of(metas.values()), arena_slots(options.encoders))
     reference = options.engine.reference
     size = random_size_for(random_size, dev.type, next(iter(metas.values())))
     if random_weights:
