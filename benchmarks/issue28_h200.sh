@@ -7,7 +7,8 @@
 #     benchmarks/show_cost.py (issue 29: the monologue with every show layer vs without) and
 #     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
-#   ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
+#   PIECES_T=S: benchmarks/startup_probe.py first (the fixed costs piece by piece); SPY_T=S: a warm render under
+#     py-spy (carry .whl-diag); ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
 #   STAGE=encoders: encoders_alone.py (ENC_N counts) and user_render.py without packages (ALSO: another row).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
@@ -24,7 +25,7 @@ secs() { python3 -c "import time; print(round(time.time() - $1, 1))"; }
 AUDIO=$W/ur/work/speech.wav
 t=$(date +%s.%N)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  $(ls .whl-suite/*.whl 2>/dev/null) 2>&1 | grep -v "^$" | tail -2
+  $(ls .whl-suite/*.whl .whl-diag/*.whl 2>/dev/null) 2>&1 | grep -v "^$" | tail -2
 echo "wheels installed in $(secs $t) s"
 
 wait_ready() {  # start time, pid, limit s: process start -> /readyz 200
@@ -66,6 +67,10 @@ server_job() {  # name
 }
 
 if [ "${STAGE:-render}" = render ]; then
+  if [ "${PIECES_T:-0}" != 0 ]; then  # the fixed costs piece by piece (benchmarks/startup_probe.py)
+    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 > $OUT/pieces.jsonl 2>&1
+    echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
+  fi
   t=$(date +%s.%N)
   timeout 480 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs ${RUNS:-2} --no-exact \
     ${ALSO:+--also="$ALSO"} > $OUT/user_render.txt 2>&1
@@ -84,6 +89,12 @@ if [ "${STAGE:-render}" = render ]; then
   if [ "${GRAPHS_T:-200}" != 0 ]; then  # CUDA graphs or not on the packages (benchmarks/package_graphs.py)
     timeout ${GRAPHS_T:-200} python3 benchmarks/package_graphs.py --avatar $W/ur/work/avatars/anchor --audio $AUDIO --runs 2 \
       > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -12 $OUT/package_graphs.txt
+  fi
+  if [ "${SPY_T:-0}" != 0 ] && [ -x /tmp/site/bin/py-spy ]; then  # a warm render on the packages under py-spy
+    (cd $W/ur/work && COLUMNS=200 timeout $SPY_T /tmp/site/bin/py-spy record --idle --threads --native -r 200 \
+      --format speedscope -o $OUT/render_pyspy.json -- python3 -m lipstream render --avatar anchor --audio speech.wav \
+      -o spy.mp4 --random-weights --timings > $OUT/spy_render.txt 2>&1)
+    echo "py-spy render rc $?"; tail -20 $OUT/spy_render.txt | cut -c1-200
   fi
   if [ "${PROBE_T:-90}" != 0 ]; then  # PROBE_T=0: no probe
     PATH=/tmp/site/bin:$PATH timeout ${PROBE_T:-90} python3 benchmarks/aot_load_probe.py $W/ur/cache $W/probe > $OUT/probe.txt 2>&1

@@ -180,8 +180,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="probes to leave out, comma-separated")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
-    for name, fn in (("cpu", cpu), ("memory", memory), ("cuda", lambda: cuda(args.runs)), ("pinned", pinned),
-                     ("x264", lambda: x264([int(n) for n in args.x264_procs.split(",")], args.x264_frames))):
+    for name, fn in (("cpu", cpu), ("memory", memory),
+                     ("x264", lambda: x264([int(n) for n in args.x264_procs.split(",")], args.x264_frames)),
+                     ("pinned", pinned), ("cuda", lambda: cuda(args.runs))):
         if name not in skip:
             fn()
 
