@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from lipstream.show.compose import build_compositor
+from lipstream.show.build import build_compositor
 from lipstream.show.sources import VideoSource
 from lipstream.show.spec import Logo, LowerThird, Picture, SceneLayers, Show, Span, Ticker
 

@@ -22,7 +22,7 @@ from show_cost import MEDIA, SHOW  # noqa: E402
 
 from lipstream.fixtures import speech_like, write_audio  # noqa: E402
 from lipstream.script import load_script  # noqa: E402
-from lipstream.show.compose import build_compositor  # noqa: E402
+from lipstream.show.build import build_compositor  # noqa: E402
 from lipstream.show.mix import mix_music  # noqa: E402
 
 

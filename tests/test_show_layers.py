@@ -19,8 +19,8 @@ from PIL import Image
 from lipstream.avatar.colour import i420_to_rgb
 from lipstream.errors import InputError, LipStreamError
 from lipstream.show import text as show_text
-from lipstream.show.compose import (Planes, Sprite, SpriteLayer, TickerLayer, build_compositor, fade, frame_times,
-                                    logo_position, scene_clock)
+from lipstream.show.build import build_compositor, frame_times, logo_position, scene_clock
+from lipstream.show.compose import Planes, Sprite, SpriteLayer, TickerLayer, fade
 from lipstream.show.sources import VideoSource, fit_box, probe_picture
 from lipstream.show.spec import CORNERS, Logo, LowerThird, Picture, SceneLayers, Show, Span, Ticker
 

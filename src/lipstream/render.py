@@ -45,7 +45,8 @@ from lipstream.options import RenderOptions
 from lipstream.preflight import check_output_path, resolve_avatar
 from lipstream.rates import AUDIO_RATE
 from lipstream.script import Program, Scene
-from lipstream.show.compose import Compositor, build_compositor, scene_clock
+from lipstream.show.build import build_compositor, scene_clock
+from lipstream.show.compose import Compositor
 from lipstream.show.mix import mix_music
 from lipstream.show.spec import Show
 from lipstream.show.tts import Voice, pick_voice
