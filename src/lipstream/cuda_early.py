@@ -61,7 +61,7 @@ class EarlyContext:
 
 def start_primary_context(device: str = "auto") -> EarlyContext | None:
     """Begin making the GPU's context on a thread, if this command will use the one GPU; else None."""
-    if "torch" in sys.modules or os.environ.get("LIPSTREAM_EARLY_CONTEXT", "1") == "0":
+    if "torch" in sys.modules:  # too late: torch may be making its own
         return None
     if device not in ("auto", "cuda", "cuda:0"):
         return None
