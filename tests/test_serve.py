@@ -653,3 +653,13 @@ def test_every_route_of_the_api_is_mounted():
     assert app.url_path_for("page") == "/"
     assert app.url_path_for("speech", sid="abc") == "/v1/sessions/abc/speech"
     assert app.url_path_for("static", path="app.js") == "/static/app.js"
+
+
+def test_the_job_runners_look_interval_is_checked(tmp_path):
+    from lipstream.serve.options import ServeOptions
+
+    (tmp_path / "avatars").mkdir()
+    for bad in (0.0, 20.0):
+        with pytest.raises(ValueError, match="job_poll_s"):
+            ServeOptions(tmp_path / "avatars", tmp_path / "data", job_poll_s=bad).check()
+    ServeOptions(tmp_path / "avatars", tmp_path / "data", job_poll_s=0.05).check()

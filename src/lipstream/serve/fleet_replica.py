@@ -22,6 +22,8 @@ from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.options import ServeOptions
 
 EVENT_POLL_S = 0.5  # how often an event stream looks whether its session has ended
+FLEET_JOB_POLL_S = 0.05  # a replica's idle job runner looks at the shared store this often (a job submitted
+# at the front wakes no runner: at the plain server's 0.2 s, a job waited 0.1 s on average before it ran)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class EngineReplica:
         json_logs()
         self.name = serve.get_replica_context().replica_id.unique_id
         self.speech_calls = self.speech_session_batches = 0
-        options = dataclasses.replace(options, runner_id=f"{options.runner_id}-{self.name}")
+        options = dataclasses.replace(options, runner_id=f"{options.runner_id}-{self.name}",
+                                      job_poll_s=min(options.job_poll_s, FLEET_JOB_POLL_S))
 
         def start() -> Service:
             nets = weights.load()

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KINDS = ("render", "broadcast", "compile")
-POLL_S = 0.2  # how often an idle runner looks for queued jobs (a submit wakes it at once)
 PROGRESS_EVERY_S = 0.25  # progress is written to the store at most this often
 REQUEUE_EVERY_S = 5.0  # how often an idle runner looks for jobs whose runner died (expired leases)
 
@@ -110,7 +109,7 @@ class JobRunner:
                 self._add_new_avatars()
             job = self.s.store.claim_next(KINDS)
             if job is None:
-                self._wake.wait(POLL_S)
+                self._wake.wait(self.s.o.job_poll_s)  # a submit in this process wakes it at once
                 self._wake.clear()
                 continue
             self.running = job.id

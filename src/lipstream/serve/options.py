@@ -61,7 +61,9 @@ class ServeOptions:
     postgresql://... shared by servers on several machines). `runner_id`: this server's name among
     those sharing the store (serve/store.py: leases), the same across its restarts. `lease_s`: how long
     a claim on a job lasts unless its runner renews it (every third of it): a dead server's job is
-    taken by another this long after its last renewal."""
+    taken by another this long after its last renewal. `job_poll_s`: how often an idle job runner looks
+    at the store; a plain server's submit wakes its runner at once, but a fleet's replicas hear of a job
+    only by looking (serve/fleet_replica.py asks FLEET_JOB_POLL_S)."""
 
     avatars_dir: Path
     data_dir: Path
@@ -81,6 +83,7 @@ class ServeOptions:
     database: str | None = None  # None: data_dir / "jobs.sqlite3"
     runner_id: str = field(default_factory=default_runner_id)
     lease_s: float = LEASE_S
+    job_poll_s: float = 0.2
 
     def job_database(self) -> str | Path:
         return self.database or self.data_dir / "jobs.sqlite3"
@@ -122,5 +125,7 @@ class ServeOptions:
             raise ValueError(f"--runner-id {self.runner_id!r}: a name of 1 to 200 characters is allowed")
         if not 0.1 <= self.lease_s <= 3600:
             raise ValueError(f"lease_s {self.lease_s:g}: 0.1 to 3600 s is allowed")
+        if not 0.01 <= self.job_poll_s <= 10:
+            raise ValueError(f"job_poll_s {self.job_poll_s:g}: 0.01 to 10 s is allowed")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts {self.max_attempts}: 1 or more is allowed")
