@@ -8,7 +8,7 @@
 #     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
 #   PIECES_T=S: benchmarks/startup_probe.py first (the fixed costs piece by piece); SPY_T=S: a warm render under
-#     py-spy (carry .whl-diag); ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
+#     py-spy (carry .whl-diag); COST_VARIANTS=plain,show,show-5ms: show_cost's rows; ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
 #   STAGE=encoders: encoders_alone.py (ENC_N counts) and user_render.py without packages (ALSO: another row).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
@@ -80,7 +80,8 @@ if [ "${STAGE:-render}" = render ]; then
   for k in 1 2; do
     serve_row packages$k 90 && { [ $k = 1 ] && server_job packages; serve_stop; }
   done
-  timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} > $OUT/show_cost.txt 2>&1
+  timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} \
+    --variants ${COST_VARIANTS:-plain,show} > $OUT/show_cost.txt 2>&1
   echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
   if [ "${ENC_T:-0}" != 0 ]; then  # the segment encoders alone: threads or processes (benchmarks/encoders_alone.py)
     timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 --encoders ${ENC_N:-8} > $OUT/encoders_alone.txt 2>&1

@@ -115,6 +115,18 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(255 ** 2 / mse)
 
 
+def test_the_render_loop_runs_at_a_short_gil_switch_interval_and_gives_it_back(studio, tiny_models, tmp_path):
+    """The producer's ops each take the GIL back from the writer's threads: the loop shortens the interval
+    CPython makes them wait (render.LOOP_SWITCH_INTERVAL_S), and the process gets its own back after."""
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    render_program(single_scene("ben", studio / "b.wav"), tmp_path / "o.mp4", tiny_models,
+                   RenderOptions(avatars_dir=studio / "avatars", progress=False),
+                   on_progress=lambda done, total: seen.append(sys.getswitchinterval()))
+    assert seen and max(seen) <= render.LOOP_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == before
+
+
 def test_fast_path_matches_reference(studio, tiny_models, tmp_path):
     fast, ref = tmp_path / "fast.mp4", tmp_path / "ref.mp4"
     program = single_scene("ben", studio / "b.wav")

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,11 @@ if TYPE_CHECKING:
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
 EARLY_BATCHES = 8  # at most this many first-bucket batches before the other buckets are captured anyway
+# The render loop's GIL switch interval. Its producer's GPU launches (the show's layers: ~150 PyTorch ops a
+# batch) each drop the GIL and take it back, while the writer, the encoders' reply readers and the video
+# decoders run Python beside it; CPython makes a holder give the GIL up only after this long (5 ms by
+# default), so each op can wait that long (the convoy: lipstream.bench.gil_convoy; ServeOptions uses 0.5 ms).
+LOOP_SWITCH_INTERVAL_S = 0.0005
 
 Windows = Callable[[torch.Tensor, Fraction, int], torch.Tensor]  # features, fps, frames -> [frames, 50, 384]
 
@@ -416,6 +422,8 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
 
     producer = threading.Thread(target=produce, name="lipstream-render", daemon=True)
     bar = tqdm(total=len(items), unit="frame", desc=output.name, disable=not options.progress, smoothing=0.1)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch_interval, LOOP_SWITCH_INTERVAL_S))
     try:
         with DeferredInterrupt() as interrupt, \
                 writer(output, width, height, render.fps, render.audio48, crf=options.crf, x264_preset=options.x264_preset,
@@ -485,6 +493,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
             except queue.Empty:
                 producer.join(timeout=0.05)
         bar.close()
+        sys.setswitchinterval(switch_interval)
         if render.compositor is not None:
             render.compositor.close()
     report.wall_s = time.perf_counter() - t0
