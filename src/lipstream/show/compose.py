@@ -6,15 +6,16 @@ only pays `out = s*sprite + (1 - s*alpha)*frame` over the sprite's box, for the 
 where it shows (s: the fade). Everything outside the boxes, and every frame where a layer does not
 show, is left untouched to the bit. Order: cutaway, pip, lower third, logo, ticker.
 
-Per batch the CPU works out each layer's opacity per frame (and the ticker's offset, a video's frame),
-uploads them as one small tensor, and each layer blends its box over the batch's frames in one go. The
-ops are few because each one is a kernel launch on the render's producer thread, which shares the GIL
-with the encoders' feeder: a layer shown fully in every frame of the batch (the usual case) skips the
-fade's arithmetic (the same bits), and the ticker's band and text are one pre-combined tape.
+Per batch the CPU works out each layer's opacity per frame (and the ticker's offset, a video's frame) and
+uploads them as one small tensor. Each op is a kernel launch on the render's producer thread, which shares
+the GIL with the encoders' feeder, so on CUDA the batch is painted by one captured graph (every layer over
+the whole batch, opacity 0 leaving a frame's bits alone): one launch instead of ~150. The ticker's band and
+text are one pre-combined tape; without graphs (the CPU) a layer shown fully skips the fade's arithmetic.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,9 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from lipstream.avatar.colour import rgb_to_yuv, split_i420
+from lipstream.engine.graphs import _Graph
 from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.show.sources import SourceFrame, VideoSource
 from lipstream.show.spec import Span
+
+log = logging.getLogger(__name__)
 
 FrameTime = tuple[int, float, float]  # (scene index, seconds since that scene's start, seconds since the show's)
 Rect = tuple[int, int, int, int]  # x1, y1, x2, y2 (exclusive), even
@@ -99,11 +103,15 @@ def _paint_sprite(planes: Planes, lo: int, hi: int, sprite: Sprite, x: int, y: i
 class Layer(Protocol):
     """One kind of thing painted over the presenters. `plan` runs on the CPU per batch: each frame's
     opacity (0: not painted) and a layer-specific number (the ticker's x, a video's frame), or None when
-    the layer shows in none of the batch's frames. `paint` blends frames lo:hi (the first to the last
-    frame with opacity > 0) with those numbers as tensors on the device; opacity is None when every
-    frame lo:hi shows the layer fully."""
+    the layer shows in none of the batch's frames. `stage` uploads what that plan needs into the layer's
+    own buffers on the device (a video's frames; the others have nothing). `paint` blends frames lo:hi with
+    those numbers as tensors on the device; opacity is None when every frame lo:hi shows the layer fully.
+    A frame of opacity 0 comes out of `paint` untouched to the bit, so a batch may be painted whole: the
+    same ops every batch, which a CUDA graph replays (Compositor)."""
 
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None: ...
+
+    def stage(self) -> None: ...
 
     def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None: ...
 
@@ -144,6 +152,9 @@ class SpriteLayer:
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
         op = [self.when(t) for t in times]
         return (op, [0.0] * len(op)) if any(op) else None
+
+    def stage(self) -> None:
+        pass
 
     def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         _paint_sprite(planes, lo, hi, self.sprite, *self.at, opacity)
@@ -186,6 +197,9 @@ class TickerLayer:
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
         return [1.0] * len(times), [float(self.x_at(t[2])) for t in times]
 
+    def stage(self) -> None:
+        pass
+
     def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         x = aux.long()[:, None]
         sw = self.strip.size[0]
@@ -218,8 +232,28 @@ class VideoLayer:
         self._staged: list[SourceFrame] = []
         self._cached: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (source index, YUV planes [1, ...])
         self._staged_index: list[int] = []
+        self._src: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the staged frames' Y, U, V
         self.size = (w, h)
         self.uploads = 0  # frames uploaded (tests read it)
+
+    def reserve(self, frames: int) -> bool:
+        """Room for a batch's `frames` staged pictures in the layer's source buffers (zeros: a picture
+        that shows nowhere stays finite); True when they were made anew (a captured paint read the old)."""
+        if self._src is not None and self._src[0].shape[0] >= frames:
+            return False
+        w, h = self.size
+        self._src = (torch.zeros((frames, h, w), device=self.device),
+                     torch.zeros((frames, h // 2, w // 2), device=self.device),
+                     torch.zeros((frames, h // 2, w // 2), device=self.device))
+        return True
+
+    def stage(self) -> None:
+        """The planned batch's pictures into the source buffers (the one already there reused)."""
+        planes = self._upload()
+        k = planes[0].shape[0]
+        self.reserve(k)
+        for dst, src in zip(self._src, planes):
+            dst[:k].copy_(src)
 
     def plan(self, times: Sequence[FrameTime]) -> tuple[list[float], list[float]] | None:
         scenes = {ft[0] for ft in times}
@@ -299,7 +333,7 @@ class VideoLayer:
     def paint(self, planes: Planes, lo: int, hi: int, opacity: torch.Tensor | None, aux: torch.Tensor) -> None:
         for bar in self.bars:
             bar.paint(planes, lo, hi, opacity, aux)
-        ys, us, vs = self._upload()
+        ys, us, vs = self._src
         pick = aux.long()
         s = None if opacity is None else opacity.view(-1, 1, 1)
         x1, y1, x2, y2 = self.rect
@@ -320,40 +354,94 @@ def _kind(frame: SourceFrame) -> tuple:
 
 class Compositor:
     """The show's layers over a render's frames. Use `apply` on every batch, in order; `close` at the end
-    (stops the video decoders)."""
+    (stops the video decoders).
 
-    def __init__(self, layers: list[Layer], frame_size: tuple[int, int], device: torch.device):
+    With `graphs` (on CUDA by default) a batch is painted whole by one CUDA graph per batch size: every
+    layer over every frame, opacity 0 where it does not show (those frames come out untouched to the bit),
+    so each batch is the same ~150 ops, replayed in one launch. They are launches from the render's
+    producer thread, and each would take the GIL back from the writer's threads (render.py). Without
+    graphs (the CPU) each layer paints only the frames where it shows, in place."""
+
+    def __init__(self, layers: list[Layer], frame_size: tuple[int, int], device: torch.device,
+                 graphs: bool | None = None):
         self.layers = layers
         self.width, self.height = frame_size
         self.device = device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        self._captured: dict[int, _Graph] = {}  # by batch size (a power of two, at least 8)
 
     def apply(self, frames: torch.Tensor, times: Sequence[FrameTime]) -> torch.Tensor:
-        """Paint the layers into `frames` [B, H*3/2, W] uint8 I420 on the device, in place (returned):
-        frame i is at `times[i]` = (scene index, seconds into that scene, seconds into the show)."""
+        """Paint the layers into `frames` [B, H*3/2, W] uint8 I420 on the device: frame i is at `times[i]` =
+        (scene index, seconds into that scene, seconds into the show). Without graphs in place (returned);
+        with graphs the painted frames are returned in the graph's own buffer, valid until the next batch
+        of that size (copy them out before)."""
         if frames.shape[0] != len(times):
             raise ValueError(f"{frames.shape[0]} frames and {len(times)} times")
         if not frames.is_contiguous():
             frames = frames.contiguous()
-        plans = [(layer, p) for layer in self.layers if (p := layer.plan(times)) is not None]
-        if not plans:
+        plans = [layer.plan(times) for layer in self.layers]
+        if all(p is None for p in plans):
             return frames
-        rows = torch.tensor([row for _, p in plans for row in p], dtype=torch.float32)
-        if self.device.type == "cuda":
-            rows = rows.pin_memory()
-        rows = rows.to(self.device, non_blocking=self.device.type == "cuda")
+        if self.graphs:
+            return self._replay(frames, plans)
+        return self.apply_eager(frames, plans)
+
+    def apply_eager(self, frames: torch.Tensor, plans: list) -> torch.Tensor:
+        """Each layer over the frames it shows in, in place."""
+        shown = [(k, p) for k, p in enumerate(plans) if p is not None]
+        rows = torch.tensor([row for _, p in shown for row in p], dtype=torch.float32).to(self.device)
         planes = Planes.of(frames, self.height, self.width)
-        for k, (layer, (op, _)) in enumerate(plans):
-            shown = [i for i, o in enumerate(op) if o > 0]
-            lo, hi = shown[0], shown[-1] + 1
+        for j, (k, (op, _)) in enumerate(shown):
+            on = [i for i, o in enumerate(op) if o > 0]
+            lo, hi = on[0], on[-1] + 1
             full = all(o == 1.0 for o in op[lo:hi])  # fully shown throughout: no fade to multiply in
-            layer.paint(planes, lo, hi, None if full else rows[2 * k, lo:hi], rows[2 * k + 1, lo:hi])
+            self.layers[k].stage()
+            self.layers[k].paint(planes, lo, hi, None if full else rows[2 * j, lo:hi], rows[2 * j + 1, lo:hi])
         return frames
+
+    def _replay(self, frames: torch.Tensor, plans: list) -> torch.Tensor:
+        n = frames.shape[0]
+        size = max(8, 1 << (n - 1).bit_length())
+        if any([layer.reserve(size) for layer in self.layers if isinstance(layer, VideoLayer)]):
+            self._captured.clear()  # their source buffers were made anew: capture again
+        graph = self._captured.get(size)
+        if graph is None:
+            inputs = {"frames": torch.zeros((size, self.height * 3 // 2, self.width), dtype=torch.uint8,
+                                            device=self.device),
+                      "rows": torch.zeros((2 * len(self.layers), size), device=self.device)}
+            try:
+                graph = self._captured[size] = _Graph(self._paint_whole, inputs, self.device, None, warmups=1)
+            except RuntimeError as e:  # never seen; the layers still paint, with a launch an op
+                log.warning("the show's layers cannot be captured in a CUDA graph (%s); painting them without", e)
+                self.graphs = False
+                self._captured.clear()
+                return self.apply_eager(frames, plans)
+        for layer, p in zip(self.layers, plans):
+            if p is not None:
+                layer.stage()
+        rows = torch.zeros((2 * len(self.layers), size), dtype=torch.float32,
+                           pin_memory=self.device.type == "cuda")
+        for k, p in enumerate(plans):
+            if p is not None:
+                rows[2 * k, :n] = torch.tensor(p[0])
+                rows[2 * k + 1, :n] = torch.tensor(p[1])
+        graph.inputs["rows"].copy_(rows, non_blocking=True)
+        graph.inputs["frames"][:n].copy_(frames)
+        graph.replay()
+        return graph.inputs["frames"][:n]
+
+    def _paint_whole(self, frames: torch.Tensor, rows: torch.Tensor) -> None:
+        """Every layer over every frame of the batch (what the graph captures)."""
+        planes = Planes.of(frames, self.height, self.width)
+        for k, layer in enumerate(self.layers):
+            layer.paint(planes, 0, frames.shape[0], rows[2 * k], rows[2 * k + 1])
 
     def decoder_wait_s(self) -> float:
         """Seconds `apply` has waited for the video layers' decoders (the render loop's share of the show)."""
         return sum(layer.source.wait_s for layer in self.layers if isinstance(layer, VideoLayer))
 
     def close(self) -> None:
+        self._captured.clear()  # the graphs' memory goes with them
         for layer in self.layers:
             layer.close()
 
