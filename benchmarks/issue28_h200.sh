@@ -154,7 +154,9 @@ if [ "${STAGE:-render}" = suite ]; then
   # -v: each test's outcome as it ends (a run cut by the limit still names what failed or errored)
   # the image lacks dlib's 68-point model (100 MB, cannot travel): the face_model tests skip, saying so; each
   # failure's traceback goes to failures.txt as it happens. SUITE_ARGS: a part of the suite (test files)
-  LIPSTREAM_TESTS_NO_FACE_MODEL=1 LIPSTREAM_TEST_FAILURES=$OUT/failures.txt \
+  # OMP_NUM_THREADS: each worker's torch (and the CPU servers the tests start) on a few threads, not all 16
+  # (14 workers of 16 threads each left test_render_server's CPU server unready after 180 s, 2026-12-05)
+  OMP_NUM_THREADS=${SUITE_THREADS:-2} LIPSTREAM_TESTS_NO_FACE_MODEL=1 LIPSTREAM_TEST_FAILURES=$OUT/failures.txt \
     timeout ${SUITE_T:-500} python3 -m pytest -v -n ${SUITE_N:-12} --tb=short -p no:cacheprovider -o addopts="" \
     ${SUITE_ARGS:-} > $OUT/suite.txt 2>&1
   echo "suite rc $? in $(secs $t) s"

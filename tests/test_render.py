@@ -143,6 +143,21 @@ def test_fast_path_matches_reference(studio, tiny_models, tmp_path):
     assert min(values) >= 40, values
 
 
+def tiny_models_on(device: str):
+    """conftest's tiny networks, drawn on the CPU as the studio's avatars were compiled with (a GPU's draw
+    differs, and the avatars would refuse its VAE), on `device` in its dtype."""
+    from lipstream.models.load import default_dtype
+
+    models = load_musetalk(random_weights=True, size="tiny", device="cpu", seed=0)
+    if device != "cpu":
+        dev = torch.device(device)
+        models.device, models.dtype = dev, default_dtype(dev)
+        for name in ("unet", "vae", "whisper"):
+            setattr(models, name, getattr(models, name).to(device=dev, dtype=models.dtype))
+        models.pe = models.pe.to(dev)
+    return models
+
+
 @pytest.fixture
 def graph_device(request):
     """cuda where there is one (real graphs: the H200's suite run), else the CPU with graphs played by a stand-in."""
@@ -156,7 +171,7 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
     monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
-    models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
+    models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
                             progress=False)
@@ -181,7 +196,7 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
     those of an engine with every bucket captured before."""
-    models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
+    models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
                             progress=False, encoders=2, encoder_processes=True)
@@ -203,7 +218,7 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
-    models = load_musetalk(random_weights=True, size="tiny", device=graph_device, seed=0)
+    models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     frames = {}
     for capture in ("before", "later"):
@@ -347,9 +362,10 @@ def test_malformed_scripts(tmp_path, text, match):
 
 
 def _cli(args, cwd, env_extra=None):
-    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or shutil.which("lipstream") or "lipstream"
+    exe = shutil.which("lipstream", path=os.path.dirname(sys.executable)) or shutil.which("lipstream")
+    cmd = [exe] if exe else [sys.executable, "-m", "lipstream"]  # no console script: lipstream on PYTHONPATH only
     env = {**os.environ, "COLUMNS": "200", **(env_extra or {})}
-    return subprocess.Popen([str(exe), *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([*cmd, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
