@@ -171,6 +171,7 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
     monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
+    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)  # however few frames are left
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -192,10 +193,11 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     assert max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b)) == 0
 
 
-def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device):
+def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device, monkeypatch):
     """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
     those of an engine with every bucket captured before."""
+    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -215,9 +217,33 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     assert diff == 0 if graph_device == "cpu" else diff <= 1  # lossless: the same kernels, in a graph or not
 
 
-def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device):
+def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device):
+    """Fewer frames than LATER_CAPTURE_MIN_FRAMES: the first bucket renders them all (a capture would stop the
+    producer for longer than the larger batches save), the same frames as every bucket captured."""
+    models = tiny_models_on(graph_device)
+    program = single_scene("ben", studio / "long.wav")
+    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
+                            progress=False)
+    engine_options = options.for_machine(graph_device, 2).engine
+    lazy, eager = Engine(models, engine_options), Engine(models, engine_options)
+    report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
+    small, large = lazy.buckets
+    assert {b for b, _ in lazy._net} == {small}  # the first bucket's graph only
+    frames = math.ceil(2.0 * FPS)
+    assert 0 < report.timings["warmup_later_skipped_frames"] < frames and "warmup_later_s" not in report.timings
+    eager.add_avatar(lazy.avatars[0])
+    eager.warm_up()
+    render_program(program, tmp_path / "eager.mp4", models, options, engine=eager)
+    (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
+    assert len(a) == len(b) == frames
+    diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b))
+    assert diff == 0 if graph_device == "cpu" else diff <= 1
+
+
+def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device, monkeypatch):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
+    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)  # "before" captures its other bucket too
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     frames = {}

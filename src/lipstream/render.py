@@ -59,6 +59,12 @@ if TYPE_CHECKING:
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
 EARLY_BATCHES = 8  # at most this many first-bucket batches before the other buckets are captured anyway
+# The other buckets are captured in the loop only when at least this many frames are left to render: their
+# capture stops the producer (0.8-0.9 s for bucket 32 on the H200 with the packages) and the encoders starve
+# meanwhile, while the first bucket already runs 412 frames/s there against the full one's ~560, and the
+# encoders take at most ~430: the larger batches repay their capture after ~1300 frames, and only where the
+# GPU, not x264, is what the render waits for (docs/BENCHMARKS.md, 2026-12-05).
+LATER_CAPTURE_MIN_FRAMES = 1500
 # The render loop's GIL switch interval. Its producer's GPU launches (the show's layers: ~150 PyTorch ops a
 # batch) each drop the GIL and take it back, while the writer, the encoders' reply readers and the video
 # decoders run Python beside it; CPython makes a holder give the GIL up only after this long (5 ms by
@@ -346,10 +352,14 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     marks: dict[str, float] = {"ring_ready_s": time.perf_counter() - t0}  # the first packet's path, from t0
     # The first batches take the first (captured) bucket. The other buckets are captured once the first
     # packet is out: a capture holds the GIL for a while, and the first segment's reply and mux need it.
-    # Until then the first bucket goes on (at most EARLY_BATCHES), so the GPU and the encoders keep busy.
+    # Until then the first bucket goes on (at most EARLY_BATCHES), so the GPU and the encoders keep busy;
+    # with fewer than LATER_CAPTURE_MIN_FRAMES left it goes on to the end, uncaptured buckets unused.
     first = min(engine.buckets[0], batch_size)
     first_out = threading.Event()  # set by the writer's side once the first video packet is muxed
-    to_capture = len(items) > first  # after the first batch: what warm_up() still has to capture
+    to_capture = len(items) > first and capturing  # after the first batch: what warm_up() may still capture
+    full = not capturing  # batches of the full size (after the first): once their bucket is captured
+    # the first bucket captured before the loop (capture "before"): the others may be left uncaptured
+    skippable = options.engine.capture == "before"
     planned: collections.deque[tuple[int, int, list[FrameRequest]]] = collections.deque()  # hinted, in order
     next_start = 0
 
@@ -363,7 +373,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
         next_start += len(chunk)
 
     def produce() -> None:
-        nonlocal to_capture
+        nonlocal to_capture, full
         try:
             early = 0  # batches rendered while the other buckets wait for their capture
             while planned or next_start < len(items):
@@ -371,7 +381,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                     return
                 t = time.perf_counter()
                 while len(planned) < 1 + PREFETCH_BATCHES and next_start < len(items):
-                    plan(first if next_start == 0 or (to_capture and capturing) else batch_size)
+                    plan(batch_size if full and next_start > 0 else first)
                 start, end, requests = planned.popleft()
                 chunk = items[start:end]
                 rendered = engine.render(requests)
@@ -409,13 +419,19 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 stages["produce_buffer_wait_s"] += t2 - t1
                 stages["produce_queue_wait_s"] += time.perf_counter() - t2
                 early += to_capture
-                if to_capture and (first_out.is_set() or early >= EARLY_BATCHES or not capturing):
-                    t = time.perf_counter()  # the other buckets, while the first frames encode
-                    later = engine.warm_up()
-                    marks.update({f"warmup later {name} s": v for name, v in later.items()})
-                    marks["warmup_later_s"] = time.perf_counter() - t
-                    marks["warmup_later_at_s"], marks["early_batches"] = t - t0, early
+                if to_capture and (first_out.is_set() or early >= EARLY_BATCHES):
                     to_capture = False
+                    left = len(items) - end
+                    if skippable and left < LATER_CAPTURE_MIN_FRAMES:  # the first bucket to the end
+                        marks["warmup_later_skipped_frames"] = left
+                    else:
+                        t = time.perf_counter()  # the other buckets, while the first frames encode
+                        later = engine.warm_up()
+                        marks.update({f"warmup later {name} s": v for name, v in later.items()})
+                        marks["warmup_later_s"] = time.perf_counter() - t
+                        marks["warmup_later_at_s"] = t - t0
+                        full = True
+                    marks["early_batches"] = early
             frames.put(done)
         except BaseException as e:  # hand any failure to the consumer, which raises it
             frames.put(e)
