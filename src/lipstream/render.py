@@ -336,7 +336,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     # the copy is an async DMA, and no fresh 100 MB allocation page-faults in every batch). A buffer
     # goes back to the producer as soon as the writer has taken (copied or encoded) its frames.
     cuda = engine.device.type == "cuda"
-    capturing = bool(getattr(engine, "use_graphs", False))  # else the first batch alone takes the first bucket
+    capturing = bool(engine.uncaptured())  # other buckets to capture in the loop (else: full batches from the 2nd)
     ring: list[torch.Tensor | None] = [None] * (QUEUE_BATCHES + 2)
     free: queue.Queue = queue.Queue()
     for k in range(QUEUE_BATCHES + 2):

@@ -108,6 +108,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
         """The render with this row's engine and pieces."""
         options = fast.replace(**variant.options).for_machine(models.device.type, os.cpu_count() or 1)
         plan = prepare(program, models, engines[variant.engine_key], options, windows=variant.windows)
+        engines[variant.engine_key].warm_up()  # every bucket for these avatars: a warm engine's full batches
         return write(plan, output, options, writer=variant.writer)
 
     def build(variant: Variant) -> None:

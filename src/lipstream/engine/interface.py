@@ -39,6 +39,9 @@ class FrameEngine(Protocol):
         """Capture or compile these buckets (None: all) now, before the frames that need them; seconds by
         what was captured."""
 
+    def uncaptured(self) -> tuple[int, ...]:
+        """The buckets warm_up() would still capture (none: all are, or the engine has no graphs)."""
+
     def prefetch(self, requests: list[FrameRequest]) -> None:
         """A hint: `render` will be asked for these requests (this list) after the ones before. An engine
         whose frames come from elsewhere (a server's live engine) starts them now; the others ignore it."""

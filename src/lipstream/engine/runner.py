@@ -157,24 +157,33 @@ class StepEngine:
         """Compile and capture these buckets (None: every one) now, not on the first frames that need
         them; the seconds each bucket's step and blend took (none for what was captured before)."""
         seconds: dict[str, float] = {}
+        for _, name, capture in self._missing(buckets):
+            t = time.perf_counter()
+            capture()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t
+        return seconds
+
+    def uncaptured(self) -> tuple[int, ...]:
+        """The buckets with a graph warm_up() would still capture for the resident avatars."""
+        return tuple(sorted({b for b, _, _ in self._missing(None)}))
+
+    def _missing(self, buckets: tuple[int, ...] | None) -> list[tuple[int, str, Callable[[], object]]]:
+        """(bucket, name, capture) of each graph of these buckets not captured yet, largest bucket first
+        (smaller ones reuse its memory): a step before its blends."""
         if not self.use_graphs:
-            return seconds
+            return []
         kinds = {self._cropped([a]) for a in range(len(self.avatars))} or {self._cropped(None)}
         wanted = self.buckets if buckets is None else [b for b in self.buckets if b in buckets]
-        for b in sorted(wanted, reverse=True):  # largest first: smaller ones reuse its memory
+        missing = []
+        for b in sorted(wanted, reverse=True):
             for cropped in kinds:
-                graphs = [(f"step {b}", functools.partial(self._net_graph, b, cropped), (b, cropped) in self._net)]
-                graphs += [(f"blend {b}", functools.partial(self._blend_graph, b, *a.size, cropped),
-                            self._blend_key(b, *a.size, cropped) in self._blend) for a in self.avatars]
-                for name, capture, done in graphs:
-                    if done:
-                        continue
-                    t = time.perf_counter()
-                    capture()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t
-        return seconds
+                if (b, cropped) not in self._net:
+                    missing.append((b, f"step {b}", functools.partial(self._net_graph, b, cropped)))
+                missing += [(b, f"blend {b}", functools.partial(self._blend_graph, b, *a.size, cropped))
+                            for a in self.avatars if self._blend_key(b, *a.size, cropped) not in self._blend]
+        return missing
 
     def _net_graph(self, bucket: int, cropped: bool | None = None) -> _Graph:
         key = (bucket, self._cropped(None) if cropped is None else cropped)

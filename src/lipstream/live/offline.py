@@ -64,6 +64,9 @@ class OfflineLane:
         """The live engine is warm from its start."""
         return {}
 
+    def uncaptured(self) -> tuple[int, ...]:
+        return ()
+
     def prefetch(self, requests: list[FrameRequest]) -> None:
         """Queue a batch the render will ask for next (the same list object), unless AHEAD are queued."""
         if len(self._queued) <= AHEAD and requests:
