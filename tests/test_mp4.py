@@ -139,17 +139,20 @@ def test_a_dead_segment_worker_fails_the_write_in_one_line_and_leaves_nothing(tm
     frames = moving_frames(40, seed=4)
     audio = np.zeros(int(40 / FPS * AUDIO_RATE), np.float32)
     pool = segment_pool(2)
+    killed = list(pool.workers)
     with pytest.raises(RuntimeError) as failed:
         with MP4Writer(tmp_path / "x.mp4", W, H, FPS, audio, x264_preset="medium", encoders=2, processes=True,
                        total_frames=40) as w:
             for i, f in enumerate(frames):
                 if i == 12:
-                    for worker in pool.workers:
+                    for worker in killed:
                         worker.proc.kill()
                 w.write(f)
     assert "encode worker" in str(failed.value) and "\n" not in str(failed.value)
     assert list(tmp_path.iterdir()) == [] and _arena_files() == []
-    # the next writer gets fresh workers in their place
+    # the next writer, once they are gone (a SIGKILL takes effect a moment later), gets fresh workers in their place
+    for worker in killed:
+        worker.proc.wait(timeout=30)
     write(tmp_path / "again.mp4", frames, "ultrafast", encoders=2, processes=True)
     assert len(probe(tmp_path / "again.mp4")["frames"]) == 40
 
