@@ -419,3 +419,19 @@ def test_media_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))).stdout
     assert json.loads(out) is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipe capacities are Linux's (F_SETPIPE_SZ)")
+def test_a_workers_reply_pipe_holds_a_megabyte():
+    """A worker blocks in its reply's write until the parent drains all but a pipe's worth: 1 MB, not 64 KB."""
+    import fcntl
+
+    from lipstream.media.processes import REPLY_PIPE_BYTES, start_worker
+
+    proc = start_worker("lipstream.media.encode_worker")
+    try:
+        assert fcntl.fcntl(proc.stdout.fileno(), 1032) >= REPLY_PIPE_BYTES  # F_GETPIPE_SZ
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
