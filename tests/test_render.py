@@ -171,7 +171,7 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
     monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
-    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)  # however few frames are left
+    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)  # however few frames are left
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -197,7 +197,7 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
     those of an engine with every bucket captured before."""
-    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)
+    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -218,8 +218,8 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
 
 
 def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device):
-    """Fewer frames than LATER_CAPTURE_MIN_FRAMES: the first bucket renders them all (a capture would stop the
-    producer for longer than the larger batches save), the same frames as every bucket captured."""
+    """Too few frames left for the full bucket to repay its capture at the first bucket's measured rate: the
+    first renders them all, the same frames as every bucket captured."""
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
@@ -230,7 +230,9 @@ def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph
     small, large = lazy.buckets
     assert {b for b, _ in lazy._net} == {small}  # the first bucket's graph only
     frames = math.ceil(2.0 * FPS)
-    assert 0 < report.timings["warmup_later_skipped_frames"] < frames and "warmup_later_s" not in report.timings
+    t = report.timings
+    assert 0 < t["warmup_later_skipped_frames"] < frames and "warmup_later_s" not in t
+    assert not render.later_capture_pays(t["warmup_later_skipped_frames"], t["first_bucket_fps"])
     eager.add_avatar(lazy.avatars[0])
     eager.warm_up()
     render_program(program, tmp_path / "eager.mp4", models, options, engine=eager)
@@ -240,10 +242,17 @@ def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph
     assert diff == 0 if graph_device == "cpu" else diff <= 1
 
 
+def test_the_later_capture_pays_for_long_or_slow_renders_only():
+    assert not render.later_capture_pays(775, 412.0)  # the monologue on the H200's packages: 0.63 s to save
+    assert render.later_capture_pays(775, 250.0)  # a slower first bucket (the uncompiled modules'): 1.03 s
+    assert render.later_capture_pays(18_000, 412.0)  # ten minutes of video
+    assert render.later_capture_pays(10, None)  # no rate measured yet: as before, capture
+
+
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device, monkeypatch):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
-    monkeypatch.setattr(render, "LATER_CAPTURE_MIN_FRAMES", 0)  # "before" captures its other bucket too
+    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)  # "before" captures its other bucket too
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     frames = {}

@@ -59,12 +59,16 @@ if TYPE_CHECKING:
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
 EARLY_BATCHES = 8  # at most this many first-bucket batches before the other buckets are captured anyway
-# The other buckets are captured in the loop only when at least this many frames are left to render: their
-# capture stops the producer (0.8-0.9 s for bucket 32 on the H200 with the packages) and the encoders starve
-# meanwhile, while the first bucket already runs 412 frames/s there against the full one's ~560, and the
-# encoders take at most ~430: the larger batches repay their capture after ~1300 frames, and only where the
-# GPU, not x264, is what the render waits for (docs/BENCHMARKS.md, 2026-12-05).
-LATER_CAPTURE_MIN_FRAMES = 1500
+# Whether the render loop captures the other buckets or stays on the first: their capture stops the producer
+# while the encoders starve (bucket 32 on the H200 with the packages: 0.80-0.92 s), and the full bucket is
+# only ~1.35x the first per frame there (412 against ~560 frames/s; the encoders take at most ~430). So it is
+# captured only when the first bucket would need long enough for what is left, at its measured rate, for the
+# share saved to repay the stop: left / rate * (1 - 1 / FULL_BUCKET_SPEEDUP) > LATER_CAPTURE_COST_S. The
+# speedup is taken above the packages' 1.35 (the uncompiled modules gain more from larger batches), so a
+# render that might gain captures (docs/BENCHMARKS.md, 2026-12-05). The 775-frame monologue on the packages:
+# 1.9 s of first-bucket GPU time, 0.6 s to save: not captured; on the uncompiled networks' first bucket, it is.
+FULL_BUCKET_SPEEDUP = 1.5
+LATER_CAPTURE_COST_S = 0.85
 # The render loop's GIL switch interval. Its producer's GPU launches (the show's layers: ~150 PyTorch ops a
 # batch) each drop the GIL and take it back, while the writer, the encoders' reply readers and the video
 # decoders run Python beside it; CPython makes a holder give the GIL up only after this long (5 ms by
@@ -319,6 +323,49 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
                       compositor)
 
 
+class BatchTimer:
+    """How long one batch's render took: on CUDA the GPU's own time between two events (read once both have
+    happened), on a CPU the call's wall time."""
+
+    def __init__(self, cuda: bool):
+        self.frames = 0
+        self._seconds: float | None = None
+        if cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = self._end = None
+            self._t = time.perf_counter()
+
+    def stop(self, frames: int) -> BatchTimer:
+        self.frames = frames
+        if self._end is not None:
+            self._end.record()
+        else:
+            self._seconds = time.perf_counter() - self._t
+        return self
+
+    def seconds(self) -> float | None:
+        """None while the GPU has not reached the batch's end."""
+        if self._seconds is None and self._end is not None and self._end.query():
+            self._seconds = self._start.elapsed_time(self._end) / 1000
+        return self._seconds
+
+
+def first_bucket_rate(timers: list[BatchTimer]) -> float | None:
+    """Frames per second of the first bucket's batches done so far (the first batch left out where there are
+    others: it pays for first launches); None if none is done."""
+    done = [(t.frames, s) for t in timers[1:] or timers if (s := t.seconds()) is not None and s > 0]
+    return sum(f for f, _ in done) / sum(s for _, s in done) if done else None
+
+
+def later_capture_pays(left: int, rate: float | None) -> bool:
+    """Whether capturing the full bucket now repays its stop (see FULL_BUCKET_SPEEDUP): unknown rate, it does."""
+    if rate is None:
+        return True
+    return left / rate * (1 - 1 / FULL_BUCKET_SPEEDUP) > LATER_CAPTURE_COST_S
+
+
 def write(render: RenderPlan, output: Path, options: RenderOptions, *,
           writer: Callable[..., VideoWriter] = MP4Writer,
           on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
@@ -353,7 +400,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
     # The first batches take the first (captured) bucket. The other buckets are captured once the first
     # packet is out: a capture holds the GIL for a while, and the first segment's reply and mux need it.
     # Until then the first bucket goes on (at most EARLY_BATCHES), so the GPU and the encoders keep busy;
-    # with fewer than LATER_CAPTURE_MIN_FRAMES left it goes on to the end, uncaptured buckets unused.
+    # where the full bucket would not repay its capture, the first goes on to the end (later_capture_pays).
     first = min(engine.buckets[0], batch_size)
     first_out = threading.Event()  # set by the writer's side once the first video packet is muxed
     to_capture = len(items) > first and capturing  # after the first batch: what warm_up() may still capture
@@ -376,6 +423,7 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
         nonlocal to_capture, full
         try:
             early = 0  # batches rendered while the other buckets wait for their capture
+            early_times: list[BatchTimer] = []
             while planned or next_start < len(items):
                 if stop.is_set():
                     return
@@ -384,7 +432,10 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                     plan(batch_size if full and next_start > 0 else first)
                 start, end, requests = planned.popleft()
                 chunk = items[start:end]
+                timer = BatchTimer(cuda) if to_capture else None  # the first bucket's rate, for the decision
                 rendered = engine.render(requests)
+                if timer is not None:
+                    early_times.append(timer.stop(len(chunk)))
                 batch = rendered[:len(chunk)]
                 if len(requests) > len(chunk):  # crossfades: dissolve the previous scene's frames in
                     out, extra = [], len(chunk)
@@ -422,7 +473,10 @@ def write(render: RenderPlan, output: Path, options: RenderOptions, *,
                 if to_capture and (first_out.is_set() or early >= EARLY_BATCHES):
                     to_capture = False
                     left = len(items) - end
-                    if skippable and left < LATER_CAPTURE_MIN_FRAMES:  # the first bucket to the end
+                    rate = first_bucket_rate(early_times)
+                    if rate:
+                        marks["first_bucket_fps"] = round(rate, 1)
+                    if skippable and not later_capture_pays(left, rate):  # the first bucket to the end
                         marks["warmup_later_skipped_frames"] = left
                     else:
                         t = time.perf_counter()  # the other buckets, while the first frames encode

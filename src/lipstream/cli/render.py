@@ -170,7 +170,8 @@ def _print_timings(report, nets, before: dict[str, float]) -> None:
             ("graph capture, the other buckets", t.get("warmup_later_s"),
              "; ".join(["in the render loop, as the first frames encode", captured(True)]).strip("; ")),
             ("graph capture, the other buckets", 0.0 if "warmup_later_skipped_frames" in t else None,
-             f"none: {t.get('warmup_later_skipped_frames', 0):.0f} frames were left, the first bucket rendered them"),
+             f"none: the first bucket ({t.get('first_bucket_fps', 0):.0f} frames/s) rendered the "
+             f"{t.get('warmup_later_skipped_frames', 0):.0f} frames left sooner than a capture would repay"),
             ("frames (render loop)", report.wall_s - t.get("finish_s", 0.0) - sum(
                 t.get(k, 0.0) for k in ("audio_s", "load_s", "warmup_s", "decode_wait_s", "plan_s", "show_wait_s")), stages),
             ("flush: last segments, audio, faststart", t.get("finish_s"), "")]
