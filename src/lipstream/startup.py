@@ -10,6 +10,7 @@ machine); "off" always uses the uncompiled networks.
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +32,27 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise LipStreamError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
     return torch.device(name)
+
+
+def warm_gpu_libraries(device: torch.device) -> threading.Thread | None:
+    """cuBLAS and cuDNN loaded and their first kernels run, on a thread, while the networks load: the first
+    fp16 matmul and conv of a fresh process cost 0.12-0.16 s and 0.09-0.32 s on the H200
+    (benchmarks/startup_probe.py), and otherwise the first graph capture pays them on the way to the first
+    frame. The libraries and their kernels are the process's; only each thread's handle is its own. Join
+    the thread before any graph capture (nothing else may run on the GPU meanwhile)."""
+    if device.type != "cuda":
+        return None
+
+    def warm() -> None:
+        with torch.inference_mode():
+            a = torch.ones(64, 64, device=device, dtype=torch.float16)
+            x = torch.ones(1, 8, 16, 16, device=device, dtype=torch.float16)
+            torch.nn.functional.conv2d(x, torch.ones(8, 8, 3, 3, device=device, dtype=torch.float16), padding=1)
+            a @ a
+
+    thread = threading.Thread(target=warm, name="lipstream-warm-libraries", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass
@@ -100,8 +122,6 @@ def load_networks(models: str | Path | None, device: torch.device, random_weight
             if e.buildable:
                 note += "; `lipstream warmup` builds the compiled engine once for this machine (a few minutes)"
     if device.type == "cuda":  # create the CUDA context while the modules are built and the weights read
-        import threading
-
         threading.Thread(target=torch.zeros, args=(1,), kwargs={"device": device}, daemon=True).start()
     from lipstream.models import load_musetalk
 

@@ -90,9 +90,10 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
 
     import torch
 
-    from lipstream.startup import load_networks, pick_device
+    from lipstream.startup import load_networks, pick_device, warm_gpu_libraries
 
     dev = pick_device(device)
+    warming = warm_gpu_libraries(dev)
     t_torch = process_age()
     options = options.for_machine(dev.type, os.cpu_count() or 1)
     if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load,
@@ -108,6 +109,9 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
                          decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
                          report=lambda line: err.print(line, highlight=False))
     from lipstream.render import render_program  # after the networks: its imports overlap nothing
+
+    if warming is not None:  # done long since, normally: the render captures graphs next
+        warming.join()
 
     t_networks = process_age()
     where = f"{size} random networks" if random_weights else "networks"
