@@ -172,12 +172,7 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
     monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
     monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)  # however few frames are left
-    models = tiny_models_on(graph_device)
-    program = single_scene("ben", studio / "long.wav")
-    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
-                            progress=False)
-    engine_options = options.for_machine(graph_device, 2).engine
-    lazy, eager = Engine(models, engine_options), Engine(models, engine_options)
+    models, program, options, lazy, eager = graph_render(studio, graph_device)
     first = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     eager.add_avatar(lazy.avatars[0])
     assert set(eager.warm_up()) == {f"{kind} {b}" for kind in ("step", "blend") for b in eager.buckets}
@@ -193,39 +188,46 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     assert max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b)) == 0
 
 
-def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device, monkeypatch):
-    """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
-    first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
-    those of an engine with every bucket captured before."""
-    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)
+def graph_render(studio, graph_device, **render_options):
+    """The long speech, the tiny networks on `graph_device`, lossless options with graphs, and two engines on
+    them: one to render lazily (as a one-shot render captures), one to capture everything first."""
     models = tiny_models_on(graph_device)
-    program = single_scene("ben", studio / "long.wav")
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
-                            progress=False, encoders=2, encoder_processes=True)
+                            progress=False, **render_options)
     engine_options = options.for_machine(graph_device, 2).engine
-    lazy, eager = Engine(models, engine_options), Engine(models, engine_options)
-    report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
-    t = report.timings
-    assert 1 <= t["early_batches"] <= render.EARLY_BATCHES, t
-    assert t["early_batches"] == render.EARLY_BATCHES or report.first_frame_s <= t["warmup_later_at_s"], t
+    return (models, single_scene("ben", studio / "long.wav"), options, Engine(models, engine_options),
+            Engine(models, engine_options))
+
+
+def same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device) -> None:
+    """`eager`, every bucket captured before its render, gives lazy.mp4's frames (lossless: to the bit on the
+    CPU stand-in, within 1 on CUDA, the same kernels in a graph or not)."""
     eager.add_avatar(lazy.avatars[0])
     eager.warm_up()
     render_program(program, tmp_path / "eager.mp4", models, options, engine=eager)
     (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
     assert len(a) == len(b) == math.ceil(2.0 * FPS)
     diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b))
-    assert diff == 0 if graph_device == "cpu" else diff <= 1  # lossless: the same kernels, in a graph or not
+    assert diff == 0 if graph_device == "cpu" else diff <= 1
+
+
+def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device, monkeypatch):
+    """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
+    first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
+    those of an engine with every bucket captured before."""
+    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)
+    models, program, options, lazy, eager = graph_render(studio, graph_device, encoders=2, encoder_processes=True)
+    report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
+    t = report.timings
+    assert 1 <= t["early_batches"] <= render.EARLY_BATCHES, t
+    assert t["early_batches"] == render.EARLY_BATCHES or report.first_frame_s <= t["warmup_later_at_s"], t
+    same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
 def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device):
     """Too few frames left for the full bucket to repay its capture at the first bucket's measured rate: the
     first renders them all, the same frames as every bucket captured."""
-    models = tiny_models_on(graph_device)
-    program = single_scene("ben", studio / "long.wav")
-    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
-                            progress=False)
-    engine_options = options.for_machine(graph_device, 2).engine
-    lazy, eager = Engine(models, engine_options), Engine(models, engine_options)
+    models, program, options, lazy, eager = graph_render(studio, graph_device)
     report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     small, large = lazy.buckets
     assert {b for b, _ in lazy._net} == {small}  # the first bucket's graph only
@@ -233,13 +235,7 @@ def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph
     t = report.timings
     assert 0 < t["warmup_later_skipped_frames"] < frames and "warmup_later_s" not in t
     assert not render.later_capture_pays(t["warmup_later_skipped_frames"], t["first_bucket_fps"])
-    eager.add_avatar(lazy.avatars[0])
-    eager.warm_up()
-    render_program(program, tmp_path / "eager.mp4", models, options, engine=eager)
-    (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
-    assert len(a) == len(b) == frames
-    diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b))
-    assert diff == 0 if graph_device == "cpu" else diff <= 1
+    same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
 def test_the_later_capture_pays_for_long_or_slow_renders_only():
