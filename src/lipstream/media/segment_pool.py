@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import mmap
 import os
 import threading
 from concurrent.futures import Future
@@ -88,8 +89,6 @@ class Arena:
     whoever dies. Its pages come with the first writes; `SegmentPool.arena` checked the room for them."""
 
     def __init__(self, pool: SegmentPool, aid: int, width: int, height: int, slots: int):
-        import mmap
-
         self.pool, self.aid, self.slots = pool, aid, slots
         self.width, self.height = width, height
         self.failure: str | None = None
@@ -127,7 +126,7 @@ class Arena:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             if libc.madvise(flat.ctypes.data, flat.size, MADV_POPULATE_WRITE) != 0:
-                int(flat[::mmap_page()].sum(dtype=np.uint64))
+                int(flat[::mmap.PAGESIZE].sum(dtype=np.uint64))
         except (OSError, AttributeError, ValueError):
             pass  # the writer's copies fault them in, as before
         finally:
@@ -177,6 +176,7 @@ class SegmentPool:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._idle: list[Arena] = []  # closed writers' arenas, mapped in every worker, for the next writer
+        self._preparing: threading.Thread | None = None  # prepare()'s, which the next arena() waits for
 
     def prepare(self, width: int, height: int, slots: int) -> None:
         """Make the arena a writer of this frame size will ask for, on a thread, its pages faulted in there:
@@ -186,12 +186,17 @@ class SegmentPool:
             if arena is not None:
                 arena.release()
 
-        threading.Thread(target=make, name="lipstream-arena", daemon=True).start()
+        self._preparing = threading.Thread(target=make, name="lipstream-arena", daemon=True)
+        self._preparing.start()
 
     def arena(self, width: int, height: int, slots: int) -> Arena | None:
         """Frame slots every worker can read; None where the shared-memory file system lacks the room.
 
-        An idle arena of this shape is reused (its pages are in already); else a new one is made."""
+        An idle arena of this shape is reused (its pages are in already, or coming: a prepare() under way is
+        waited for, not made twice); else a new one is made."""
+        preparing = self._preparing
+        if preparing is not None and preparing is not threading.current_thread():
+            preparing.join()
         with self._lock:
             self._replace_dead()
             for arena in self._idle:
@@ -277,12 +282,6 @@ class SegmentPool:
             w.end_input()
         for w in self.workers:
             w.reader.join()
-
-
-def mmap_page() -> int:
-    import mmap
-
-    return mmap.PAGESIZE
 
 
 def segment_pool(processes: int) -> SegmentPool:
