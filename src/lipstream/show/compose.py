@@ -411,7 +411,7 @@ class Compositor:
                       "rows": torch.zeros((2 * len(self.layers), size), device=self.device)}
             try:
                 graph = self._captured[size] = _Graph(self._paint_whole, inputs, self.device, None, warmups=1)
-            except RuntimeError as e:  # never seen; the layers still paint, with a launch an op
+            except RuntimeError as e:  # not expected; the layers still paint, with a launch an op
                 log.warning("the show's layers cannot be captured in a CUDA graph (%s); painting them without", e)
                 self.graphs = False
                 self._captured.clear()
@@ -419,13 +419,9 @@ class Compositor:
         for layer, p in zip(self.layers, plans):
             if p is not None:
                 layer.stage()
-        rows = torch.zeros((2 * len(self.layers), size), dtype=torch.float32,
-                           pin_memory=self.device.type == "cuda")
-        for k, p in enumerate(plans):
-            if p is not None:
-                rows[2 * k, :n] = torch.tensor(p[0])
-                rows[2 * k + 1, :n] = torch.tensor(p[1])
-        graph.inputs["rows"].copy_(rows, non_blocking=True)
+        pad = [0.0] * (size - n)  # the rest of the graph's batch: opacity 0, painted over nothing of ours
+        rows = torch.tensor([row + pad for p in plans for row in (p or ([0.0] * n, [0.0] * n))], dtype=torch.float32)
+        graph.inputs["rows"].copy_(rows.pin_memory() if self.device.type == "cuda" else rows, non_blocking=True)
         graph.inputs["frames"][:n].copy_(frames)
         graph.replay()
         return graph.inputs["frames"][:n]
