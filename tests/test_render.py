@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from lipstream import render
+from lipstream import render_loop
 from lipstream.avatar import load_avatar, ping_pong
 from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
@@ -70,7 +70,7 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
 def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders, processes):
     out = tmp_path / "talk.mp4"
     options = RenderOptions(avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
-    if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render.write's own writer)
+    if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render_loop.write's own writer)
         options = options.for_machine("cpu", 2)
         plan = prepare(single_scene("anna", studio / "long.wav", start_frame=3), tiny_models, Engine(tiny_models),
                        options)
@@ -117,13 +117,13 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_the_render_loop_runs_at_a_short_gil_switch_interval_and_gives_it_back(studio, tiny_models, tmp_path):
     """The producer's ops each take the GIL back from the writer's threads: the loop shortens the interval
-    CPython makes them wait (render.LOOP_SWITCH_INTERVAL_S), and the process gets its own back after."""
+    CPython makes them wait (render_loop.LOOP_SWITCH_INTERVAL_S), and the process gets its own back after."""
     before = sys.getswitchinterval()
     seen: list[float] = []
     render_program(single_scene("ben", studio / "b.wav"), tmp_path / "o.mp4", tiny_models,
                    RenderOptions(avatars_dir=studio / "avatars", progress=False),
                    on_progress=lambda done, total: seen.append(sys.getswitchinterval()))
-    assert seen and max(seen) <= render.LOOP_SWITCH_INTERVAL_S < before
+    assert seen and max(seen) <= render_loop.LOOP_SWITCH_INTERVAL_S < before
     assert sys.getswitchinterval() == before
 
 
@@ -170,8 +170,8 @@ def graph_device(request):
 def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, tmp_path, graph_device, monkeypatch):
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
-    monkeypatch.setattr(render, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
-    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)  # however few frames are left
+    monkeypatch.setattr(render_loop, "EARLY_BATCHES", 2)  # the capture in the loop comes by the second batch
+    monkeypatch.setattr(render_loop, "LATER_CAPTURE_COST_S", 0.0)  # however few frames are left
     models, program, options, lazy, eager = graph_render(studio, graph_device)
     first = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     eager.add_avatar(lazy.avatars[0])
@@ -215,12 +215,12 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
     those of an engine with every bucket captured before."""
-    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)
+    monkeypatch.setattr(render_loop, "LATER_CAPTURE_COST_S", 0.0)
     models, program, options, lazy, eager = graph_render(studio, graph_device, encoders=2, encoder_processes=True)
     report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     t = report.timings
-    assert 1 <= t["early_batches"] <= render.EARLY_BATCHES, t
-    assert t["early_batches"] == render.EARLY_BATCHES or report.first_frame_s <= t["warmup_later_at_s"], t
+    assert 1 <= t["early_batches"] <= render_loop.EARLY_BATCHES, t
+    assert t["early_batches"] == render_loop.EARLY_BATCHES or report.first_frame_s <= t["warmup_later_at_s"], t
     same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
@@ -234,21 +234,21 @@ def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph
     frames = math.ceil(2.0 * FPS)
     t = report.timings
     assert 0 < t["warmup_later_skipped_frames"] < frames and "warmup_later_s" not in t
-    assert not render.later_capture_pays(t["warmup_later_skipped_frames"], t["first_bucket_fps"])
+    assert not render_loop.later_capture_pays(t["warmup_later_skipped_frames"], t["first_bucket_fps"])
     same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
 def test_the_later_capture_pays_for_long_or_slow_renders_only():
-    assert not render.later_capture_pays(775, 412.0)  # the monologue on the H200's packages: 0.63 s to save
-    assert render.later_capture_pays(775, 250.0)  # a slower first bucket (the uncompiled modules'): 1.03 s
-    assert render.later_capture_pays(18_000, 412.0)  # ten minutes of video
-    assert render.later_capture_pays(10, None)  # no rate measured yet: as before, capture
+    assert not render_loop.later_capture_pays(775, 412.0)  # the monologue on the H200's packages: 0.63 s to save
+    assert render_loop.later_capture_pays(775, 250.0)  # a slower first bucket (the uncompiled modules'): 1.03 s
+    assert render_loop.later_capture_pays(18_000, 412.0)  # ten minutes of video
+    assert render_loop.later_capture_pays(10, None)  # no rate measured yet: as before, capture
 
 
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device, monkeypatch):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
-    monkeypatch.setattr(render, "LATER_CAPTURE_COST_S", 0.0)  # "before" captures its other bucket too
+    monkeypatch.setattr(render_loop, "LATER_CAPTURE_COST_S", 0.0)  # "before" captures its other bucket too
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     frames = {}

@@ -50,7 +50,7 @@ FAST_BATCH = 32
 @dataclass(frozen=True)
 class Variant:
     """How one row renders: its engine (built and warmed once per key), the options it changes and the
-    pieces of the render it swaps in (render.prepare's window builder, render.write's writer)."""
+    pieces of the render it swaps in (render.prepare's window builder, render_loop.write's writer)."""
 
     engine_key: str = "fast"
     make_engine: Callable[[MuseTalk], FrameEngine] | None = None
