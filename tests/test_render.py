@@ -185,7 +185,8 @@ def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, t
     assert first.timings["warmup_later_s"] > 0
     (a, _), (b, _) = decode(tmp_path / "lazy.mp4"), decode(tmp_path / "eager.mp4")
     assert len(a) == len(b) == math.ceil(2.0 * FPS)
-    assert max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b)) == 0
+    diff = max(np.abs(x.astype(int) - y.astype(int)).max() for x, y in zip(a, b))
+    assert diff == 0 if graph_device == "cpu" else diff <= 1  # CUDA: the same kernels, in a graph or not
 
 
 def graph_render(studio, graph_device, **render_options):
@@ -216,6 +217,8 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
     those of an engine with every bucket captured before."""
     monkeypatch.setattr(render_loop, "LATER_CAPTURE_COST_S", 0.0)
+    # the decision by the 2nd of the 3 batches: a GPU renders them all before the first packet is out
+    monkeypatch.setattr(render_loop, "EARLY_BATCHES", 2)
     models, program, options, lazy, eager = graph_render(studio, graph_device, encoders=2, encoder_processes=True)
     report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     t = report.timings
@@ -224,9 +227,10 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
-def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device):
+def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device, monkeypatch):
     """Too few frames left for the full bucket to repay its capture at the first bucket's measured rate: the
     first renders them all, the same frames as every bucket captured."""
+    monkeypatch.setattr(render_loop, "EARLY_BATCHES", 2)  # decided by the 2nd batch, the first packet out or not
     models, program, options, lazy, eager = graph_render(studio, graph_device)
     report = render_program(program, tmp_path / "lazy.mp4", models, options, engine=lazy)
     small, large = lazy.buckets
@@ -249,6 +253,7 @@ def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_d
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
     monkeypatch.setattr(render_loop, "LATER_CAPTURE_COST_S", 0.0)  # "before" captures its other bucket too
+    monkeypatch.setattr(render_loop, "EARLY_BATCHES", 2)  # by the 2nd batch (a GPU outruns the first packet)
     models = tiny_models_on(graph_device)
     program = single_scene("ben", studio / "long.wav")
     frames = {}

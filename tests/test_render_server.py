@@ -39,8 +39,11 @@ LOCAL = ["--random-weights", "--random-size", "tiny", "--device", "cpu"]
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean environment (no LIPSTREAM_SERVER or key of the developer's), this checkout's package first."""
     path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    # the caller's thread counts go along: a CPU server of every core's threads beside a loaded suite's
+    # workers (the GPU image's, 12 of them) spun in OpenMP's barriers and was not ready in 180 s
+    threads = {k: v for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TMPDIR") if (v := os.environ.get(k))}
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-            "COLUMNS": "200", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **(extra or {})}
+            "COLUMNS": "200", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **threads, **(extra or {})}
 
 
 def cli(args: list, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
