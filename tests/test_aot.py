@@ -262,7 +262,9 @@ def test_the_cache_is_bounded_least_recently_used_first(cache):
 
 def test_warmup_and_a_compiled_render_from_the_command_line(built_cache, tmp_path, presenter):
     """`lipstream warmup` finds everything cached; `render --compile` says it runs the compiled engine."""
-    env = {"LIPSTREAM_CACHE": str(built_cache), "PATH": "/usr/bin:/bin"}
+    # this checkout's package on the path: the GPU image runs the suite from it, with nothing installed
+    env = {"LIPSTREAM_CACHE": str(built_cache), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     run = lambda *args: subprocess.run([sys.executable, "-m", "lipstream", *args], capture_output=True,  # noqa: E731
                                        text=True, env=env, cwd=tmp_path, timeout=600)
     p = run("warmup", "--random-weights", "--device", "cpu")
