@@ -11,6 +11,10 @@
 - cuda: a fresh process's `import torch`, then the device: cuInit and the primary context (torch.zeros),
   the first fp16 matmul (cuBLAS) and conv (cuDNN); and the same with the primary context made on a thread
   through the driver API while torch imports (lipstream.cuda_early).
+- weights: a 1.87 GiB fp16 safetensors file (the compiled engine's size, ~700 tensors) onto the GPU in a
+  fresh process, the page cache warm: safetensors' load_file(device="cuda") against models/staged.py.
+- conv_shapes: in one process, the first run of each of 24 UNet-like conv shapes at batch 8, then the same at
+  batch 32, then again (cuDNN's per-shape set-up: is it what a graph capture of a new bucket pays?).
 """
 
 from __future__ import annotations
@@ -169,6 +173,84 @@ def cuda(runs: int) -> None:
             emit({"probe": "cuda_start", "mode": mode, "run": r, "process_wall_s": round(wall, 3), **row})
 
 
+WEIGHTS_CHILD = r"""
+import sys, time, json
+sys.path.insert(0, sys.argv[3])
+import torch
+torch.zeros(1, device="cuda")
+t = time.perf_counter()
+if sys.argv[1] == "load_file":
+    from safetensors.torch import load_file
+    w = load_file(sys.argv[2], device="cuda:0")
+else:
+    from lipstream.models.staged import load_to_device
+    w = load_to_device(sys.argv[2], torch.device("cuda:0"))
+torch.cuda.synchronize()
+print(json.dumps({"seconds": round(time.perf_counter() - t, 3), "tensors": len(w),
+                  "gib": round(sum(v.numel() * v.element_size() for v in w.values()) / 2**30, 3)}))
+"""
+
+
+def weights(runs: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(tempfile.mkdtemp(prefix="lipstream-probe-")) / "weights.safetensors"
+    g = torch.Generator().manual_seed(0)
+    shapes = ([(1280, 1280, 3, 3), (640, 640, 3, 3), (320, 320, 3, 3), (1280, 768), (5120, 1280), (1280,)] * 36
+              + [(320,), (640,), (1280, 320)] * 160)  # 696 tensors, 1.92 GiB
+    tensors = {f"t{i}": torch.empty(s, dtype=torch.float16).uniform_(-1, 1, generator=g) for i, s in enumerate(shapes)}
+    save_file(tensors, str(path))
+    del tensors
+    try:
+        for r in range(runs):
+            for mode in ("load_file", "staged"):
+                t = time.perf_counter()
+                p = subprocess.run([sys.executable, "-c", WEIGHTS_CHILD, mode, str(path), str(ROOT / "src")],
+                                   capture_output=True, text=True)
+                try:
+                    row = json.loads(p.stdout.strip().splitlines()[-1])
+                except (ValueError, IndexError):
+                    row = {"err": p.stderr[-500:]}
+                emit({"probe": "weights", "mode": mode, "run": r, "process_wall_s": round(time.perf_counter() - t, 3), **row})
+    finally:
+        path.unlink()
+        path.parent.rmdir()
+
+
+CONV_CHILD = r"""
+import time, json
+import torch
+torch.zeros(1, device="cuda")
+shapes = [(c, s, k) for c, s in ((320, 32), (640, 16), (1280, 8), (1280, 4), (512, 64), (256, 128), (128, 256),
+                                   (4, 32)) for k in (1, 3, 3)]
+out = {}
+for batch in (8, 32, 8):
+    times = []
+    for i, (c, s, k) in enumerate(shapes):
+        x = torch.randn(batch, c, s, s, device="cuda", dtype=torch.float16)
+        w = torch.randn(c + i, c, k, k, device="cuda", dtype=torch.float16)  # + i: 24 distinct shapes
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.nn.functional.conv2d(x, w, padding=k // 2)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    key = f"batch{batch}" + ("_again" if f"batch{batch}" in out else "")
+    out[key] = {"total_s": round(sum(times), 3), "first_s": round(times[0], 3), "max_s": round(max(times), 3)}
+print(json.dumps(out))
+"""
+
+
+def conv_shapes(runs: int) -> None:
+    for r in range(runs):
+        p = subprocess.run([sys.executable, "-c", CONV_CHILD], capture_output=True, text=True)
+        try:
+            row = json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            row = {"err": p.stderr[-500:]}
+        emit({"probe": "conv_shapes", "run": r, **row})
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--x264-child":
         x264_child(int(sys.argv[2]), int(sys.argv[3]))
@@ -182,7 +264,8 @@ def main() -> None:
     skip = set(args.skip.split(","))
     for name, fn in (("cpu", cpu), ("memory", memory),
                      ("x264", lambda: x264([int(n) for n in args.x264_procs.split(",")], args.x264_frames)),
-                     ("pinned", pinned), ("cuda", lambda: cuda(args.runs))):
+                     ("pinned", pinned), ("cuda", lambda: cuda(args.runs)), ("weights", lambda: weights(args.runs)),
+                     ("conv_shapes", lambda: conv_shapes(args.runs))):
         if name not in skip:
             fn()
 

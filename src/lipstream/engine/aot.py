@@ -249,14 +249,26 @@ class PackageRunner:
 def _load_step(folder: Path, weights: dict[str, torch.Tensor], device: torch.device,
                verify_hash: bool = True) -> CompiledStep:
     """One package with its weights handed in (no copy: the runner reads the tensors in place)."""
-    from safetensors.torch import load_file
+    return _attach(_open_step(folder, device, verify_hash), weights, device)
 
+
+def _open_step(folder: Path, device: torch.device, verify_hash: bool = True) -> tuple[Any, dict]:
+    """A package's runner and its meta, checked against the checksum it was built with; no weights yet."""
     meta = json.loads((folder / META_FILE).read_text())
     if verify_hash and _sha256(folder / PACKAGE_FILE) != meta["sha256"]:
         raise ValueError("its file does not match the checksum it was built with")
-    if (folder / EXTRA_FILE).exists():
-        weights = {**weights, **load_file(str(folder / EXTRA_FILE), device=_device_str(device))}
-    runner = _load_runner(folder / PACKAGE_FILE, device)
+    meta["folder"] = str(folder)
+    return _load_runner(folder / PACKAGE_FILE, device), meta
+
+
+def _attach(opened: tuple[Any, dict], weights: dict[str, torch.Tensor], device: torch.device) -> CompiledStep:
+    """The weights handed to an opened package's runner (in place: it keeps raw pointers to them)."""
+    from safetensors.torch import load_file
+
+    runner, meta = opened
+    extra = Path(meta["folder"]) / EXTRA_FILE
+    if extra.exists():
+        weights = {**weights, **load_file(str(extra), device=_device_str(device))}
     wanted = set(runner.get_constant_fqns())
     constants = {fqn: weights[name] for fqn, name in meta["constants"].items() if fqn in wanted}
     runner.load_constants(constants, check_full_update=True, user_managed=True)
@@ -328,21 +340,34 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
     if missing or not wpath.exists():
         what = ", ".join(missing + ([] if wpath.exists() else ["weights"]))
         raise NotBuilt(f"no compiled {what} for this GPU, torch {torch.__version__} and these networks")
-    try:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
+    from concurrent.futures import ThreadPoolExecutor
 
-        with safe_open(str(wpath), "pt") as f:
-            meta = f.metadata() or {}
-        weights = load_file(str(wpath), device=_device_str(device))
-    except Exception as e:  # noqa: BLE001
-        _discard(wpath, f"the compiled engine's weights {wpath} do not load ({type(e).__name__}: {e})")
-        raise NotBuilt(f"the weights file {wpath} was unreadable and is removed") from None
+    from lipstream.models.staged import load_to_device, read_header
+
+    # the weights read on a thread (file reads and copies, outside the GIL) while the packages load here
+    with ThreadPoolExecutor(1, thread_name_prefix="lipstream-weights") as pool:
+        reading = pool.submit(lambda: (read_header(wpath)[1], load_to_device(wpath, torch.device(_device_str(device)))))
+        opened: dict[str, tuple[Any, dict]] = {}
+        failed: tuple[str, Path, Exception] | None = None
+        for kind, folder in folders.items():
+            try:
+                opened[kind] = _open_step(folder, device)
+            except Exception as e:  # noqa: BLE001
+                failed = (kind, folder, e)
+                break
+        t_packages = time.perf_counter() - t0
+        try:
+            meta, weights = reading.result()
+        except Exception as e:  # noqa: BLE001
+            _discard(wpath, f"the compiled engine's weights {wpath} do not load ({type(e).__name__}: {e})")
+            raise NotBuilt(f"the weights file {wpath} was unreadable and is removed") from None
     t_weights = time.perf_counter()
     steps: dict[str, CompiledStep] = {}
     for kind, folder in folders.items():
         try:
-            steps[kind] = _load_step(folder, weights, device)
+            if failed is not None and failed[0] == kind:
+                raise failed[2]
+            steps[kind] = _attach(opened[kind], weights, device)
         except Exception as e:  # noqa: BLE001
             _discard(folder, f"the compiled {kind} package {folder} does not load ({type(e).__name__}: {e})")
             raise NotBuilt(f"the {kind} package was unusable and is removed") from None
@@ -354,7 +379,9 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
         mel_filters=weights["mel_filters"].cpu().numpy(),
         random_weights=meta.get("random_weights") == "True", source=meta.get("origin", str(wpath)),
         fingerprints=json.loads(meta.get("fingerprints", "{}")),
-        timings={"weights_s": t_weights - t0, "packages_s": time.perf_counter() - t_weights})
+        # weights_s: until they were on the device (the packages opened meanwhile, packages_open_s)
+        timings={"weights_s": t_weights - t0, "packages_open_s": t_packages,
+                 "packages_s": time.perf_counter() - t_weights})
 
 
 def _discard(path: Path, message: str) -> None:
