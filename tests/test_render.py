@@ -193,8 +193,9 @@ def graph_render(studio, graph_device, **render_options):
     """The long speech, the tiny networks on `graph_device`, lossless options with graphs, and two engines on
     them: one to render lazily (as a one-shot render captures), one to capture everything first."""
     models = tiny_models_on(graph_device)
-    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True), avatars_dir=studio / "avatars", crf=0,
-                            progress=False, **render_options)
+    # a first bucket of 8 on any device (a GPU's default is 16): the 20 frames make three batches
+    options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, first_batch=8), avatars_dir=studio / "avatars",
+                            crf=0, progress=False, **render_options)
     engine_options = options.for_machine(graph_device, 2).engine
     return (models, single_scene("ben", studio / "long.wav"), options, Engine(models, engine_options),
             Engine(models, engine_options))
@@ -249,6 +250,15 @@ def test_the_later_capture_pays_for_long_or_slow_renders_only():
     assert render_loop.later_capture_pays(10, None)  # no rate measured yet: as before, capture
 
 
+def test_the_first_bucket_is_16_on_a_gpu_and_8_on_a_cpu_unless_asked():
+    assert EngineOptions().for_device("cuda").buckets == (16, 32)
+    assert EngineOptions().for_device("cpu").buckets == (8, 16)
+    assert EngineOptions(first_batch=8).for_device("cuda").buckets == (8, 32)
+    assert EngineOptions(batch=12, first_batch=32).for_device("cuda").buckets == (12,)
+    with pytest.raises(ValueError, match="first_batch 0"):
+        EngineOptions(first_batch=0).check()
+
+
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device, monkeypatch):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
@@ -258,7 +268,7 @@ def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_d
     program = single_scene("ben", studio / "long.wav")
     frames = {}
     for capture in ("before", "later"):
-        options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, capture=capture),
+        options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, capture=capture, first_batch=8),
                                 avatars_dir=studio / "avatars", crf=0, progress=False)
         engine = Engine(models, options.for_machine(graph_device, 2).engine)
         report = render_program(program, tmp_path / f"{capture}.mp4", models, options, engine=engine)

@@ -39,7 +39,8 @@ PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one ask
 EARLY_BATCHES = 8  # at most this many first-bucket batches before the other buckets are captured anyway
 # Whether the render loop captures the other buckets or stays on the first: their capture stops the producer
 # while the encoders starve (bucket 32 on the H200 with the packages: 0.80-0.92 s), and the full bucket is
-# only ~1.35x the first per frame there (412 against ~560 frames/s; the encoders take at most ~430). So it is
+# only ~1.35x bucket 8 per frame there (412 against ~560 frames/s; the encoders take at most ~430), ~1.15x
+# bucket 16 (485 on the H100), the GPU's first bucket since 2026-12-05 (EngineOptions.for_device). So it is
 # captured only when the first bucket would need long enough for what is left, at its measured rate, for the
 # share saved to repay the stop: left / rate * (1 - 1 / FULL_BUCKET_SPEEDUP) > LATER_CAPTURE_COST_S. The
 # speedup is taken above the packages' 1.35 (the uncompiled modules gain more from larger batches), so a
