@@ -7,7 +7,8 @@
 #     benchmarks/show_cost.py (issue 29: the monologue with every show layer vs without) and
 #     benchmarks/package_graphs.py (graphs or not on the packages: GRAPHS_T, 0 for none) and
 #     benchmarks/aot_load_probe.py on the packages (py-spy from .whl when it is there).
-#   PIECES_T=S: benchmarks/startup_probe.py first (the fixed costs piece by piece); SPY_T=S: a warm render under
+#   PIECES_T=S: benchmarks/startup_probe.py first (the fixed costs piece by piece; PIECES_SKIP=x264,memory leaves
+#     pieces out); SPY_T=S: a warm render under
 #     py-spy (carry .whl-diag); COST_VARIANTS=plain,show,show-5ms: show_cost's rows; ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
 #   STAGE=encoders: encoders_alone.py (ENC_N counts) and user_render.py without packages (ALSO: another row).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
@@ -68,7 +69,7 @@ server_job() {  # name
 
 if [ "${STAGE:-render}" = render ]; then
   if [ "${PIECES_T:-0}" != 0 ]; then  # the fixed costs piece by piece (benchmarks/startup_probe.py)
-    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 > $OUT/pieces.jsonl 2>&1
+    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 --skip "${PIECES_SKIP:-}" > $OUT/pieces.jsonl 2>&1
     echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
   fi
   t=$(date +%s.%N)
@@ -92,7 +93,7 @@ if [ "${STAGE:-render}" = render ]; then
       > $OUT/package_graphs.txt 2>&1; echo "package_graphs rc $?"; tail -12 $OUT/package_graphs.txt
   fi
   if [ "${SPY_T:-0}" != 0 ] && [ -x /tmp/site/bin/py-spy ]; then  # a warm render on the packages under py-spy
-    (cd $W/ur/work && COLUMNS=200 timeout $SPY_T /tmp/site/bin/py-spy record --idle --threads --native -r 200 \
+    (cd $W/ur/work && COLUMNS=200 timeout $SPY_T /tmp/site/bin/py-spy record --idle --threads --native -r ${SPY_RATE:-40} \
       --format speedscope -o $OUT/render_pyspy.json -- python3 -m lipstream render --avatar anchor --audio speech.wav \
       -o spy.mp4 --random-weights --timings > $OUT/spy_render.txt 2>&1)
     echo "py-spy render rc $?"; tail -20 $OUT/spy_render.txt | cut -c1-200
