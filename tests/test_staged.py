@@ -45,12 +45,21 @@ def _write_raw(path, entries: dict[str, tuple[str, list[int], bytes]], pad_to: i
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-def test_a_tensor_off_its_alignment_is_copied_not_refused(tmp_path):
+@pytest.mark.parametrize("chunk", [5, 1 << 20])  # tensors split across chunks, or one chunk
+def test_every_tensor_starts_aligned_on_the_device_whatever_the_file_offsets(tmp_path, monkeypatch, chunk):
+    """A 3-byte tensor first puts the next at file offset 3; on the device each starts at a multiple of ALIGN
+    (compiled kernels assume aligned weights), with the file's bytes."""
+    monkeypatch.setattr(staged, "CHUNK_BYTES", chunk)
     values = torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32)
+    halves = torch.arange(5, dtype=torch.float16)
     path = tmp_path / "odd.safetensors"
-    _write_raw(path, {"a": ("U8", [3], bytes([1, 2, 3])), "b": ("F32", [3], values.numpy().tobytes())})
+    _write_raw(path, {"a": ("U8", [3], bytes([1, 2, 3])), "b": ("F32", [3], values.numpy().tobytes()),
+                      "c": ("F16", [5], halves.numpy().tobytes())})
     got = staged.load_to_device(path, torch.device("cpu"), staged=True)
-    assert torch.equal(got["b"], values) and got["a"].tolist() == [1, 2, 3]
+    assert torch.equal(got["b"], values) and got["a"].tolist() == [1, 2, 3] and torch.equal(got["c"], halves)
+    base = got["a"].data_ptr()
+    assert [(t.data_ptr() - base) % staged.ALIGN for t in got.values()] == [0, 0, 0]
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1  # one allocation
 
 
 def test_a_short_file_or_an_unknown_dtype_is_one_clear_error(tmp_path):

@@ -4,13 +4,15 @@
 every page faulted in one by one, and every copy from pageable memory (the driver stages it again). For the
 compiled engine's 1.87 GiB weights that was 0.63-1.16 s of a one-shot render's start on the H100/H200.
 Here the file is read with large `preadv` calls on a few threads (the page cache copies outside the GIL) into
-pinned buffers, each copied to its place in one device allocation while the next is read; the
-tensors are views of that allocation at the file's own offsets. The same names, dtypes, shapes and bytes
+pinned buffers, each copied to its places in one device allocation while the next is read; the
+tensors are views of that allocation, each at an aligned offset. The same names, dtypes, shapes and bytes
 as `load_file`; on a CPU device `load_file` itself is used (its mapping is already the cheapest there).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import json
 import os
 import struct
@@ -22,6 +24,7 @@ import torch
 CHUNK_BYTES = 16 << 20  # one pinned staging buffer
 STAGING_BUFFERS = 2  # each reader's: it reads into one while the other copies
 READERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # threads reading the file
+ALIGN = 512  # bytes: where each tensor starts on the device
 # safetensors' dtype names (the format's spec) -> torch
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -53,25 +56,50 @@ def load_to_device(path: str | Path, device: torch.device, staged: bool | None =
     for name, entry in header.items():
         if entry["dtype"] not in DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which LipStream does not load")
-    total = max((e["data_offsets"][1] for e in header.values()), default=0)
-    blob = torch.empty(total, dtype=torch.uint8, device=device)
-    _read_into(Path(path), start, blob)
+    layout = Layout(header)
+    blob = torch.empty(layout.total, dtype=torch.uint8, device=device)
+    _read_into(Path(path), start, layout, blob)
     out = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
-        raw = blob[begin:end]
-        if begin % dtype.itemsize:  # the format does not promise alignment: a copy where it is missing
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(shape)
+    for name, begin, end, place in layout.spans:
+        entry = header[name]
+        out[name] = blob[place:place + end - begin].view(DTYPES[entry["dtype"]]).view(entry["shape"])
     return out
 
 
-def _read_into(path: Path, start: int, blob: torch.Tensor, readers: int | None = None) -> None:
-    """The file's bytes from `start` into `blob`. Each of `readers` threads takes every readers-th chunk into
-    two staging buffers of its own in turn (pinned, and copied to the device on a stream of its own, on
-    CUDA): one core copies from the page cache at ~6-7 GiB/s, two at ~11-12 (a 2-core VM)."""
-    total = blob.numel()
+class Layout:
+    """Where each tensor goes in the one device allocation: at a multiple of ALIGN bytes, as the caching
+    allocator places its own (compiled kernels assume aligned weights; the file's offsets only promise
+    whole elements, and one 8-byte bias shifts every tensor after it)."""
+
+    def __init__(self, header: dict[str, dict]):
+        spans, place = [], 0
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            spans.append((name, begin, end, place))
+            place += -(-(end - begin) // ALIGN) * ALIGN
+        self.spans: list[tuple[str, int, int, int]] = spans  # (name, file begin, file end, device offset)
+        self.size = max((end for _, _, end, _ in spans), default=0)  # the file's data bytes
+        self.total = max(place, 1)
+        self._begins = [begin for _, begin, _, _ in spans]
+
+    def pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """The parts of file bytes [a, b) that belong to tensors: (from a, to a, device offset) each."""
+        out = []
+        for _, begin, end, place in self.spans[max(0, bisect.bisect_right(self._begins, a) - 1):]:
+            if begin >= b:
+                break
+            lo, hi = max(a, begin), min(b, end)
+            if lo < hi:
+                out.append((lo - a, hi - a, place + lo - begin))
+        return out
+
+
+def _read_into(path: Path, start: int, layout: Layout, blob: torch.Tensor, readers: int | None = None) -> None:
+    """The file's tensor bytes (from `start`) into their places in `blob`. Each of `readers` threads takes
+    every readers-th chunk into two staging buffers of its own in turn (pinned, and copied to the device on a
+    stream of its own, on CUDA): one core copies from the page cache at ~6-7 GiB/s, two at ~11-12 (a 2-core
+    VM)."""
+    total = layout.size
     if not total:
         return
     cuda = blob.device.type == "cuda"
@@ -86,12 +114,12 @@ def _read_into(path: Path, start: int, blob: torch.Tensor, readers: int | None =
             stream.wait_stream(torch.cuda.current_stream(blob.device))  # blob's allocation comes first
         mine = min(STAGING_BUFFERS, -(-(chunks - first) // readers))
         ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(mine)]
-        done: list = [None] * mine  # each buffer's last copy (an event), on CUDA
+        done: list = [None] * mine  # each buffer's last copies (an event), on CUDA
         for n, i in enumerate(range(first, chunks, readers)):
             k, offset = n % mine, i * chunk
             size = min(chunk, total - offset)
             if done[k] is not None:
-                done[k].synchronize()  # that copy has left the buffer
+                done[k].synchronize()  # those copies have left the buffer
             view = memoryview(ring[k].numpy())[:size]
             got = 0
             while got < size:  # a read may return fewer bytes than asked
@@ -99,11 +127,10 @@ def _read_into(path: Path, start: int, blob: torch.Tensor, readers: int | None =
                 if got_now <= 0:
                     raise ValueError(f"{path}: the file ends {total - offset - got} bytes before its tensors do")
                 got += got_now
-            if stream is None:
-                blob[offset:offset + size].copy_(ring[k][:size])
-            else:
-                with torch.cuda.stream(stream):
-                    blob[offset:offset + size].copy_(ring[k][:size], non_blocking=True)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for lo, hi, place in layout.pieces(offset, offset + size):
+                    blob[place:place + hi - lo].copy_(ring[k][lo:hi], non_blocking=cuda)
+                if stream is not None:
                     done[k] = torch.cuda.Event()
                     done[k].record(stream)
         if stream is not None:
