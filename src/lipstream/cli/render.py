@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -105,10 +107,16 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     size = random_size_for(random_size, dev.type, next(iter(metas.values())))
     if random_weights:
         warn_random_weights()
+    # the renderer's modules (PyAV, OpenCV, the show's) imported on a thread while the weights are read on
+    # others (file reads and copies, outside the GIL): ~0.2 s of imports off the way to the first frame
+    importing = threading.Thread(target=importlib.import_module, args=("lipstream.render",),
+                                 name="lipstream-import-render", daemon=True)
+    importing.start()
     nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
                          decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
                          report=lambda line: err.print(line, highlight=False))
-    from lipstream.render import render_program  # after the networks: its imports overlap nothing
+    importing.join()
+    from lipstream.render import render_program
 
     if warming is not None:  # done long since, normally: the render captures graphs next
         warming.join()
