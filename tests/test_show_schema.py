@@ -333,7 +333,8 @@ def test_a_broadcast_job_uploads_the_shows_files_and_the_server_program_points_a
     """`--server` mode's client (remote_jobs: prepare_upload, run_job) against the real server: the show's
     files go up with the audio under the names the script sent names them by; the program the server
     parses from its stored script has every layer of the local one, each file its uploaded copy."""
-    from lipstream.remote_jobs import JobServer, OutputOptions, prepare_upload, run_job
+    from lipstream.remote_jobs import JobServer, OutputOptions, run_job
+    from lipstream.remote_upload import prepare_upload
 
     url, service = server
     (desk / "sounds").mkdir()

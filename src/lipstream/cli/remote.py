@@ -83,7 +83,8 @@ class JobProgress:
 def render_on_server(program: Program, kind: str, output: Path, options: RenderOptions, start_frame: int,
                      server: str, api_key: str | None) -> None:
     """Hand the render to the server: checks, upload, progress, the MP4 written as a local render writes it."""
-    from lipstream.remote_jobs import JobServer, OutputOptions, prepare_upload, run_job
+    from lipstream.remote_jobs import JobServer, OutputOptions, run_job
+    from lipstream.remote_upload import prepare_upload
 
     upload = prepare_upload(program, kind, output)
     for note in upload.notes:
