@@ -136,12 +136,16 @@ def _read_into(path: Path, start: int, layout: Layout, blob: torch.Tensor, reade
         if stream is not None:
             stream.synchronize()  # every byte in place before any stream reads the tensors
 
+    def read_on_device(first: int) -> None:  # a thread's current device is the first GPU, not blob's
+        with torch.cuda.device(blob.device) if cuda else contextlib.nullcontext():
+            read(first)
+
     try:
         if readers == 1:
-            read(0)
+            read_on_device(0)
         else:
             with ThreadPoolExecutor(readers, thread_name_prefix="lipstream-read") as pool:
-                for future in [pool.submit(read, r) for r in range(readers)]:
+                for future in [pool.submit(read_on_device, r) for r in range(readers)]:
                     future.result()
     finally:
         os.close(fd)
