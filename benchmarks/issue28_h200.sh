@@ -10,6 +10,8 @@
 #   PIECES_T=S: benchmarks/startup_probe.py first (the fixed costs piece by piece; PIECES_SKIP=x264,memory leaves
 #     pieces out); SPY_T=S: a warm render under
 #     py-spy (carry .whl-diag); COST_VARIANTS=plain,show,show-5ms: show_cost's rows; ENC_T=S: benchmarks/encoders_alone.py too; ALSO='FLAGS': a warm row with those flags after each default one.
+#   SERVE_ROWS=N (2): serve starts on the packages; COST_T=0: no show_cost.
+#   STAGE=probe: after STAGE=render on the same warm machine, its packages: PIECES_T, ENC_T, GRAPHS_T, SPY_T, PROBE_T.
 #   STAGE=encoders: encoders_alone.py (ENC_N counts) and user_render.py without packages (ALSO: another row).
 #   STAGE=serve: `lipstream serve` with nothing cached: /readyz on the uncompiled steps, a job while the
 #     packages build beside it, the move onto them, jobs after.
@@ -78,12 +80,24 @@ if [ "${STAGE:-render}" = render ]; then
   echo "user_render rc $? in $(secs $t) s"; grep -E "^(compile|warmup)" $OUT/user_render.txt; tail -8 $OUT/user_render.txt
   cp $W/ur/user_render.json $OUT/ 2>/dev/null
   export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
-  for k in 1 2; do
+  for k in $(seq 1 ${SERVE_ROWS:-2}); do
     serve_row packages$k 90 && { [ $k = 1 ] && server_job packages; serve_stop; }
   done
-  timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} \
-    --variants ${COST_VARIANTS:-plain,show} > $OUT/show_cost.txt 2>&1
-  echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
+  if [ "${COST_T:-150}" != 0 ]; then
+    timeout ${COST_T:-150} python3 benchmarks/show_cost.py --work $W/ur/work --runs ${COST_RUNS:-2} \
+      --variants ${COST_VARIANTS:-plain,show} > $OUT/show_cost.txt 2>&1
+    echo "show_cost rc $?"; tail -4 $OUT/show_cost.txt
+  fi
+fi
+
+# STAGE=probe: the measurements below on the packages and avatar of a STAGE=render call just before, on the same
+# warm machine (.h200 stays there between calls), without building them again
+if [ "${STAGE:-render}" = render ] || [ "${STAGE:-render}" = probe ]; then
+  export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
+  if [ "${STAGE:-render}" = probe ] && [ "${PIECES_T:-0}" != 0 ]; then
+    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 --skip "${PIECES_SKIP:-}" > $OUT/pieces.jsonl 2>&1
+    echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
+  fi
   if [ "${ENC_T:-0}" != 0 ]; then  # the segment encoders alone: threads or processes (benchmarks/encoders_alone.py)
     timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 --encoders ${ENC_N:-8} > $OUT/encoders_alone.txt 2>&1
     echo "encoders_alone rc $?"; tail -16 $OUT/encoders_alone.txt
