@@ -74,6 +74,14 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
 
 
+def _import_quietly(module: str) -> None:
+    """Import `module` ahead, on a thread; a failure is left for the caller's own import to raise, in one line."""
+    try:
+        importlib.import_module(module)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
 def _render(program, output: Path, options: RenderOptions, device: str, random_size: str, compile: str, models,
             random_weights: bool, timings: bool = False) -> None:
     """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
@@ -109,8 +117,8 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
         warn_random_weights()
     # the renderer's modules (PyAV, OpenCV, the show's) imported on a thread while the weights are read on
     # others (file reads and copies, outside the GIL): ~0.2 s of imports off the way to the first frame
-    importing = threading.Thread(target=importlib.import_module, args=("lipstream.render",),
-                                 name="lipstream-import-render", daemon=True)
+    importing = threading.Thread(target=_import_quietly, args=("lipstream.render",), name="lipstream-import-render",
+                                 daemon=True)
     importing.start()
     nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
                          decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
