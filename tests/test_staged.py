@@ -32,6 +32,7 @@ def test_staged_read_equals_load_file(tmp_path, monkeypatch, chunk, readers):
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
         assert torch.equal(got[name], t), name
     assert staged.read_header(path)[1] == {"origin": "test"}
+    assert staged.load_with_metadata(path, torch.device("cpu"))[0] == {"origin": "test"}  # load_file's path too
 
 
 def _write_raw(path, entries: dict[str, tuple[str, list[int], bytes]], pad_to: int = 8) -> None:

@@ -342,18 +342,18 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
         raise NotBuilt(f"no compiled {what} for this GPU, torch {torch.__version__} and these networks")
     from concurrent.futures import ThreadPoolExecutor
 
-    from lipstream.models.staged import load_to_device, read_header
+    from lipstream.models.staged import load_with_metadata
 
     # the weights read on a thread (file reads and copies, outside the GIL) while the packages load here
     with ThreadPoolExecutor(1, thread_name_prefix="lipstream-weights") as pool:
-        reading = pool.submit(lambda: (read_header(wpath)[1], load_to_device(wpath, torch.device(_device_str(device)))))
+        reading = pool.submit(load_with_metadata, wpath, torch.device(_device_str(device)))
         opened: dict[str, tuple[Any, dict]] = {}
-        failed: tuple[str, Path, Exception] | None = None
+        failed: tuple[str, Exception] | None = None  # the package that did not open (after the weights' verdict)
         for kind, folder in folders.items():
             try:
                 opened[kind] = _open_step(folder, device)
             except Exception as e:  # noqa: BLE001
-                failed = (kind, folder, e)
+                failed = (kind, e)
                 break
         t_packages = time.perf_counter() - t0
         try:
@@ -366,7 +366,7 @@ def load_compiled(config: ModelConfig, source: dict[str, Any], device: torch.dev
     for kind, folder in folders.items():
         try:
             if failed is not None and failed[0] == kind:
-                raise failed[2]
+                raise failed[1]
             steps[kind] = _attach(opened[kind], weights, device)
         except Exception as e:  # noqa: BLE001
             _discard(folder, f"the compiled {kind} package {folder} does not load ({type(e).__name__}: {e})")

@@ -48,11 +48,17 @@ def read_header(path: str | Path) -> tuple[dict[str, dict], dict[str, str], int]
 def load_to_device(path: str | Path, device: torch.device, staged: bool | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file on `device` (see the module docstring). `staged`: through the ring (default:
     on CUDA only; the tests stage into CPU memory too)."""
+    return load_with_metadata(path, device, staged)[1]
+
+
+def load_with_metadata(path: str | Path, device: torch.device,
+                       staged: bool | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(the file's metadata, every tensor on `device`), its header read once."""
+    header, metadata, start = read_header(path)
     if not (device.type == "cuda" if staged is None else staged):
         from safetensors.torch import load_file
 
-        return load_file(str(path), device=str(device))
-    header, _, start = read_header(path)
+        return metadata, load_file(str(path), device=str(device))
     for name, entry in header.items():
         if entry["dtype"] not in DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which LipStream does not load")
@@ -63,7 +69,7 @@ def load_to_device(path: str | Path, device: torch.device, staged: bool | None =
     for name, begin, end, place in layout.spans:
         entry = header[name]
         out[name] = blob[place:place + end - begin].view(DTYPES[entry["dtype"]]).view(entry["shape"])
-    return out
+    return metadata, out
 
 
 class Layout:
@@ -109,6 +115,11 @@ def _read_into(path: Path, start: int, layout: Layout, blob: torch.Tensor, reade
     fd = os.open(path, os.O_RDONLY)
 
     def read(first: int) -> None:
+        # on blob's GPU: a new thread's current device is the first one, and its streams and events follow it
+        with torch.cuda.device(blob.device) if cuda else contextlib.nullcontext():
+            read_chunks(first)
+
+    def read_chunks(first: int) -> None:
         stream = torch.cuda.Stream(blob.device) if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(blob.device))  # blob's allocation comes first
@@ -136,16 +147,12 @@ def _read_into(path: Path, start: int, layout: Layout, blob: torch.Tensor, reade
         if stream is not None:
             stream.synchronize()  # every byte in place before any stream reads the tensors
 
-    def read_on_device(first: int) -> None:  # a thread's current device is the first GPU, not blob's
-        with torch.cuda.device(blob.device) if cuda else contextlib.nullcontext():
-            read(first)
-
     try:
         if readers == 1:
-            read_on_device(0)
+            read(0)
         else:
             with ThreadPoolExecutor(readers, thread_name_prefix="lipstream-read") as pool:
-                for future in [pool.submit(read_on_device, r) for r in range(readers)]:
+                for future in [pool.submit(read, r) for r in range(readers)]:
                     future.result()
     finally:
         os.close(fd)
