@@ -69,11 +69,14 @@ server_job() {  # name
   echo "render --server ($1) rc $? process wall $(secs $t) s"
 }
 
+pieces() {  # PIECES_T: the fixed costs piece by piece (benchmarks/startup_probe.py)
+  [ "${PIECES_T:-0}" = 0 ] && return
+  timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 --skip "${PIECES_SKIP:-}" > $OUT/pieces.jsonl 2>&1
+  echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
+}
+
 if [ "${STAGE:-render}" = render ]; then
-  if [ "${PIECES_T:-0}" != 0 ]; then  # the fixed costs piece by piece (benchmarks/startup_probe.py)
-    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 --skip "${PIECES_SKIP:-}" > $OUT/pieces.jsonl 2>&1
-    echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
-  fi
+  pieces
   t=$(date +%s.%N)
   timeout 480 python3 benchmarks/user_render.py --out $W/ur --track-truth --runs ${RUNS:-2} --no-exact \
     ${ALSO:+--also="$ALSO"} > $OUT/user_render.txt 2>&1
@@ -94,10 +97,7 @@ fi
 # warm machine (.h200 stays there between calls), without building them again
 if [ "${STAGE:-render}" = render ] || [ "${STAGE:-render}" = probe ]; then
   export LIPSTREAM_CACHE=$W/ur/cache TORCHINDUCTOR_CACHE_DIR=$W/ur/cache/inductor
-  if [ "${STAGE:-render}" = probe ] && [ "${PIECES_T:-0}" != 0 ]; then
-    timeout $PIECES_T python3 benchmarks/startup_probe.py --runs 2 --skip "${PIECES_SKIP:-}" > $OUT/pieces.jsonl 2>&1
-    echo "startup_probe rc $?"; cut -c1-330 $OUT/pieces.jsonl
-  fi
+  [ "${STAGE:-render}" = probe ] && pieces
   if [ "${ENC_T:-0}" != 0 ]; then  # the segment encoders alone: threads or processes (benchmarks/encoders_alone.py)
     timeout $ENC_T python3 benchmarks/encoders_alone.py --runs 2 --encoders ${ENC_N:-8} > $OUT/encoders_alone.txt 2>&1
     echo "encoders_alone rc $?"; tail -16 $OUT/encoders_alone.txt
