@@ -77,8 +77,23 @@ def test_a_short_file_or_an_unknown_dtype_is_one_clear_error(tmp_path):
         staged.load_to_device(path, torch.device("cpu"), staged=True)
 
 
+def test_a_failing_ring_falls_back_to_load_file(tmp_path, monkeypatch, caplog):
+    """Pinned memory or a stream that fails (a RuntimeError from torch) is not the file's fault: load_file."""
+    path = tmp_path / "w.safetensors"
+    save_file(_tensors(), str(path), metadata={"origin": "test"})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of pinned memory")
+
+    monkeypatch.setattr(staged, "_read_into", broken)
+    meta, got = staged.load_with_metadata(path, torch.device("cpu"), staged=True)
+    assert meta == {"origin": "test"} and "staged read" in caplog.text
+    for name, t in load_file(str(path)).items():
+        assert torch.equal(got[name], t), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned ring and its copy stream need a GPU")
-def test_staged_read_onto_the_gpu_equals_load_file(tmp_path, monkeypatch):
+def test_staged_read_onto_the_gpu_equals_load_file(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(staged, "CHUNK_BYTES", 64)
     monkeypatch.setattr(staged, "READERS", 3)
     path = tmp_path / "w.safetensors"
@@ -87,3 +102,5 @@ def test_staged_read_onto_the_gpu_equals_load_file(tmp_path, monkeypatch):
     got = staged.load_to_device(path, torch.device("cuda"))
     for name, t in want.items():
         assert got[name].device.type == "cuda" and torch.equal(got[name], t), name
+    assert "staged read" not in caplog.text  # the ring itself, not load_file's fallback
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
