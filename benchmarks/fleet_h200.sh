@@ -8,6 +8,7 @@
 # Issued right after that call (the machine stays warm 30 s; /tmp/site holds its wheels), carrying .whl-ray
 # (`bash benchmarks/h200_wheels.sh`: Ray Serve's dependencies and Ray without its jars, in one call):
 #   NS=16,20,16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
+# WATCH_S=5 (default; 0: off): $OUT/<server>_watch.txt, the engines' /metrics process figures and top, every 5 s.
 # PROFILE=25 NS=16 ...: py-spy of the engine's process 25 s into the rows (its wheel in .whl-ray), both servers.
 # Issue 27 (nvidia-h200-x2, one engine per GPU; the one-GPU figures are this script's replicas1 rows):
 #   SKIP_PLAIN=1 REPLICAS=2 NS=32,40,44 JOBS=8 KILL=1 COMMIT=<sha> bash benchmarks/fleet_h200.sh
@@ -75,12 +76,24 @@ profile() {  # name: PROFILE=S: S s into the rows, 10 s of py-spy on the engine'
   PATH=/tmp/site/bin:$PATH py-spy record --gil --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_gil.txt -p $pid > /dev/null 2>&1
   echo "profile $1 (pid $pid): $(wc -c < $OUT/$1_pyspy_idle.txt 2>/dev/null) + $(wc -c < $OUT/$1_pyspy_gil.txt 2>/dev/null) bytes"
 }
+sample_processes() {  # name: every WATCH_S s (5; 0: none) while the rows run, the engines' own process figures from /metrics
+  # (CPU seconds, memory, garbage collections and their pauses, frames late; per replica in a fleet) and the
+  # host's busiest processes (Ray's proxy, the front, the replica, the encoders): what grows row by row
+  [ "${WATCH_S:-5}" = 0 ] && return 0
+  while sleep ${WATCH_S:-5}; do
+    echo "== $(date +%s.%N | cut -c1-14)"
+    curl -s -m 3 127.0.0.1:8000/metrics | grep -E '^(process_(cpu_seconds_total|resident_memory_bytes)|lipstream_gc_pause_seconds_(sum|count)|lipstream_live_(frames_late|sessions)|lipstream_offline_frames)'
+    top -b -n 1 -w 220 | sed -n '8,22p' | cut -c1-220
+  done >> $OUT/$1_watch.txt 2>&1
+}
 ENGINE_NAME=engine
 row() {  # name: serve-bench rows $NS with the render job (the sessions on the 720p avatars)
   profile $1 & local prof=$!
+  sample_processes $1 & local watcher=$!
   timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     --avatar p0 --avatar p1 --avatar p2 --avatar p3 \
     -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
+  kill $watcher 2>/dev/null
   wait $prof
 }
 jobs() {  # name: three render jobs alone, each a `lipstream render --server` process (submit to MP4 written)

@@ -7,8 +7,10 @@ shows (SIGTERM in the middle of a job, a restart that runs the queued ones).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,12 +102,20 @@ def _audio(path: Path) -> np.ndarray:
         return np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
 
 
+def _gc_full_collections(text: str) -> float:
+    return float(re.search(r'^lipstream_gc_pause_seconds_count\{generation="2"\} (\S+)$', text, re.M).group(1))
+
+
 def test_health_ready_metrics_and_keys(server):
     client, _ = server
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
     text = client.get("/metrics").text
     assert "lipstream_ready 1.0" in text and "lipstream_live_sessions" in text
+    assert re.search(r"^process_cpu_seconds_total [0-9.e+]+$", text, re.M)  # this process's own (per replica)
+    before = _gc_full_collections(text)
+    gc.collect()  # a full collection: counted, with the time it held the interpreter
+    assert _gc_full_collections(client.get("/metrics").text) >= before + 1
     assert client.get("/v1/avatars").status_code == 401
     assert client.get("/v1/avatars", headers={"Authorization": "Bearer wrong-key-0123456789"}).status_code == 401
     avatars = client.get("/v1/avatars", headers=AUTH).json()

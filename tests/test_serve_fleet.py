@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
 pytest.importorskip("aiortc")
@@ -152,8 +153,13 @@ def test_jobs_run_on_both_replicas_and_equal_a_single_server(fleet, root, tiny_m
     assert all(r.attempts == 1 for r in rows), rows
     runners = {r.runner_id for r in rows}
     assert len(runners) == 2 and all(r.startswith("fleet-") for r in runners), runners
-    frames = _offline_frames(_metrics(fleet))
+    text = _metrics(fleet)
+    frames = _offline_frames(text)
     total = frames.pop("all")
+    # each replica's own process figures, labelled, in one exposition Prometheus parses (no family twice)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {s.labels["replica"] for s in families["process_cpu_seconds"].samples} == set(frames)
+    assert {s.labels["replica"] for s in families["lipstream_gc_pause_seconds"].samples} == set(frames)
     assert len(frames) == 2 and all(v > 0 for v in frames.values()) and total == sum(frames.values()), frames
     assert {f"fleet-{k}" for k in frames} == runners
     fleet_mp4 = [httpx.get(f"{fleet}{d['result']}", headers=AUTH, timeout=60).content for d in done]
@@ -373,3 +379,26 @@ def test_each_replica_asks_for_the_cpus_that_go_with_its_gpu():
     assert replica_cpus([head, gpu_node], 1.0, 2) == 8.0  # the GPU node's share per GPU, not the cluster's
     assert replica_cpus([{"CPU": 16.0, "GPU": 1.0}], 1.0, 1) == 16.0
     assert replica_cpus([{"CPU": 2.0}], 0.0, 1) == 2.0 and replica_cpus([{"CPU": 2.0}], 0.0, 3) == 1.0
+
+
+def test_merged_metrics_keep_every_family_parseable_with_counters_named_as_prometheus_writes_them():
+    """The replicas' texts merged: a counter's HELP/TYPE carry its samples' `_total` name (else the parser
+    leaves the family empty), a histogram keeps its buckets, the totals' sums come out as replica="all"."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from lipstream.serve.fleet import merged_metrics
+
+    texts = {}
+    for name, n in (("a", 2), ("b", 3)):
+        r = CollectorRegistry()
+        Counter("lipstream_things", "things done", registry=r).inc(n)
+        Gauge("lipstream_live_sessions", "open live sessions", registry=r).set(n)
+        Histogram("lipstream_pause_seconds", "pauses", registry=r, buckets=(0.1, 1.0)).observe(0.5)
+        texts[name] = generate_latest(r).decode()
+    families = {f.name: f for f in text_string_to_metric_families(merged_metrics(texts))}
+    things = {s.labels["replica"]: s.value for s in families["lipstream_things"].samples if s.name.endswith("_total")}
+    assert things == {"a": 2.0, "b": 3.0}
+    sessions = {s.labels["replica"]: s.value for s in families["lipstream_live_sessions"].samples}
+    assert sessions == {"a": 2.0, "b": 3.0, "all": 5.0}
+    buckets = [s for s in families["lipstream_pause_seconds"].samples if s.name.endswith("_bucket")]
+    assert {(s.labels["replica"], s.labels["le"], s.value) for s in buckets} >= {("a", "1.0", 1.0), ("b", "0.1", 0.0)}

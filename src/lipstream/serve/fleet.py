@@ -249,6 +249,8 @@ def merged_metrics(texts: dict[str, str]) -> str:
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     out = []
     for name, (doc, kind, samples) in families.items():
+        if kind == "counter":  # the text format names a counter by its samples' name (the parser strips _total)
+            name += "_total"
         out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
         out += [s + "\n" for s in samples]
         if name in totals:

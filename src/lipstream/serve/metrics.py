@@ -6,11 +6,14 @@ Metrics, so this module does not know the Service.
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine
@@ -30,6 +33,9 @@ class Metrics:
                                        registry=r, buckets=(0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, 1.0, 2.0))
         self.ready = Gauge("lipstream_ready", "1 once every cache is warm", registry=r)
         r.register(_Live(live, store, closed_late))
+        ProcessCollector(registry=r)  # this process's CPU seconds and memory (a fleet's: per replica)
+        GC_PAUSES.install()
+        r.register(GC_PAUSES)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -63,3 +69,49 @@ class _Live:
 
             yield GaugeMetricFamily("lipstream_gpu_memory_bytes", "GPU memory allocated",
                                     value=torch.cuda.memory_allocated(live.device))
+
+
+class GcPauses:
+    """The interpreter's garbage collections and how long each held the GIL, by generation, read at each
+    scrape. Why: a full collection of a process holding torch (and, in a fleet's replica, Ray) stops the
+    engine's core thread for its whole length; a live session sees it as late frames. One per process
+    (gc.callbacks is), installed by the first server's Metrics."""
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._started: dict[int, float] = {}
+        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]  # per generation, per bucket (+Inf)
+        self._sums = [0.0] * 3
+
+    def install(self) -> None:
+        with self._lock:
+            if not self._installed:
+                gc.callbacks.append(self._callback)
+                self._installed = True
+
+    def _callback(self, phase: str, info: dict) -> None:
+        generation = min(2, info.get("generation", 2))
+        if phase == "start":
+            self._started[generation] = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started.pop(generation, time.perf_counter())
+        bucket = next((i for i, b in enumerate(self.BUCKETS) if seconds <= b), len(self.BUCKETS))
+        self._counts[generation][bucket] += 1
+        self._sums[generation] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily("lipstream_gc_pause_seconds", "garbage collections by generation and "
+                                       "the time each held the interpreter", labels=["generation"])
+        for generation in range(3):
+            running, buckets = 0, []
+            for bound, n in zip((*map(str, self.BUCKETS), "+Inf"), self._counts[generation]):
+                running += n
+                buckets.append((bound, running))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
+
+
+GC_PAUSES = GcPauses()
