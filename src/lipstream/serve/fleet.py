@@ -276,6 +276,8 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         EngineReplica, name=ENGINE, max_ongoing_requests=10_000, health_check_period_s=2.0,
         health_check_timeout_s=30.0, graceful_shutdown_timeout_s=60.0, graceful_shutdown_wait_loop_s=0.5,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
+        # the front logs each HTTP request; the engine's calls are the front's own (50 speech calls/s a replica)
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER,
                                                   request_routing_stats_period_s=STATS_PERIOD_S,
                                                   request_routing_stats_timeout_s=10.0),
