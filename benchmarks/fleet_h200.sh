@@ -83,7 +83,7 @@ sample_processes() {  # name: every WATCH_S s (5; 0: none) while the rows run, t
   while sleep ${WATCH_S:-5}; do
     echo "== $(date +%s.%N | cut -c1-14)"
     curl -s -m 3 127.0.0.1:8000/metrics | grep -E '^(process_(cpu_seconds_total|resident_memory_bytes)|lipstream_gc_pause_seconds_(sum|count)|lipstream_live_(frames_late|sessions)|lipstream_offline_frames)'
-    top -b -n 1 -w 220 | sed -n '8,22p' | cut -c1-220
+    top -b -c -n 2 -d 1 -w 220 | awk '/^top -/{n++} n==2' | sed -n "8,24p" | cut -c1-220  # the 2nd frame: the last second's %CPU; -c: Ray's process titles
   done >> $OUT/$1_watch.txt 2>&1
 }
 ENGINE_NAME=engine
