@@ -113,6 +113,7 @@ def test_health_ready_metrics_and_keys(server):
     text = client.get("/metrics").text
     assert "lipstream_ready 1.0" in text and "lipstream_live_sessions" in text
     assert re.search(r"^process_cpu_seconds_total [0-9.e+]+$", text, re.M)  # this process's own (per replica)
+    assert gc.get_freeze_count() > 0  # what start made is frozen: full collections skip it
     before = _gc_full_collections(text)
     gc.collect()  # a full collection: counted, with the time it held the interpreter
     assert _gc_full_collections(client.get("/metrics").text) >= before + 1
