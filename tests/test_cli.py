@@ -229,3 +229,24 @@ def test_render_timings_table_names_every_step_and_adds_up(tmp_path, presenter):
                                          "audio: Whisper features and windows", "frames (render loop)",
                                          "flush: last segments, audio, faststart"))
     assert inside <= float(rows["render_program total"]) + 0.05
+
+
+def test_the_start_runs_without_collections_and_freezes_what_it_made():
+    """A one-shot start: no garbage collection while torch imports and the networks load; after it, what it
+    made is frozen (later collections skip it). A start that fails leaves the collector as it found it."""
+    import gc
+
+    from lipstream.cli.common import start_without_collections
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    with start_without_collections():
+        assert not gc.isenabled()
+        made = [[k] for k in range(1000)]  # objects the start makes
+    try:
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+    finally:
+        gc.unfreeze()
+    with pytest.raises(ValueError), start_without_collections():
+        raise ValueError("the networks did not load")
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import threading
@@ -14,7 +15,7 @@ import typer
 from lipstream.cli.common import (
     AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncoderProcessesOpt, EncodersOpt, FpsOpt, ModelsOpt,
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
-    avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed,
+    avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, start_without_collections,
     warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.options import RenderOptions
@@ -93,41 +94,42 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
 
         err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
     check_models(models, random_weights)
-    from lipstream.cuda_early import start_primary_context
+    with start_without_collections():  # the start makes what lives as long as the process
+        from lipstream.cuda_early import start_primary_context
 
-    start_primary_context(device)  # the GPU's context made while torch imports
-    t_checked = process_age()
+        start_primary_context(device)  # the GPU's context made while torch imports
+        t_checked = process_age()
 
-    import torch
+        import torch
 
-    from lipstream.startup import load_networks, pick_device, warm_gpu_libraries
+        from lipstream.startup import load_networks, pick_device, warm_gpu_libraries
 
-    dev = pick_device(device)
-    warming = warm_gpu_libraries(dev)
-    t_torch = process_age()
-    options = options.for_machine(dev.type, os.cpu_count() or 1)
-    if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load,
-        from lipstream.media.mp4 import arena_slots  # and the frames' shared memory is faulted in meanwhile
-        from lipstream.media.segment_pool import segment_pool
+        dev = pick_device(device)
+        warming = warm_gpu_libraries(dev)
+        t_torch = process_age()
+        options = options.for_machine(dev.type, os.cpu_count() or 1)
+        if options.encoder_processes and options.encoders > 1:  # the workers import PyAV while the networks load,
+            from lipstream.media.mp4 import arena_slots  # and the frames' shared memory is faulted in meanwhile
+            from lipstream.media.segment_pool import segment_pool
 
-        segment_pool(options.encoders).prepare(*frame_size_of(metas.values()), arena_slots(options.encoders))
-    reference = options.engine.reference
-    size = random_size_for(random_size, dev.type, next(iter(metas.values())))
-    if random_weights:
-        warn_random_weights()
-    # the renderer's modules (PyAV, OpenCV, the show's) imported on a thread while the weights are read on
-    # others (file reads and copies, outside the GIL): ~0.2 s of imports off the way to the first frame
-    importing = threading.Thread(target=_import_quietly, args=("lipstream.render",), name="lipstream-import-render",
-                                 daemon=True)
-    importing.start()
-    nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
-                         decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
-                         report=lambda line: err.print(line, highlight=False))
-    importing.join()
-    from lipstream.render import render_program
+            segment_pool(options.encoders).prepare(*frame_size_of(metas.values()), arena_slots(options.encoders))
+        reference = options.engine.reference
+        size = random_size_for(random_size, dev.type, next(iter(metas.values())))
+        if random_weights:
+            warn_random_weights()
+        # the renderer's modules (PyAV, OpenCV, the show's) imported on a thread while the weights are read on
+        # others (file reads and copies, outside the GIL): ~0.2 s of imports off the way to the first frame
+        importing = threading.Thread(target=_import_quietly, args=("lipstream.render",), name="lipstream-import-render",
+                                     daemon=True)
+        importing.start()
+        nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
+                             decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
+                             report=lambda line: err.print(line, highlight=False))
+        importing.join()
+        from lipstream.render import render_program
 
-    if warming is not None:  # done long since, normally: the render captures graphs next
-        warming.join()
+        if warming is not None:  # done long since, normally: the render captures graphs next
+            warming.join()
 
     t_networks = process_age()
     where = f"{size} random networks" if random_weights else "networks"
@@ -138,7 +140,10 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
               f"{', in processes' if options.encoder_processes and encoders > 1 else ''})", highlight=False)
     if nets.note:
         err.print(nets.note, highlight=False, soft_wrap=True)
-    report = render_program(program, output, nets.models, options)
+    try:
+        report = render_program(program, output, nets.models, options)
+    finally:
+        gc.unfreeze()  # what the start froze, collectable again (main() may run again in this process)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
