@@ -440,6 +440,39 @@ def test_clear_returns_to_idle_within_a_frame(streaming):
 
 
 
+def test_a_slow_consumer_keeps_the_audio_of_given_up_frames_one_that_stopped_reading_drops_what_it_cannot_play():
+    """The playout's inbox, trimmed as each frame arrives. The packets of given-up frames (their audio) that
+    wait in it when a frame the consumer can still play comes in are kept: they go out with the next frame
+    played (dropping them left a 0.5 s hole in the audio of a loaded 2-core CI). A consumer more than
+    FALL_BEHIND_S behind loses the frames it can no longer play and the packets before them, and the
+    encoder is asked for a keyframe."""
+    from lipstream.live.items import SessionClock
+    from lipstream.live.playout import Playout
+
+    keyframes = []
+    clock = SessionClock(t0=0.0, delay_s=0.5, fps=FPS)  # frame f plays at 0.5 + f / 2 s
+    now = 3.0  # frame 5 plays now; a consumer 1 s behind would be playing frame 3
+
+    def frame(f: int) -> LiveFrame:
+        return LiveFrame(f, FPS, np.zeros((3, 2), np.uint8), np.zeros(0, np.float32), None, packets=[f"video {f}"])
+
+    playout = Playout(clock, None, np.zeros((3, 2), np.uint8), lambda: keyframes.append(1), lambda: now)
+    playout.play_frame = 5
+    for k in (2, 3, 4):
+        playout.arrive("packets", 0, [f"audio of {k}"])
+    playout.arrive("frame", 0, frame(5))
+    playout._take_inbox()
+    assert playout._carry == ["audio of 2", "audio of 3", "audio of 4"] and 5 in playout._ready and not keyframes
+
+    playout = Playout(clock, None, np.zeros((3, 2), np.uint8), lambda: keyframes.append(1), lambda: now)
+    playout.arrive("packets", 0, ["audio of 1"])
+    playout.arrive("frame", 0, frame(2))  # older than frame 3: it can no longer be played on time
+    playout.arrive("packets", 0, ["audio of 3"])
+    playout.arrive("frame", 0, frame(4))
+    playout._take_inbox()
+    assert playout._carry == ["audio of 3"] and sorted(playout._ready) == [4] and keyframes
+
+
 def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_models, avatars):
     """The core stalls (here: its lock held for 2 s) while the reader plays on: the frames it never
     planned are given up in order, their audio still encoded, and the session goes on."""

@@ -65,13 +65,20 @@ class Playout:
         self.wake()
 
     def _trim_inbox(self) -> None:
-        """A consumer that stopped reading: keep only the frames it could still play on time."""
+        """A consumer that stopped reading: keep only the frames it could still play on time. What goes is
+        the frames it can no longer play and the packets that came before them; packets followed by a
+        frame it can still play are kept (the audio of given-up frames, which the consumer was merely
+        slow to take: dropping it left a hole in the audio)."""
         oldest = self.clock.playing_frame(self._now() - FALL_BEHIND_S)
-        while self._inbox and self._inbox[0][0] in ("frame", "packets"):
-            kind, _, item = self._inbox[0]
-            if kind == "frame" and item.frame >= oldest:
+        cut = 0  # the inbox's first `cut` items go
+        for i, (kind, _, item) in enumerate(self._inbox):
+            if kind == "packets":
+                continue
+            if kind != "frame" or item.frame >= oldest:
                 break
-            self._inbox.popleft()
+            cut = i + 1
+        for _ in range(cut):
+            kind, _, item = self._inbox.popleft()
             if kind == "packets" or item.packets:
                 self._want_keyframe()  # the decoder loses a reference: start again from an IDR
 
