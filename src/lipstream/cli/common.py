@@ -162,19 +162,16 @@ def start_without_collections() -> Iterator[None]:
     """A one-shot command's start (torch's import, the networks) makes a few hundred thousand objects that
     live as long as the process, and the garbage collector walked them ~450 times meanwhile, each time
     holding the GIL (161 ms of a tiny CPU render, three full collections 103 ms of it). Off while it starts;
-    then what it made is frozen out of the render's collections. Unfrozen when the command is done (`main`
-    may run again in this process: the tests)."""
+    then what it made is frozen out of the render's collections (a start that fails freezes nothing). The
+    caller unfreezes when its command is done (`main` may run again in this process: the tests)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
-    except BaseException:
+        gc.freeze()
+    finally:
         if enabled:
             gc.enable()
-        raise
-    gc.freeze()
-    if enabled:
-        gc.enable()
 
 
 def warn_random_weights() -> None:

@@ -75,7 +75,9 @@ class GcPauses:
     """The interpreter's garbage collections and how long each held the GIL, by generation, read at each
     scrape. Why: a full collection of a process holding torch (and, in a fleet's replica, Ray) stops the
     engine's core thread for its whole length; a live session sees it as late frames. One per process
-    (gc.callbacks is), installed by the first server's Metrics."""
+    (gc.callbacks is), installed by the first server's Metrics. Not prometheus_client's Histogram: its
+    observe() takes a lock, and a collection that starts while this thread holds it (an allocation inside
+    observe) would call back into observe and wait on that lock forever; here the callback only counts."""
 
     BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
