@@ -72,8 +72,8 @@ profile() {  # name: PROFILE=S: S s into the rows, 10 s of py-spy on the engine'
   sleep $PROFILE
   local pid=$SPID; [ "$1" != plain ] && pid=$(pgrep -f "ServeReplica:.*$ENGINE_NAME" | head -1)
   [ -n "$pid" ] || { echo "profile: no engine process"; return 0; }
-  PATH=/tmp/site/bin:$PATH py-spy record --idle --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_idle.txt -p $pid > /dev/null 2>&1
-  PATH=/tmp/site/bin:$PATH py-spy record --gil --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_gil.txt -p $pid > /dev/null 2>&1
+  PATH=/tmp/site-ray/bin:/tmp/site/bin:$PATH py-spy record --idle --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_idle.txt -p $pid > /dev/null 2>&1
+  PATH=/tmp/site-ray/bin:/tmp/site/bin:$PATH py-spy record --gil --threads -r 100 -d 10 --nonblocking --format raw -o $OUT/$1_pyspy_gil.txt -p $pid > /dev/null 2>&1
   echo "profile $1 (pid $pid): $(wc -c < $OUT/$1_pyspy_idle.txt 2>/dev/null) + $(wc -c < $OUT/$1_pyspy_gil.txt 2>/dev/null) bytes"
 }
 sample_processes() {  # name: every WATCH_S s (5; 0: none) while the rows run, the engines' own process figures from /metrics
