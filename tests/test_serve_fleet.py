@@ -10,6 +10,7 @@ other and its session ends.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import time
@@ -316,6 +317,34 @@ async def _streams(session, seconds: float) -> float:
     assert "started" in events and "finished" in events, (session.id, events)
     assert frames >= want and loud >= want // 2, (session.id, frames, loud)
     return pushing_s
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process readable in /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                ppid = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
+            except (OSError, AttributeError):
+                continue
+            out[int(d.name)] = (ppid, cmd)
+    return out
+
+
+def test_the_replicas_and_their_workers_run_at_the_raylets_priority_not_rays_worker_niceness(fleet):
+    """Ray starts its workers 15 nicer than the raylet: a live engine there lost the CPU to every other process
+    on a loaded host (thousands of late frames on the H200 where a plain server had a few). The engine and
+    front replicas, and what they start (WebRTC workers), run at the raylet's priority."""
+    procs = _processes()
+    raylets = [pid for pid, (_, cmd) in procs.items() if "/raylet/raylet" in cmd or cmd.startswith("raylet")]
+    replicas = [pid for pid, (_, cmd) in procs.items() if re.search(r"ray::ServeReplica:lipstream:(engine|front)", cmd)]
+    assert raylets and len(replicas) >= 3, (raylets, replicas)  # two engines and the front
+    children = [pid for pid, (ppid, _) in procs.items() if ppid in replicas]
+    want = os.getpriority(os.PRIO_PROCESS, raylets[0])
+    nice = {procs[pid][1][:60]: os.getpriority(os.PRIO_PROCESS, pid) for pid in replicas + children}
+    assert set(nice.values()) == {want}, nice
 
 
 def test_a_replica_killed_mid_job(fleet, root):

@@ -48,6 +48,12 @@ ENGINE = "engine"
 CALL_TIMEOUT_S = 30.0  # a call to a named replica that does not answer by then: it is gone
 ROUTER = "lipstream.serve.fleet_router:SessionAffineRouter"
 STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
+# Ray starts its workers at nice +15 over the raylet (RAY_worker_niceness), which suits batch tasks, not a live
+# engine: under load every other process on the host came first (serve-bench's clients at +10 too), and on the
+# H200 at 19 sessions a replica's frames came late by the thousand where a plain server's did not. Ray's own
+# job supervisor sets 0 for its drivers. Given to the engine and front replicas, and to the job when this
+# process starts Serve (its controller and HTTP proxy); their children (encoders, WebRTC) inherit it.
+RAY_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -275,7 +281,7 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
     engine = serve.deployment(
         EngineReplica, name=ENGINE, max_ongoing_requests=10_000, health_check_period_s=2.0,
         health_check_timeout_s=30.0, graceful_shutdown_timeout_s=60.0, graceful_shutdown_wait_loop_s=0.5,
-        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica},
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica, "runtime_env": RAY_ENV},
         # the front logs each HTTP request; the engine's calls are the front's own (50 speech calls/s a replica)
         logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER,
@@ -283,7 +289,7 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
                                                   request_routing_stats_timeout_s=10.0),
         **scaling)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=10_000,
-                             ray_actor_options={"num_cpus": 0})
+                             ray_actor_options={"num_cpus": 0, "runtime_env": RAY_ENV})
     return front.bind(options, engine.bind(options, weights))
 
 
@@ -307,8 +313,26 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
     application deployed and warm, then served until SIGTERM or Ctrl-C, when it is deleted gracefully
     (each replica's running job back to the queue)."""
     t = time.perf_counter()
-    ray.init(address=ray_address, namespace="lipstream", include_dashboard=False, logging_level="WARNING")
+    stop, ready = threading.Event(), False
+
+    def on_signal(*_) -> None:
+        # SIGTERM and SIGINT alike (uvicorn's way for a plain server): during start, abort it; once ready, stop
+        # gracefully. A fleet started in a script's background inherits SIGINT ignored (no KeyboardInterrupt)
+        if not ready:
+            raise KeyboardInterrupt
+        stop.set()
+
+    def catch_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+    catch_signals()
+    # "local": a Ray of its own, never the last one `ray start` left running (None would join that one, and
+    # shut its Serve down at the end)
     try:
+        ray.init(address=ray_address or "local", namespace="lipstream", include_dashboard=False,
+                 logging_level="WARNING", runtime_env=RAY_ENV)
+        catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
         if weights.device == "cpu":
             gpus = 0.0
         elif weights.device.startswith("cuda"):
@@ -325,16 +349,12 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
                              "host": options.host, "port": options.port, "ray": ray_address or "local"}))
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
+        ready = True
+        while not stop.wait(1.0):
             pass
         serve.delete(APP)  # graceful: each replica's sessions closed, its running job requeued
     finally:
-        if ray_address is None:
+        if ray_address is None and ray.is_initialized():
             serve.shutdown()
         ray.shutdown()
     log.info(json.dumps({"event": "stopped"}))

@@ -1,0 +1,95 @@
+"""`lipstream serve --replicas 1` as typed, a process of its own (issue 26): the local Ray it starts runs Serve's
+controller, the HTTP proxy and the replicas at the server's own priority (Ray's default is 15 nicer), it is
+ready on /readyz, and it stops cleanly on SIGINT even when started in a script's background (SIGINT ignored
+there, so Python raises no KeyboardInterrupt), taking its Ray down with it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
+
+from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process below `root` (Ray's raylet and workers, the encoders)."""
+    parent, cmd = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                parent[int(d.name)] = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
+            except (OSError, AttributeError):
+                continue
+    out, todo = {}, [root]
+    while todo:
+        p = todo.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in out:
+                out[child] = cmd.get(child, "")
+                todo.append(child)
+    return out
+
+
+def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tmp_path, tiny_models):
+    tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    port = _free_port()
+    env = {**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lipstream.cli", "serve", "--replicas", "1", "--avatars", str(tmp_path / "avatars"),
+         "--data", str(tmp_path / "data"), "--random-weights", "--random-size", "tiny", "--device", "cpu",
+         "--live-preset", "cpu", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a script's background job
+    try:
+        t = time.monotonic()
+        while '"event": "ready"' not in (tmp_path / "serve.log").read_text():  # start done: a signal now stops it
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() - t < 240, "never ready: " + (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+        procs = _descendants(server.pid)
+        own = os.getpriority(os.PRIO_PROCESS, server.pid)
+        serving = {pid: c for pid, c in procs.items()
+                   if re.search(r"ray::(ServeController|ProxyActor|ServeReplica:lipstream:(engine|front))", c)}
+        assert len(serving) >= 4, procs  # the controller, the proxy, the engine and the front
+        nice = {c[:50]: os.getpriority(os.PRIO_PROCESS, pid) for pid, c in serving.items()}
+        assert set(nice.values()) == {own}, nice
+
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=90) == 0
+        assert '"event": "stopped"' in (tmp_path / "serve.log").read_text()
+        time.sleep(1.0)
+        alive = [pid for pid in procs if Path(f"/proc/{pid}").exists()
+                 and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert not alive, {pid: procs[pid][:60] for pid in alive}
+    finally:
+        left = _descendants(server.pid)  # a failed test leaves no Ray behind
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        log.close()
