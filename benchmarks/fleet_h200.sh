@@ -113,6 +113,7 @@ R=${REPLICAS:-1}
 [ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; together plain 1; stop_server; }
 start_server replicas$R "--replicas $R" && { row replicas$R; jobs replicas$R; together replicas$R $R
   curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas${R}_metrics.txt; stop_server; }
-# the reports' folders as one file (a device call brings back a few files only)
-(cd $OUT && ls -d */ >/dev/null 2>&1 && tar czf reports.tgz */ && rm -rf */)
+# everything as one file: a device call brings back 8 files at most (12 here lost the replica's watch, profiles
+# and reports on 2026-12-05)
+(cd $OUT && tar czf fleet.tgz --exclude=fleet.tgz . && find . -mindepth 1 ! -name fleet.tgz -delete)
 find $OUT -size +15M -delete
