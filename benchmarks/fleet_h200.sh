@@ -115,5 +115,5 @@ start_server replicas$R "--replicas $R" && { row replicas$R; jobs replicas$R; to
   curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas${R}_metrics.txt; stop_server; }
 # everything as one file: a device call brings back 8 files at most (12 here lost the replica's watch, profiles
 # and reports on 2026-12-05)
-(cd $OUT && tar czf fleet.tgz --exclude=fleet.tgz . && find . -mindepth 1 ! -name fleet.tgz -delete)
+tar czf /tmp/fleet.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/fleet.tgz $OUT/
 find $OUT -size +15M -delete
