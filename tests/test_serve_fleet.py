@@ -65,8 +65,8 @@ def fleet(root):
 
     from lipstream.serve.fleet import APP, EngineWeights, fleet_app
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test", logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test",
+             logging_level="ERROR", log_to_driver=False)  # "local": never a `ray start` cluster left on the machine
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
