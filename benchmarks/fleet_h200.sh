@@ -92,7 +92,9 @@ row() {  # name: serve-bench rows $NS with the render job (the sessions on the 7
   sample_processes $1 & local watcher=$!
   timeout ${BENCH_T:-280} python3 -m lipstream.cli serve-bench --sessions $NS --seconds 12 --render-audio $W/job.wav \
     --avatar p0 --avatar p1 --avatar p2 --avatar p3 \
-    -o $OUT/$1 2>&1 | grep -v "^report" | tail -6
+    -o $OUT/$1 2>&1 | grep -v "^report" | tail -3
+  # every row in the call's output (N, p50/p95/p99, late, missing, first frame, the job beside), whatever comes back
+  grep -E "^\| [0-9]" $OUT/$1/serve_bench.md 2>/dev/null | cut -d'|' -f2,4,8,9,11,12
   kill $watcher 2>/dev/null
   wait $prof
 }
