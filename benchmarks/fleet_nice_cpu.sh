@@ -34,7 +34,7 @@ for mode in plain old new; do
   PYTHONPATH=$src timeout 300 python -m lipstream.cli serve-bench --url http://127.0.0.1:8765 --sessions ${NS:-1,1,1} \
     --seconds 12 --no-warmup -o $W/report-$mode > $W/bench-$mode.txt 2>&1
   echo "$mode serve-bench rc $?"
-  kill $hogs
+  [ -n "$hogs" ] && kill $hogs
   grep -E "^\| [0-9]" $W/report-$mode/serve_bench.md
   kill -TERM $S; wait $S
 done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process readable in /proc: a server's Ray and workers."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                ppid = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
+            except (OSError, AttributeError):
+                continue
+            out[int(d.name)] = (ppid, cmd)
+    return out
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process below `root`."""
+    table, out, todo = processes(), {}, [root]
+    while todo:
+        p = todo.pop()
+        for pid, (ppid, cmd) in table.items():
+            if ppid == p and pid not in out:
+                out[pid] = cmd
+                todo.append(pid)
+    return out
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -26,17 +25,12 @@ pytest.importorskip("aiortc")
 
 from lipstream.fixtures import speech_like, write_audio  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
+from serve_process import free_port, processes  # noqa: E402
 
 KEY = "fleet-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LEASE_S = 2.0  # short: a killed replica's job is taken over within seconds
 CAPACITY_FPS = 30.0  # each replica admits one 25 fps session (95% of 30 is 28.5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,7 @@ def fleet(root):
     ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test",
              logging_level="ERROR", log_to_driver=False)  # "local": never a `ray start` cluster left on the machine
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         weights = EngineWeights(random_weights=True, random_size="tiny", device="cpu", compile="off")
         serve.run(fleet_app(_options(root, "data"), weights, 2, gpus_per_replica=1.0), name=APP, route_prefix="/")
@@ -319,25 +313,11 @@ async def _streams(session, seconds: float) -> float:
     return pushing_s
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process readable in /proc."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                ppid = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
-            except (OSError, AttributeError):
-                continue
-            out[int(d.name)] = (ppid, cmd)
-    return out
-
-
 def test_the_replicas_and_their_workers_run_at_the_raylets_priority_not_rays_worker_niceness(fleet):
     """Ray starts its workers 15 nicer than the raylet: a live engine there lost the CPU to every other process
     on a loaded host (thousands of late frames on the H200 where a plain server had a few). The engine and
     front replicas, and what they start (WebRTC workers), run at the raylet's priority."""
-    procs = _processes()
+    procs = processes()
     raylets = [pid for pid, (_, cmd) in procs.items() if "/raylet/raylet" in cmd or cmd.startswith("raylet")]
     replicas = [pid for pid, (_, cmd) in procs.items() if re.search(r"ray::ServeReplica:lipstream:(engine|front)", cmd)]
     assert raylets and len(replicas) >= 3, (raylets, replicas)  # two engines and the front

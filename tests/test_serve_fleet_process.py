@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,37 +20,12 @@ import pytest
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
 
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every process below `root` (Ray's raylet and workers, the encoders)."""
-    parent, cmd = {}, {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                parent[int(d.name)] = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
-            except (OSError, AttributeError):
-                continue
-    out, todo = {}, [root]
-    while todo:
-        p = todo.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in out:
-                out[child] = cmd.get(child, "")
-                todo.append(child)
-    return out
+from serve_process import descendants, free_port  # noqa: E402
 
 
 def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tmp_path, tiny_models):
     tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
@@ -67,7 +41,7 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
             assert time.monotonic() - t < 240, "never ready: " + (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
-        procs = _descendants(server.pid)
+        procs = descendants(server.pid)
         own = os.getpriority(os.PRIO_PROCESS, server.pid)
         serving = {pid: c for pid, c in procs.items()
                    if re.search(r"ray::(ServeController|ProxyActor|ServeReplica:lipstream:(engine|front))", c)}
@@ -83,7 +57,7 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
                  and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
         assert not alive, {pid: procs[pid][:60] for pid in alive}
     finally:
-        left = _descendants(server.pid)  # a failed test leaves no Ray behind
+        left = descendants(server.pid)  # a failed test leaves no Ray behind
         if server.poll() is None:
             server.kill()
             server.wait()
