@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -51,9 +52,12 @@ STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
 # Ray starts its workers at nice +15 over the raylet (RAY_worker_niceness), which suits batch tasks, not a live
 # engine: under load every other process on the host came first (serve-bench's clients at +10 too), and on the
 # H200 at 19 sessions a replica's frames came late by the thousand where a plain server's did not. Ray's own
-# job supervisor sets 0 for its drivers. Given to the engine and front replicas, and to the job when this
-# process starts Serve (its controller and HTTP proxy); their children (encoders, WebRTC) inherit it.
-RAY_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+# job supervisor sets 0 for its drivers. A Ray started here gets it from its raylet's environment, so every worker
+# has it, prestarted ones too; on a cluster the engine and front replicas and the job that starts Serve (its
+# controller and HTTP proxy) ask for it as their runtime env, which costs a fresh worker each (about 1 s on the
+# CPU). Their children (encoders, WebRTC) inherit it.
+RAY_NICENESS = "RAY_worker_niceness"
+RAY_ENV = {"env_vars": {RAY_NICENESS: "0"}}
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -269,10 +273,12 @@ Front = serve.ingress()(FleetFront)
 
 def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | None = 1, *,
               min_replicas: int = 1, max_replicas: int = 1, gpus_per_replica: float = 1.0,
-              cpus_per_replica: float = 1.0):
+              cpus_per_replica: float = 1.0, runtime_env: dict | None = RAY_ENV):
     """The Ray Serve application: `replicas` engine replicas (None: Ray Serve's autoscaling between
     `min_replicas` and `max_replicas` on the calls in flight, which are the open speech sockets: jobs are
-    pulled from the store, not called, and do not count) behind one front."""
+    pulled from the store, not called, and do not count) behind one front. `runtime_env`: the replicas' own
+    (None where the raylet's environment already sets their priority, see `start_ray`)."""
+    env = {} if runtime_env is None else {"runtime_env": runtime_env}
     if replicas is None:
         scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
                                                            target_ongoing_requests=8)}
@@ -281,7 +287,7 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
     engine = serve.deployment(
         EngineReplica, name=ENGINE, max_ongoing_requests=10_000, health_check_period_s=2.0,
         health_check_timeout_s=30.0, graceful_shutdown_timeout_s=60.0, graceful_shutdown_wait_loop_s=0.5,
-        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica, "runtime_env": RAY_ENV},
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica, **env},
         # the front logs each HTTP request; the engine's calls are the front's own (50 speech calls/s a replica)
         logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER,
@@ -289,7 +295,7 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
                                                   request_routing_stats_timeout_s=10.0),
         **scaling)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=10_000,
-                             ray_actor_options={"num_cpus": 0, "runtime_env": RAY_ENV})
+                             ray_actor_options={"num_cpus": 0, **env})
     return front.bind(options, engine.bind(options, weights))
 
 
@@ -305,6 +311,20 @@ def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replica
     else:
         shares = [max((n.get("CPU", 0.0) for n in nodes), default=1.0) / max(1, replicas)]
     return float(max(1, int(min(shares, default=1.0))))
+
+
+def start_ray(ray_address: str | None) -> dict | None:
+    """Ray for the fleet, its workers at this process's priority; returns the runtime env the replicas still
+    need for it. No address: a Ray of its own ("local"), never the last one `ray start` left running (None
+    would join that one, and shut its Serve down at the end), whose raylet passes the priority to every
+    worker it starts. An address: that cluster's raylets are not ours, so the job asks for it."""
+    options = dict(namespace="lipstream", include_dashboard=False, logging_level="WARNING")
+    if ray_address is None:
+        os.environ[RAY_NICENESS] = "0"  # read by the raylet ray.init starts, and by every worker from it
+        ray.init(address="local", **options)
+        return None
+    ray.init(address=ray_address, runtime_env=RAY_ENV, **options)
+    return RAY_ENV
 
 
 def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
@@ -327,11 +347,8 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
             signal.signal(sig, on_signal)
 
     catch_signals()
-    # "local": a Ray of its own, never the last one `ray start` left running (None would join that one, and
-    # shut its Serve down at the end)
     try:
-        ray.init(address=ray_address or "local", namespace="lipstream", include_dashboard=False,
-                 logging_level="WARNING", runtime_env=RAY_ENV)
+        runtime_env = start_ray(ray_address)
         catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
         if weights.device == "cpu":
             gpus = 0.0
@@ -344,7 +361,7 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         serve.start(http_options={"host": options.host, "port": options.port})
         cpus = replica_cpus([n["Resources"] for n in ray.nodes() if n.get("Alive")], gpus, replicas or max_replicas)
         serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
-                            gpus_per_replica=gpus, cpus_per_replica=cpus),
+                            gpus_per_replica=gpus, cpus_per_replica=cpus, runtime_env=runtime_env),
                   name=APP, route_prefix="/", blocking=False)
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
