@@ -580,6 +580,9 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     sent, started, _ = row["utterances"]
     assert sent >= 2 and started == sent, row["utterances"]
     assert row["speech_frames"] > 0 and row["video_frames_received"] > 20, row
+    by_session = row["latency_ms_p99_by_session"]  # worst first, one per client
+    assert len(by_session) == 2 and by_session == sorted(by_session, reverse=True), by_session
+    assert by_session[0] <= row["latency_ms_max"], by_session
     print("A/V offset at the clients (ms), as sent and decoded:", row["av_offset_ms"], row["av_offset_decoded_ms"])
     # as the packets came in: the server's own sync, within the 40 ms (aiortc's receive buffers add
     # their own offset to the decoded frames: 4 audio packets against one video frame)

@@ -104,6 +104,9 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         "errors": errors,
         "latency_ms": {f"p{q}": round(float(np.percentile(lat, q)), 1) for q in (50, 95, 99)} if lat else {},
         "latency_ms_max": round(max(lat), 1) if lat else None,
+        # each session's own p99, worst first: one slow session (its route, its start) or all of them a little
+        "latency_ms_p99_by_session": sorted((round(float(np.percentile(c["latency_ms"], 99)), 1)
+                                             for c in clients if c["latency_ms"]), reverse=True),
         "decoded_latency_ms": {f"p{q}": round(float(np.percentile(decoded, q)), 1) for q in (50, 99)} if decoded else {},
         "speech_frames": len(lat),
         "frames_late": sum(c["server_frames_late"] or 0 for c in clients),  # the server's: previous picture again
