@@ -26,6 +26,7 @@ import pytest
 from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
+from serve_process import descendants
 
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -612,6 +613,45 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
     lat = latencies(sent, events, video, clock, fps)
     assert len(lat) == 25 and np.allclose(lat, 0.3)
     assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio
+
+
+def test_the_webrtc_workers_start_together_and_one_that_fails_takes_the_others_down(monkeypatch):
+    """A server's WebRTC workers start at once (each imports aiortc and PyAV before it answers). If one does
+    not start, the start fails with its reason and none of the others is left running."""
+    from lipstream.serve import rtc
+
+    real = rtc.start_worker_async
+
+    async def run(bad: int | None):
+        asked, spawned = [], []  # each worker's start, asked for and done: (time, process)
+
+        async def start(module: str):
+            t = time.monotonic()
+            asked.append(t)
+            proc = await real("lipstream.no_such_worker" if len(asked) - 1 == bad else module)
+            spawned.append((t, proc))
+            return proc
+
+        monkeypatch.setattr(rtc, "start_worker_async", start)
+        gateway = rtc.RtcGateway(3)
+        try:
+            await gateway.start()
+        except RuntimeError as e:
+            return spawned, gateway, str(e)
+        alive = [w.alive for w in gateway.workers]
+        for w in gateway.workers:
+            await w.close()
+        return spawned, gateway, alive
+
+    spawned, gateway, alive = asyncio.run(run(None))
+    assert len({p.pid for _, p in spawned}) == 3 and alive == [True] * 3, alive
+    times = [t for t, _ in spawned]
+    assert max(times) - min(times) < 0.1, times  # all three asked for before the first one answered (0.2 s+)
+    spawned, gateway, error = asyncio.run(run(1))
+    assert len(spawned) == 3 and "did not start" in error, error
+    assert gateway.workers == []
+    left = descendants(os.getpid())
+    assert [p.returncode is not None and p.pid not in left for _, p in spawned] == [True] * 3, left
 
 
 def test_the_audio_level_aiortc_sends_is_rfc_6465s():
