@@ -79,10 +79,10 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     machine_options(device, random_size)
     check_models(models, random_weights)
 
-    from lipstream.serve.server import json_logs, serve
+    from lipstream.serve.logs import json_logs
 
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
-    if fleet is not None:
+    if fleet is not None:  # the driver: Ray and the front's wiring; torch is the replicas' to import
         from lipstream.serve.fleet import run_fleet
         from lipstream.serve.fleet_replica import EngineWeights
 
@@ -92,6 +92,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
                   fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2])
         return
     from lipstream.preflight import random_size_for
+    from lipstream.serve.server import serve
     from lipstream.startup import load_live_networks, pick_device
 
     dev = pick_device(device)

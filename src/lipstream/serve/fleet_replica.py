@@ -56,7 +56,7 @@ class EngineReplica:
     async def __init__(self, options: ServeOptions, weights: EngineWeights):
         from ray import serve
 
-        from lipstream.serve.server import json_logs
+        from lipstream.serve.logs import json_logs
         from lipstream.serve.service import Service
 
         json_logs()

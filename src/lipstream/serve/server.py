@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,34 +12,6 @@ from contextlib import contextmanager
 
 from lipstream.models import MuseTalk
 from lipstream.serve.options import ServeOptions, is_loopback
-
-
-class JsonLines(logging.Formatter):
-    """One JSON object a line: what log collectors parse."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
-        try:
-            fields = json.loads(message) if message.startswith("{") else {"message": message}
-        except json.JSONDecodeError:
-            fields = {"message": message}
-        out = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, **fields}
-        if record.exc_info:
-            out["error"] = self.formatException(record.exc_info).splitlines()[-1]
-        return json.dumps(out)
-
-
-def json_logs(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLines())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []
-        logging.getLogger(name).propagate = name != "uvicorn.access"  # requests are logged by the app
-    for name in ("aioice", "aiortc"):  # a line per ICE candidate pair and state at INFO
-        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", compiled=None, pending=None,
