@@ -84,7 +84,7 @@ def test_the_render_loop_accounts_for_the_shows_layers(rendered):
 def test_the_show_renders_every_layer_where_and_when_the_script_says(rendered):
     (frames, _, _), (bare, _, _), files, _ = rendered
     assert len(frames) == len(bare) and sorted(f.name for f in files) == ["bare.mp4", "show.mp4"]
-    fps, n1 = 10, 16  # the avatar's rate; scene 1 is 1.6 s
+    n1 = 16  # frames of scene 1: 1.6 s at the avatar's 10 fps
     x1, y1, x2, y2 = PIP
     cx, cy = (x1 + x2) // 2, (y1 + y2) // 2
     # the pip: red at its box's centre well inside its span, the presenter's own pixels before it
