@@ -49,6 +49,7 @@ ENGINE = "engine"
 CALL_TIMEOUT_S = 30.0  # a call to a named replica that does not answer by then: it is gone
 ROUTER = "lipstream.serve.fleet_router:SessionAffineRouter"
 STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
+READY_WAIT_S = 30.0  # after the replicas are warm, at most this for the front to have their first report
 # Ray starts its workers at nice +15 over the raylet (RAY_worker_niceness), which suits batch tasks, not a live
 # engine: under load every other process on the host came first (serve-bench's clients at +10 too), and on the
 # H200 at 19 sessions a replica's frames came late by the thousand where a plain server's did not. Ray's own
@@ -327,6 +328,21 @@ def start_ray(ray_address: str | None) -> dict | None:
     return RAY_ENV
 
 
+def wait_until_front_ready(timeout_s: float) -> bool:
+    """Wait until the front answers /readyz with 200. serve.run returns once the replicas are warm, but the
+    front learns of them only from their routing stats (every STATS_PERIOD_S, through Ray's controller):
+    logged "ready" before that, the server's word and its /readyz disagreed for a second (seen on Python
+    3.12). False when `timeout_s` passed first (a warning: /readyz says 503 until a replica reports)."""
+    front = serve.get_app_handle(APP)
+    deadline = time.monotonic() + timeout_s
+    while not front.is_ready.remote().result():
+        if time.monotonic() > deadline:
+            log.warning(json.dumps({"event": "front_not_ready", "waited_s": timeout_s}))
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
               min_replicas: int = 1, max_replicas: int | None = None) -> None:
     """`lipstream serve --replicas`: Ray (a local one started here, or the cluster at `ray_address`), the
@@ -363,6 +379,7 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
                             gpus_per_replica=gpus, cpus_per_replica=cpus, runtime_env=runtime_env),
                   name=APP, route_prefix="/", blocking=False)
+        wait_until_front_ready(READY_WAIT_S)
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
                              "host": options.host, "port": options.port, "ray": ray_address or "local"}))
