@@ -11,9 +11,10 @@ Two deployments:
   most room (the replicas' own admission figures), and later calls for it to that replica only (its
   id begins with the replica's); the whole fleet answers 503 only when every replica is full.
 
-Ray's proxy carries the signalling and the speech socket (the speech of all a replica's sessions goes to
-it as one stream of calls: serve/fleet_speech.py); a session's media flows by ICE between the client and
-its replica's host. Shared across machines: the job store (`--database
+Ray's proxy carries the signalling and the speech socket; from the front, the speech of all a replica's
+sessions goes to it as one stream of batches (serve/fleet_speech.py) over a TCP connection of the front's
+own (serve/fleet_channel.py; Ray calls where it cannot be had); a session's media flows by ICE between the
+client and its replica's host. Shared across machines: the job store (`--database
 postgresql://...`) and the data folder (`--data` on a shared filesystem: uploads and results; object
 stores are not supported).
 """
@@ -24,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -37,6 +39,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from lipstream.serve.auth import Caller
 from lipstream.serve.database import open_store
+from lipstream.serve.fleet_channel import SpeechRoute
 from lipstream.serve.fleet_replica import EngineReplica, EngineWeights
 from lipstream.serve.fleet_router import fleet_replicas, room
 from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
@@ -147,27 +150,36 @@ class FleetSessions:
         return FleetSpeech(sid, self.replica_speech(name),
                            lambda: self.front.replica(name).options(stream=True).events.remote(sid))
 
+    def close(self) -> None:
+        for speech in self._speech.values():
+            speech.call.close()
+
     def replica_speech(self, name: str) -> ReplicaSpeech:
         """Replica `name`'s ReplicaSpeech (made at its first socket; an idle one of a replica gone is let go)."""
         speech = self._speech.get(name)
         if speech is None:
             replicas = self.front.replicas()
             for gone in [n for n, s in self._speech.items() if n not in replicas and s.idle]:
-                del self._speech[gone]
+                self._speech.pop(gone).call.close()
 
             async def speak_many(batch: dict[str, list[tuple]]):
                 return await self.call_replica(name, "speak_many", batch)
 
-            speech = self._speech[name] = ReplicaSpeech(speak_many, name=name)
+            def address() -> tuple[str, int] | None:
+                return self.front.replicas().get(name, {}).get("speech_channel")
+
+            route = SpeechRoute(name, address, self.front.channel_token, speak_many, CALL_TIMEOUT_S)
+            speech = self._speech[name] = ReplicaSpeech(route, name=name)
         return speech
 
 
 class FleetFront:
     """The fleet's ServerHost: the HTTP app's routes run here, in a replica of the front deployment."""
 
-    def __init__(self, options: ServeOptions, engine):
+    def __init__(self, options: ServeOptions, engine, channel_token: str = ""):
         self.o = options
         self.engine = engine
+        self.channel_token = channel_token  # the replicas' speech connections (serve/fleet_channel.py)
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
         for d in (self.uploads_dir, self.results_dir):
@@ -235,6 +247,7 @@ class FleetFront:
 
     async def stop_serving(self) -> None:
         self._first_call.cancel()
+        self.sessions.close()
         self.store.close()
 
 
@@ -297,7 +310,8 @@ def fleet_app(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         **scaling)
     front = serve.deployment(Front, name="front", num_replicas=1, max_ongoing_requests=10_000,
                              ray_actor_options={"num_cpus": 0, **env})
-    return front.bind(options, engine.bind(options, weights))
+    token = secrets.token_hex(16)  # the front's speech connections to the replicas: this application's own
+    return front.bind(options, engine.bind(options, weights, token), token)
 
 
 def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replicas: int) -> float:

@@ -18,6 +18,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from lipstream.serve.auth import Caller
+from lipstream.serve.fleet_channel import SpeechListener
 from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.options import ServeOptions
 
@@ -53,7 +54,10 @@ class EngineWeights:
 class EngineReplica:
     """A Service in a Ray Serve replica. Session ids begin with "<replica id>."."""
 
-    async def __init__(self, options: ServeOptions, weights: EngineWeights):
+    async def __init__(self, options: ServeOptions, weights: EngineWeights, channel_token: str = ""):
+        """`channel_token`: the fleet's secret for the front's speech connections (serve/fleet_channel.py);
+        empty: speech comes by Ray calls only."""
+        import ray
         from ray import serve
 
         from lipstream.serve.logs import json_logs
@@ -72,10 +76,19 @@ class EngineReplica:
 
         self.service = await asyncio.to_thread(start)
         await self.service.start_serving()
+        self.channel: tuple[str, int] | None = None  # where the front's speech connections come
+        self.listener: SpeechListener | None = None
+        if channel_token:
+            self.listener = SpeechListener(self.speak_many, channel_token)
+            host = ray.util.get_node_ip_address()
+            self.channel = (host, await self.listener.start(host))
 
     async def __del__(self) -> None:
         """Ray Serve's graceful stop (a rolling update, scale-down, `serve.delete`): sessions closed, the
         running job back to the queue for another replica."""
+        listener = getattr(self, "listener", None)
+        if listener is not None:
+            await listener.close()
         service = getattr(self, "service", None)
         if service is not None:
             self.service = None
@@ -91,7 +104,8 @@ class EngineReplica:
         s = self.service
         room, places = s.live.room()
         return {"ready": s.ready, "room_fps": room, "places": places, "sessions": len(s.sessions.open),
-                "job": s.runner.running, "avatars": sorted(s.avatars), "runner_id": s.o.runner_id}
+                "job": s.runner.running, "avatars": sorted(s.avatars), "runner_id": s.o.runner_id,
+                "speech_channel": self.channel}
 
     # --- live sessions: serve/interface.py's SessionHost, over the handle ---------------------------
 
@@ -123,7 +137,8 @@ class EngineReplica:
     async def speak_many(self, batch: dict[str, list[tuple]]) -> list[str]:
         """What the front's speech sockets sent since its last call, for every session of this replica with
         something new (serve/fleet_speech.py's ReplicaSpeech), each session's items in order: ("audio",
-        PCM16 bytes, rate), ("end",), ("interrupt",). The ids of those sessions that have ended."""
+        PCM16 bytes, rate), ("end",), ("interrupt",). The ids of those sessions that have ended. Called by
+        the front's connection (SpeechListener) or, where it has none, through the handle."""
         from lipstream.serve.live import LocalSpeech
 
         self.speech_calls += 1
@@ -148,7 +163,8 @@ class EngineReplica:
     def speech_counts(self) -> dict:
         """The speech calls this replica has had, and the sessions' batches they carried (their sum over
         the calls): what shows the front's multiplexing (tests/test_serve_fleet.py)."""
-        return {"calls": self.speech_calls, "session_batches": self.speech_session_batches}
+        return {"calls": self.speech_calls, "session_batches": self.speech_session_batches,
+                "by_channel": self.listener.batches if self.listener is not None else 0}
 
     async def events(self, sid: str):
         """The session's speech events as they come (a streaming call); ends when the session does."""

@@ -3,7 +3,8 @@
 Each speech socket's FleetSpeech (serve/interface.py's SpeechLink) hands what its client sends to the
 ReplicaSpeech of its session's replica, which sends the speech of all that replica's sessions as one
 stream of calls. Nothing here imports Ray: a ReplicaSpeech makes its calls through the `call` it is
-given (the front's handle call, or a plain function in a test).
+given (serve/fleet_channel.py's SpeechRoute: the front's own connection to the replica, else the handle
+call; or a plain function in a test).
 """
 
 from __future__ import annotations
