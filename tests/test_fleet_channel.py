@@ -89,30 +89,56 @@ def test_a_wrong_token_or_a_malformed_message_gets_nothing_and_the_listener_goes
     asyncio.run(main())
 
 
-def test_the_route_falls_back_to_the_ray_call_and_comes_back_to_the_channel():
+class QuickRoute(SpeechRoute):
+    RETRY_S, RETRY_MAX_S = 0.05, 0.2
+
+
+def test_the_route_goes_by_ray_until_connected_falls_back_and_comes_back():
     async def main():
         replica, by_ray = Replica(ended=["r1.a"]), Replica(ended=[])
         listener = SpeechListener(replica, "secret")
         port = await listener.start("127.0.0.1")
         address = {"value": None}  # what the replica's routing stats say
-        route = SpeechRoute("r1", lambda: address["value"], "secret", by_ray, timeout_s=5)
-        route.RETRY_S = 0.05
+        route = QuickRoute("r1", lambda: address["value"], "secret", by_ray, timeout_s=5)
         try:
             assert await route(BATCH) == []  # no address advertised yet: the Ray call
             address["value"] = ("127.0.0.1", port)
-            assert await route(BATCH) == ["r1.a"]  # the connection
+            assert await route(BATCH) == []  # connecting beside it: this batch still by Ray, not held up
+            await asyncio.sleep(0.05)
+            assert await route(BATCH) == ["r1.a"]  # connected
+            assert len(by_ray.batches) == 2 and len(replica.batches) == 1
             await listener.close()  # the replica's listener goes, its connection with it
             assert await route(BATCH) == []  # the connection fails: this batch by the Ray call
-            assert len(by_ray.batches) == 2
-            assert await route(BATCH) == []  # within RETRY_S: still the Ray call, no new connection tried
-            assert len(by_ray.batches) == 3
+            assert await route(BATCH) == []  # within RETRY_S: by Ray, no connection tried
+            assert len(by_ray.batches) == 4 and route._connecting is None
             port = await listener.start("127.0.0.1")
             address["value"] = ("127.0.0.1", port)
             await asyncio.sleep(0.06)
-            assert await route(BATCH) == ["r1.a"]  # after RETRY_S: a new connection
-            assert len(replica.batches) == 2 and len(by_ray.batches) == 3
+            assert await route(BATCH) == []  # after RETRY_S: connecting again, by Ray meanwhile
+            await asyncio.sleep(0.05)
+            assert await route(BATCH) == ["r1.a"]
+            assert len(replica.batches) == 2 and len(by_ray.batches) == 5
         finally:
             route.close()
             await listener.close()
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_cannot_be_reached_costs_only_ray_calls_tried_less_and_less_often():
+    async def main():
+        by_ray = Replica(ended=[])
+        listener = SpeechListener(Replica(), "secret")
+        port = await listener.start("127.0.0.1")
+        await listener.close()  # a port nothing listens on
+        route = QuickRoute("r1", lambda: ("127.0.0.1", port), "secret", by_ray, timeout_s=5)
+        t = asyncio.get_running_loop().time()
+        for _ in range(40):
+            assert await route(BATCH) == []
+            await asyncio.sleep(0.01)
+        assert len(by_ray.batches) == 40
+        assert route._backoff == QuickRoute.RETRY_MAX_S  # doubled at each failure, up to the most
+        assert asyncio.get_running_loop().time() - t < 2.0  # no batch waited for a connection
+        route.close()
 
     asyncio.run(main())

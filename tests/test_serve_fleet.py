@@ -255,7 +255,7 @@ async def _speaks(session, seconds: float = 1.0) -> None:
 def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
     """Six sessions (6 fps: up to four a replica) streaming speech at once in 20 ms chunks, as a TTS
     would: each replica has at most one speech call every SPEECH_BATCH_S whatever its number of sessions
-    (its calls carry several sessions' speech), all over the front's connection to it (serve/fleet_channel.py),
+    (its calls carry several sessions' speech), nearly all over the front's connection to it (fleet_channel.py),
     and every session gets its pictures, audio and events."""
     from ray import serve
 
@@ -280,7 +280,8 @@ def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
                 await s.aclose()
         calls = {n: after[n]["calls"] - before[n]["calls"] for n in names}
         by_channel = {n: after[n]["by_channel"] - before[n]["by_channel"] for n in names}
-        assert by_channel == calls, (by_channel, calls)  # every batch over the front's own connection, no Ray call
+        for n in names:  # over the front's own connection, but those sent while it was being made (by Ray)
+            assert calls[n] >= by_channel[n] >= 0.8 * calls[n], (by_channel, calls)
         carried = {n: after[n]["session_batches"] - before[n]["session_batches"] for n in names}
         on = {n: sum(s.id.startswith(n + ".") for s in sessions) for n in names}
         busiest = max(on, key=on.get)

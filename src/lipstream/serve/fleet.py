@@ -349,7 +349,7 @@ def wait_until_front_ready(timeout_s: float) -> bool:
     3.12). False when `timeout_s` passed first (a warning: /readyz says 503 until a replica reports)."""
     front = serve.get_app_handle(APP)
     deadline = time.monotonic() + timeout_s
-    while not front.is_ready.remote().result():
+    while not front.is_ready.remote().result(timeout_s=timeout_s):
         if time.monotonic() > deadline:
             log.warning(json.dumps({"event": "front_not_ready", "waited_s": timeout_s}))
             return False

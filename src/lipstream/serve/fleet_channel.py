@@ -158,10 +158,18 @@ class SpeechChannel:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def __call__(self, batch: Batch) -> list[str]:
+    async def connect(self) -> None:
+        """The connection and the token's answer, within CONNECT_TIMEOUT_S."""
         try:
-            if self._writer is None:  # briefly: a port that a firewall drops would hold the speech up
-                await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    async def __call__(self, batch: Batch) -> list[str]:
+        if self._writer is None:
+            await self.connect()
+        try:
             return await asyncio.wait_for(self._exchange(batch), self.timeout_s)
         except BaseException:
             self.close()
@@ -191,33 +199,61 @@ class SpeechChannel:
 
 class SpeechRoute:
     """A replica's speech call in the front (ReplicaSpeech's `call`): over a SpeechChannel to the address
-    the replica advertises, else (none advertised, or its connection failed: tried again after RETRY_S) the
-    Ray call. A batch whose connection broke after it was sent goes again by the Ray call: a session may
+    the replica advertises once it is connected, else the Ray call. The connection is made beside the
+    speech, never in its way: batches go by Ray meanwhile, and a connection that fails is tried again after
+    RETRY_S, doubling up to RETRY_MAX_S while it keeps failing (a port a firewall drops costs nothing but
+    Ray's calls). A batch whose connection broke after it was sent goes again by the Ray call: a session may
     hear up to one batch twice (20 ms), rather than lose an "end" or be taken for gone."""
 
-    RETRY_S = 2.0
+    RETRY_S, RETRY_MAX_S = 2.0, 60.0
 
     def __init__(self, name: str, address: Callable[[], tuple[str, int] | None], token: str,
                  ray_call: Callable[[Batch], Awaitable[list[str] | None]], timeout_s: float):
         self.name, self.address, self.token, self.ray_call, self.timeout_s = name, address, token, ray_call, timeout_s
-        self._channel: SpeechChannel | None = None
-        self._retry_at = 0.0
+        self._channel: SpeechChannel | None = None  # connected
+        self._connecting: asyncio.Task | None = None
+        self._retry_at, self._backoff = 0.0, self.RETRY_S
 
     async def __call__(self, batch: Batch) -> list[str] | None:
-        if self._channel is None and self.token and time.monotonic() >= self._retry_at:
-            address = self.address()
-            if address is not None:
-                self._channel = SpeechChannel(address[0], int(address[1]), self.token, self.timeout_s)
+        if self._channel is None:
+            self._maybe_connect()
         if self._channel is not None:
             try:
                 return await self._channel(batch)
             except (ChannelError, OSError, asyncio.TimeoutError) as e:
-                log.warning(json.dumps({"event": "speech_channel_failed", "replica": self.name,
-                                        "error": f"{type(e).__name__}: {e}"[:200]}))
-                self._channel, self._retry_at = None, time.monotonic() + self.RETRY_S
+                self._failed("sending", e)
         return await self.ray_call(batch)
 
+    def _maybe_connect(self) -> None:
+        if not self.token or self._connecting is not None or time.monotonic() < self._retry_at:
+            return
+        address = self.address()
+        if address is None:
+            return
+        channel = SpeechChannel(address[0], int(address[1]), self.token, self.timeout_s)
+
+        async def connect() -> None:
+            try:
+                await channel.connect()
+            except (ChannelError, OSError, asyncio.TimeoutError) as e:
+                self._failed("connecting", e)
+            else:
+                self._channel, self._backoff = channel, self.RETRY_S
+            finally:
+                self._connecting = None
+
+        self._connecting = asyncio.get_running_loop().create_task(connect())
+
+    def _failed(self, doing: str, e: BaseException) -> None:
+        log.warning(json.dumps({"event": "speech_channel_failed", "replica": self.name, "while": doing,
+                                "error": f"{type(e).__name__}: {e}"[:200], "retry_s": self._backoff}))
+        self._channel = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self.RETRY_MAX_S, 2 * self._backoff)
+
     def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
