@@ -32,9 +32,9 @@ BATCH = {"r1.a": [("audio", b"\x01\x02" * 160, 16000), ("end",), ("audio", b"\x0
 
 def test_a_batch_encodes_and_decodes_as_it_was():
     message = encode_batch(BATCH)
-    n_head, n_payload = struct.unpack("!II", message[:8])
-    header, payload = json.loads(message[8:8 + n_head]), message[8 + n_head:]
-    assert len(payload) == n_payload == 320 + 160
+    (n_body,) = struct.unpack("<I", message[:4])  # media/wire.py's framing
+    header, payload = json.loads(message[4:].split(b"\n", 1)[0]), message[4:].split(b"\n", 1)[1]
+    assert len(message) == 4 + n_body and len(payload) == 320 + 160
     assert decode_batch(header, payload) == BATCH
     with pytest.raises(ChannelError, match="past the payload"):
         decode_batch(header, payload[:-1])
@@ -73,7 +73,7 @@ def test_a_wrong_token_or_a_malformed_message_gets_nothing_and_the_listener_goes
             with pytest.raises(ChannelError):
                 await SpeechChannel("127.0.0.1", port, "guess", timeout_s=5)(BATCH)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a peer that sends garbage
-            writer.write(struct.pack("!II", 1 << 30, 0))
+            writer.write(struct.pack("<I", 1 << 30))  # a body of 1 GiB announced
             await writer.drain()
             with pytest.raises(ChannelError, match="ended"):
                 await read_message(reader)

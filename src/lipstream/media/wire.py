@@ -1,4 +1,5 @@
-"""The one wire format between LipStream and its worker processes (encode workers, WebRTC workers).
+"""The one wire format between LipStream and its worker processes (encode workers, WebRTC workers), and
+between a fleet's front and its replicas (serve/fleet_channel.py).
 
 A message, either way: struct '<I' body length, then the body: a JSON header (utf-8, one line), b"\\n",
 and a payload of raw bytes (frames, samples, packets). Each worker's module lists its own messages;
@@ -64,11 +65,15 @@ def read_message(stream: BinaryIO) -> Message | None:
     return _split(body)
 
 
-async def read_message_async(reader: asyncio.StreamReader) -> Message | None:
-    """read_message on an asyncio stream (the WebRTC workers and the server's side of them)."""
+async def read_message_async(reader: asyncio.StreamReader, max_size: int | None = None) -> Message | None:
+    """read_message on an asyncio stream (the WebRTC workers and the server's side of them; a fleet's speech
+    connections, from a peer not yet trusted: ValueError for a body over `max_size`, before reading it)."""
     try:
         prefix = await reader.readexactly(LENGTH.size)
-        body = await reader.readexactly(LENGTH.unpack(prefix)[0])
+        (size,) = LENGTH.unpack(prefix)
+        if max_size is not None and size > max_size:
+            raise ValueError(f"a message of {size} bytes (at most {max_size})")
+        body = await reader.readexactly(size)
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             return None

@@ -7,9 +7,8 @@ listens on its node's address; the front keeps one connection to each and sends 
 (serve/fleet_speech.py) batches as one message, the replica answering with the ids of the sessions that
 have ended. Where a connection cannot be had, the front falls back to the Ray call (serve/fleet.py).
 
-The wire, both ways: a message is a 4-byte big-endian header length, a 4-byte payload length, a JSON
-header and the payload's bytes. The front's first message is {"token": ...}, the fleet's secret; the
-replica answers {"ok": true} or closes. A batch's header is {"batch": [[sid, [item, ...]], ...]}, each
+The wire is media/wire.py's, both ways. The front's first message is {"token": ...}, the fleet's secret;
+the replica answers {"ok": true} or closes. A batch's header is {"batch": [[sid, [item, ...]], ...]}, each
 item ["audio", nbytes, rate] (its PCM16 next in the payload, in order), ["end"] or ["interrupt"]; the
 answer's is {"ended": [sid, ...]}. No pickle: a peer that is not the front can do nothing but be refused.
 """
@@ -20,14 +19,13 @@ import asyncio
 import hmac
 import json
 import logging
-import struct
 import time
 from collections.abc import Awaitable, Callable
 
+from lipstream.media.wire import pack, read_message_async
+
 log = logging.getLogger("lipstream.serve")
-_LENGTHS = struct.Struct("!II")
-MAX_HEADER = 1 << 20  # a batch's header: far more than any replica's sessions need
-MAX_PAYLOAD = 64 << 20  # a batch's PCM: 64 MiB is over half an hour of 16 kHz speech
+MAX_MESSAGE = 64 << 20  # a batch: 64 MiB of PCM is over half an hour of 16 kHz speech
 COMMANDS = ("end", "interrupt")
 CONNECT_TIMEOUT_S = 2.0  # a connection and its token's answer; else the Ray call, tried again later
 
@@ -38,25 +36,19 @@ class ChannelError(Exception):
     """The peer broke the protocol, refused the token, or went away."""
 
 
-def encode(header: dict, payload: bytes = b"") -> bytes:
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return _LENGTHS.pack(len(head), len(payload)) + head + payload
-
-
-async def read_message(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
+async def read_message(reader: asyncio.StreamReader) -> tuple[dict, memoryview]:
+    """wire.read_message_async, every way it can fail a ChannelError."""
     try:
-        n_head, n_payload = _LENGTHS.unpack(await reader.readexactly(_LENGTHS.size))
-        if n_head > MAX_HEADER or n_payload > MAX_PAYLOAD:
-            raise ChannelError(f"a message of {n_head} + {n_payload} bytes (at most {MAX_HEADER} + {MAX_PAYLOAD})")
-        header = json.loads(await reader.readexactly(n_head))
-        payload = await reader.readexactly(n_payload) if n_payload else b""
-    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        message = await read_message_async(reader, MAX_MESSAGE)
+    except (EOFError, ConnectionError) as e:
         raise ChannelError(f"the connection ended: {type(e).__name__}") from e
-    except ValueError as e:  # JSON
-        raise ChannelError(f"a header that is not JSON: {e}") from e
-    if not isinstance(header, dict):
+    except ValueError as e:  # over the size, or a header that is not JSON
+        raise ChannelError(f"a bad message: {e}") from e
+    if message is None:
+        raise ChannelError("the connection ended")
+    if not isinstance(message[0], dict):
         raise ChannelError("a header that is not a JSON object")
-    return header, payload
+    return message
 
 
 def encode_batch(batch: Batch) -> bytes:
@@ -70,10 +62,10 @@ def encode_batch(batch: Batch) -> bytes:
             else:
                 out.append([item[0]])
         sessions.append([sid, out])
-    return encode({"batch": sessions}, b"".join(pcm))
+    return pack({"batch": sessions}, b"".join(pcm))
 
 
-def decode_batch(header: dict, payload: bytes) -> Batch:
+def decode_batch(header: dict, payload: bytes | memoryview) -> Batch:
     """The batch a message carries; ChannelError for anything but what encode_batch writes."""
     batch: Batch = {}
     at = 0
@@ -85,7 +77,7 @@ def decode_batch(header: dict, payload: bytes) -> Batch:
                     n, rate = int(item[1]), int(item[2])
                     if n < 0 or at + n > len(payload):
                         raise ChannelError("an audio item past the payload's end")
-                    out.append(("audio", payload[at:at + n], rate))
+                    out.append(("audio", bytes(payload[at:at + n]), rate))
                     at += n
                 elif item[0] in COMMANDS and len(item) == 1:
                     out.append((item[0],))
@@ -105,14 +97,13 @@ class SpeechListener:
     def __init__(self, speak_many: Callable[[Batch], Awaitable[list[str]]], token: str):
         self.speak_many, self.token = speak_many, token
         self._server: asyncio.Server | None = None
-        self.port = 0
         self.batches = 0  # the batches that came this way (tests/test_serve_fleet.py)
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str) -> int:
+        """Listening on a free port of `host`; the port."""
         self._server = await asyncio.start_server(self._serve, host, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
+        return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         """No more connections, and those open closed: the front's next batch goes by Ray's call."""
@@ -130,13 +121,13 @@ class SpeechListener:
             if not hmac.compare_digest(str(hello.get("token", "")).encode(), self.token.encode()):
                 log.warning(json.dumps({"event": "speech_channel_refused", "peer": str(peer)}))
                 return
-            writer.write(encode({"ok": True}))
+            writer.write(pack({"ok": True}))
             await writer.drain()
             while True:
                 batch = decode_batch(*await read_message(reader))
                 self.batches += 1
                 ended = await self.speak_many(batch)
-                writer.write(encode({"ended": list(ended)}))
+                writer.write(pack({"ended": list(ended)}))
                 await writer.drain()
         except ChannelError as e:
             if "the connection ended" not in str(e):
@@ -177,7 +168,7 @@ class SpeechChannel:
 
     async def _connect(self) -> None:
         self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        self._writer.write(encode({"token": self.token}))
+        self._writer.write(pack({"token": self.token}))
         answer, _ = await read_message(self._reader)
         if answer.get("ok") is not True:
             raise ChannelError("the replica refused the token")
