@@ -13,6 +13,7 @@ import pytest
 
 from lipstream.serve.fleet_channel import (ChannelError, SpeechChannel, SpeechListener, SpeechRoute, decode_batch,
                                            encode_batch, read_message)
+from lipstream.serve.fleet_speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
 
 
 class Replica:
@@ -102,13 +103,16 @@ def test_the_route_goes_by_ray_until_connected_falls_back_and_comes_back():
         route = QuickRoute("r1", lambda: address["value"], "secret", by_ray, timeout_s=5)
         try:
             assert await route(BATCH) == []  # no address advertised yet: the Ray call
+            assert route.batch_s() == SPEECH_BATCH_S  # Ray's calls: batches as often as they afford
             address["value"] = ("127.0.0.1", port)
             assert await route(BATCH) == []  # connecting beside it: this batch still by Ray, not held up
             await asyncio.sleep(0.05)
             assert await route(BATCH) == ["r1.a"]  # connected
             assert len(by_ray.batches) == 2 and len(replica.batches) == 1
+            assert route.batch_s() == CHANNEL_BATCH_S < SPEECH_BATCH_S  # the channel's: more often
             await listener.close()  # the replica's listener goes, its connection with it
             assert await route(BATCH) == []  # the connection fails: this batch by the Ray call
+            assert route.batch_s() == SPEECH_BATCH_S
             assert await route(BATCH) == []  # within RETRY_S: by Ray, no connection tried
             assert len(by_ray.batches) == 4 and route._connecting is None
             port = await listener.start("127.0.0.1")

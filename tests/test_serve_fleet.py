@@ -254,14 +254,14 @@ async def _speaks(session, seconds: float = 1.0) -> None:
 
 def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
     """Six sessions (6 fps: up to four a replica) streaming speech at once in 20 ms chunks, as a TTS
-    would: each replica has at most one speech call every SPEECH_BATCH_S whatever its number of sessions
+    would: each replica has at most one speech call every CHANNEL_BATCH_S whatever its number of sessions
     (its calls carry several sessions' speech), nearly all over the front's connection to it (fleet_channel.py),
     and every session gets its pictures, audio and events."""
     from ray import serve
 
     from lipstream.client import connect
     from lipstream.serve.fleet import APP, ENGINE
-    from lipstream.serve.fleet_speech import SPEECH_BATCH_S
+    from lipstream.serve.fleet_speech import CHANNEL_BATCH_S
 
     engine = serve.get_deployment_handle(ENGINE, app_name=APP)
 
@@ -288,9 +288,10 @@ def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
         assert on[busiest] >= 3, on
         print(f"speech calls/s by replica: { {n: round(calls[n] / pushing_s, 1) for n in names} } over "
               f"{pushing_s:.2f} s of pushing, sessions {on}, calls {calls}, session batches {carried}")
-        for n in names:  # the speech (and its end) went out in at most one call every SPEECH_BATCH_S
-            assert 0 < calls[n] <= (pushing_s + 0.2) / SPEECH_BATCH_S + 2, (calls, on, pushing_s)
-        assert carried[busiest] >= 1.5 * calls[busiest], (carried, calls, on)  # a call carries several sessions
+        for n in names:  # the speech (and its end) went out in at most one call every CHANNEL_BATCH_S (those
+            assert 0 < calls[n] <= (pushing_s + 0.2) / CHANNEL_BATCH_S + 2, (calls, on, pushing_s)  # by Ray: fewer)
+        # a call carries several sessions: 3 or more send 150 chunks/s or more, in at most 100 calls/s
+        assert carried[busiest] >= 1.2 * calls[busiest], (carried, calls, on)
 
     asyncio.run(main())
 

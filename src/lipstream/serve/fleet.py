@@ -169,7 +169,7 @@ class FleetSessions:
                 return self.front.replicas().get(name, {}).get("speech_channel")
 
             route = SpeechRoute(name, address, self.front.channel_token, speak_many, CALL_TIMEOUT_S)
-            speech = self._speech[name] = ReplicaSpeech(route, name=name)
+            speech = self._speech[name] = ReplicaSpeech(route, batch_s=route.batch_s, name=name)
         return speech
 
 

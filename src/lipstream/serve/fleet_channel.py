@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from lipstream.media.wire import pack, read_message_async
+from lipstream.serve.fleet_speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
 
 log = logging.getLogger("lipstream.serve")
 MAX_MESSAGE = 64 << 20  # a batch: 64 MiB of PCM is over half an hour of 16 kHz speech
@@ -214,6 +215,11 @@ class SpeechRoute:
             except (ChannelError, OSError, asyncio.TimeoutError) as e:
                 self._failed("sending", e)
         return await self.ray_call(batch)
+
+    def batch_s(self) -> float:
+        """How often ReplicaSpeech may send now: a message on the channel costs the replica far less than
+        a Ray call, so batches go twice as often while it is up."""
+        return CHANNEL_BATCH_S if self._channel is not None else SPEECH_BATCH_S
 
     def _maybe_connect(self) -> None:
         if not self.token or self._connecting is not None or time.monotonic() < self._retry_at:

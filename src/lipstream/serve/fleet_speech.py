@@ -19,10 +19,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from lipstream.serve.interface import SessionGone
 
 log = logging.getLogger("lipstream.serve")
-# a replica's speech goes to it at most this often (what came meanwhile, at once): one client chunk's
-# length, so a chunk waits at most one chunk for its call (at 40 ms the fleet's speech was 25-27 ms later
-# at p99 than a plain server's on the H200); 50 calls/s per replica, whatever its sessions
+# a replica's speech goes to it at most this often (what came meanwhile, at once). By Ray's calls: one
+# client chunk's length, so a chunk waits at most one chunk for its call (at 40 ms the fleet's speech was
+# 25-27 ms later at p99 than a plain server's on the H200); 50 calls/s per replica, whatever its sessions.
 SPEECH_BATCH_S = 0.02
+# over the front's own connection (serve/fleet_channel.py), whose messages cost the replica little: half
+# that, a chunk's wait halved (at 20 ms the fleet's live p50 was 12-28 ms over a plain server's on an H100,
+# its audio stage p99 10 ms); at most 100 messages/s per replica, still a few sessions' speech in each
+CHANNEL_BATCH_S = 0.01
 
 # {session id: [items in order]} -> the ids of those sessions that have ended; None: the replica is gone
 SpeechCall = Callable[[dict[str, list[tuple]]], Awaitable[Collection[str] | None]]
@@ -52,9 +56,9 @@ class FleetSpeech:
 
 class ReplicaSpeech:
     """The speech of every session of one replica, as one stream of calls: at most one in flight and at
-    most one every `batch_s`, each carrying {session id: [items in order]} for the sessions with something
-    pending (a session's audio at one rate merged into one run of PCM; "end" and "interrupt" in their
-    place among it). Why: Ray's handling of a call costs the replica's process GIL time beside the
+    most one every `batch_s` (in the fleet its route's, serve/fleet_channel.py's SpeechRoute.batch_s),
+    each carrying {session id: [items in order]} for the sessions with something pending (a session's
+    audio at one rate merged into one run of PCM; "end" and "interrupt" in their place among it). Why: Ray's handling of a call costs the replica's process GIL time beside the
     engine's core thread; a call per session per 40 ms was 400 calls/s at 16 sessions on the H200 (a call
     per 20 ms chunk: 800/s, speech 8 s behind). Per replica, the calls per second no longer grow with its
     sessions.
@@ -68,8 +72,8 @@ class ReplicaSpeech:
     id still pending assignment (replica.py's _on_request_cancelled): one socket's id would mix with its
     own calls and take every session's speech down with it when that socket goes."""
 
-    def __init__(self, call: SpeechCall, batch_s: float = SPEECH_BATCH_S, name: str = ""):
-        self.call, self.batch_s, self.name = call, batch_s, name
+    def __init__(self, call: SpeechCall, batch_s: float | Callable[[], float] = SPEECH_BATCH_S, name: str = ""):
+        self.call, self.batch_s, self.name = call, batch_s, name  # batch_s: a figure, or asked before each wait
         self._pending: dict[FleetSpeech, list] = {}  # by socket, in the order they came
         self._sender: asyncio.Task | None = None
 
@@ -110,4 +114,5 @@ class ReplicaSpeech:
             for link in links:
                 if link.sid in ended:
                     link.gone = True
-            await asyncio.sleep(max(0.0, self.batch_s - (time.monotonic() - t)))
+            batch_s = self.batch_s() if callable(self.batch_s) else self.batch_s
+            await asyncio.sleep(max(0.0, batch_s - (time.monotonic() - t)))
