@@ -46,6 +46,63 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
+def listener(port: int) -> str | None:
+    """The command line of the process listening on TCP `port` (IPv4), from /proc: who serves a server's port."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:  # LISTEN on the port
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid, (_, cmd) in processes().items():
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if str(fd.readlink()) in inodes:
+                    return cmd
+            except OSError:
+                continue
+    return None
+
+
+async def listen(session, limit_s: float = 60.0, frames_wanted: int = 0) -> tuple[int, int, set]:
+    """Read a live session until its utterance has finished and `frames_wanted` pictures came: (pictures,
+    pictures with sound, speech events seen). The events come over the speech socket, the pictures over
+    WebRTC behind the playout delay: on a loaded machine "finished" may come first, so the reading goes
+    on for the pictures (up to 10 s after it)."""
+    import numpy as np
+
+    from lipstream.live import LiveFrame, SpeechEvent
+
+    frames, loud, events = 0, 0, set()
+    deadline = time.monotonic() + limit_s
+    async for item in session:
+        if isinstance(item, LiveFrame):
+            frames += 1
+            loud += bool(item.audio is not None and np.abs(item.audio).max() > 1e-3)
+        elif isinstance(item, SpeechEvent):
+            events.add(item.kind)
+            if item.kind == "finished":
+                deadline = min(deadline, time.monotonic() + 10.0)
+        if ("finished" in events and frames >= frames_wanted) or time.monotonic() > deadline:
+            break
+    return frames, loud, events
+
+
+async def speaks(session, seconds: float = 1.0) -> None:
+    """Speech pushed over a live session's socket comes back as pictures, each with its audio, and speech
+    events."""
+    from lipstream.fixtures import speech_like
+
+    session.push_audio(speech_like(seconds, 16_000, seed=1), 16_000)
+    session.end_utterance()
+    frames, loud, events = await listen(session, frames_wanted=20)
+    assert "started" in events and "finished" in events, events
+    assert frames >= 20 and loud >= 10, (frames, loud)
+
+
 @contextlib.contextmanager
 def serve_process(args: list, env: dict[str, str], log: Path, ready_s: float = 180.0) -> Iterator[str]:
     """`lipstream serve ARGS --port P` with `env`, its log in a file (not a pipe nobody reads): its URL once

@@ -176,9 +176,14 @@ def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path
     (["--ray-address", "auto"], ["--ray-address", "only with --replicas"]),
     (["--replicas", "auto", "--min-replicas", "3", "--max-replicas", "2"],
      ["--min-replicas 3 / --max-replicas 2", "min <= max"]),
-], ids=["replicas-0", "replicas-x", "ray-address-alone", "min-over-max"])
+    (["--replicas", "1", "--ingress", "nginx"], ["--ingress 'nginx'", "ray or haproxy"]),
+    (["--ingress", "haproxy"], ["--ingress haproxy", "only with --replicas"]),
+    (["--replicas", "1", "--ray-address", "auto", "--ingress", "haproxy"],
+     ["--ingress haproxy", "RAY_SERVE_ENABLE_HA_PROXY=1"]),
+], ids=["replicas-0", "replicas-x", "ray-address-alone", "min-over-max", "ingress-unknown", "ingress-alone",
+        "ingress-cluster"])
 def test_serve_fleet_options_are_one_line_errors_before_anything_loads(desk, tmp_path, extra, fragments):
-    """--replicas, --ray-address, --min/--max-replicas: checked before Ray or the networks load."""
+    """--replicas, --ray-address, --min/--max-replicas, --ingress: checked before Ray or the networks load."""
     avatars = tmp_path / "avatars"
     avatars.mkdir()
     code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),

@@ -25,7 +25,7 @@ pytest.importorskip("aiortc")
 
 from lipstream.fixtures import speech_like, write_audio  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
-from serve_process import free_port, processes  # noqa: E402
+from serve_process import free_port, listen, processes, speaks  # noqa: E402
 
 KEY = "fleet-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -206,7 +206,7 @@ def test_two_sessions_land_on_two_replicas_and_a_third_is_refused(fleet):
             with pytest.raises(SessionRefused, match="503"):
                 await connect(fleet, "anna", api_key=KEY, fps=25)
             for s in (a, b):
-                await _speaks(s)
+                await speaks(s)
             listed = httpx.get(f"{fleet}/v1/sessions", headers=AUTH, timeout=30).json()
             assert sorted(x["id"] for x in listed) == sorted([a.id, b.id])
             status = httpx.get(f"{fleet}/v1/sessions/{a.id}", headers=AUTH, timeout=30)
@@ -218,38 +218,6 @@ def test_two_sessions_land_on_two_replicas_and_a_third_is_refused(fleet):
         assert httpx.get(f"{fleet}/v1/sessions/{a.id}", headers=AUTH, timeout=30).status_code == 404
 
     asyncio.run(main())
-
-
-async def _listen(session, limit_s: float = 60.0, frames_wanted: int = 0) -> tuple[int, int, set]:
-    """Read a session until its utterance has finished and `frames_wanted` pictures came: (pictures,
-    pictures with sound, speech events seen). The events come over the speech socket, the pictures over
-    WebRTC behind the playout delay: on a loaded machine "finished" may come first, so the reading goes
-    on for the pictures (up to 10 s after it)."""
-    from lipstream.live import LiveFrame, SpeechEvent
-
-    frames, loud, events = 0, 0, set()
-    deadline = time.monotonic() + limit_s
-    async for item in session:
-        if isinstance(item, LiveFrame):
-            frames += 1
-            loud += bool(item.audio is not None and np.abs(item.audio).max() > 1e-3)
-        elif isinstance(item, SpeechEvent):
-            events.add(item.kind)
-            if item.kind == "finished":
-                deadline = min(deadline, time.monotonic() + 10.0)
-        if ("finished" in events and frames >= frames_wanted) or time.monotonic() > deadline:
-            break
-    return frames, loud, events
-
-
-async def _speaks(session, seconds: float = 1.0) -> None:
-    """Speech pushed over the session's socket comes back as pictures, each with its audio, and speech
-    events."""
-    session.push_audio(speech_like(seconds, 16_000, seed=1), 16_000)
-    session.end_utterance()
-    frames, loud, events = await _listen(session, frames_wanted=20)
-    assert "started" in events and "finished" in events, events
-    assert frames >= 20 and loud >= 10, (frames, loud)
 
 
 def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
@@ -311,7 +279,7 @@ async def _streams(session, seconds: float) -> float:
 
     pushing = asyncio.ensure_future(push())
     want = int(seconds * float(session.fps))
-    frames, loud, events = await _listen(session, frames_wanted=want)
+    frames, loud, events = await listen(session, frames_wanted=want)
     pushing_s = await pushing
     assert "started" in events and "finished" in events, (session.id, events)
     assert frames >= want and loud >= want // 2, (session.id, frames, loud)
@@ -362,7 +330,7 @@ def test_a_replica_killed_mid_job(fleet, root):
                     pass
 
             await asyncio.wait_for(drained(dead), 60)  # its socket closed: iteration ends
-            await _speaks(alive)
+            await speaks(alive)
             finished = await asyncio.to_thread(_wait_job, fleet, job["id"], lambda j: j["status"] == "done",
                                                240.0, "done")
             store = _store(root)

@@ -1,11 +1,13 @@
-"""`lipstream serve --replicas 1` as typed, a process of its own (issue 26): the local Ray it starts runs Serve's
-controller, the HTTP proxy and the replicas at the server's own priority (Ray's default is 15 nicer), it is
-ready on /readyz, and it stops cleanly on SIGINT even when started in a script's background (SIGINT ignored
-there, so Python raises no KeyboardInterrupt), taking its Ray down with it.
+"""`lipstream serve --replicas 1` as typed, a process of its own (issue 26), with each ingress (Ray Serve's
+proxy, HAProxy): the local Ray it starts runs Serve's controller, the ingress and the replicas at the server's
+own priority (Ray's default is 15 nicer), it is ready on /readyz, its port is served by the ingress asked for,
+a live session speaks through it, and it stops cleanly on SIGINT even when started in a script's background
+(SIGINT ignored there, so Python raises no KeyboardInterrupt), taking its Ray (and HAProxy) down with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -20,10 +22,16 @@ import pytest
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
 
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
-from serve_process import descendants, free_port  # noqa: E402
+from serve_process import descendants, free_port, listener, speaks  # noqa: E402
+
+# who listens on the server's port, and the processes of Serve that must run at its priority, by ingress
+SERVES_PORT = {"ray": r"ray::ProxyActor", "haproxy": r"/haproxy "}
+SERVING = {"ray": r"ray::(ServeController|ProxyActor|ServeReplica:lipstream:(engine|front))",
+           "haproxy": r"ray::(ServeController|HAProxyManager|ServeReplica:lipstream:(engine|front))|/haproxy "}
 
 
-def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tmp_path, tiny_models):
+@pytest.mark.parametrize("ingress", ["ray", "haproxy"])
+def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tmp_path, tiny_models, ingress):
     tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
     port = free_port()
     env = {**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -31,7 +39,7 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
     server = subprocess.Popen(
         [sys.executable, "-m", "lipstream.cli", "serve", "--replicas", "1", "--avatars", str(tmp_path / "avatars"),
          "--data", str(tmp_path / "data"), "--random-weights", "--random-size", "tiny", "--device", "cpu",
-         "--live-preset", "cpu", "--port", str(port)],
+         "--live-preset", "cpu", "--port", str(port), "--ingress", ingress],
         stdout=log, stderr=subprocess.STDOUT, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a script's background job
     try:
@@ -41,13 +49,26 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
             assert time.monotonic() - t < 240, "never ready: " + (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+        assert re.search(SERVES_PORT[ingress], listener(port) or ""), listener(port)
+        assert f'"ingress": "{ingress}"' in (tmp_path / "serve.log").read_text()
         procs = descendants(server.pid)
         own = os.getpriority(os.PRIO_PROCESS, server.pid)
-        serving = {pid: c for pid, c in procs.items()
-                   if re.search(r"ray::(ServeController|ProxyActor|ServeReplica:lipstream:(engine|front))", c)}
-        assert len(serving) >= 4, procs  # the controller, the proxy, the engine and the front
+        serving = {pid: c for pid, c in procs.items() if re.search(SERVING[ingress], c)}
+        # the controller, the ingress (HAProxy: its manager and the binary), the engine and the front
+        assert len(serving) >= {"ray": 4, "haproxy": 5}[ingress], procs
         nice = {c[:50]: os.getpriority(os.PRIO_PROCESS, pid) for pid, c in serving.items()}
         assert set(nice.values()) == {own}, nice
+
+        async def session() -> None:  # the signalling and the speech socket through the ingress
+            from lipstream.client import connect
+
+            live = await connect(f"http://127.0.0.1:{port}", "anna", fps=6)  # what 2 cores' engine admits
+            try:
+                await speaks(live, seconds=3.0)  # 18 pictures of speech
+            finally:
+                await live.aclose()
+
+        asyncio.run(session())
 
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=90) == 0

