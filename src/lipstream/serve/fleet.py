@@ -389,7 +389,14 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
 
     catch_signals()
     try:
+        phases, mark = {}, t  # the start's phases, in the "ready" event (as a plain server's)
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            phases[name], mark = round(time.perf_counter() - mark, 2), time.perf_counter()
+
         runtime_env = start_ray(ray_address, ingress)
+        phase("ray_s")
         catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
         if weights.device == "cpu":
             gpus = 0.0
@@ -400,15 +407,18 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         if max_replicas is None:
             max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": options.host, "port": options.port})
+        phase("serve_start_s")  # Serve's controller and its ingress
         cpus = replica_cpus([n["Resources"] for n in ray.nodes() if n.get("Alive")], gpus, replicas or max_replicas)
         serve.run(fleet_app(options, weights, replicas, min_replicas=min_replicas, max_replicas=max_replicas,
                             gpus_per_replica=gpus, cpus_per_replica=cpus, runtime_env=runtime_env),
                   name=APP, route_prefix="/", blocking=False)
+        phase("replicas_s")  # the replicas started and warm
         wait_until_front_ready(READY_WAIT_S)
+        phase("front_s")
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
                              "host": options.host, "port": options.port, "ray": ray_address or "local",
-                             "ingress": ingress if ray_address is None else "the cluster's"}))
+                             "ingress": ingress if ray_address is None else "the cluster's", "phases": phases}))
         ready = True
         while not stop.wait(1.0):
             pass
