@@ -5,16 +5,9 @@
 # then the samples by thread and by the deepest lipstream/ray/asyncio frame.
 #   bash benchmarks/fleet_gil_cpu.sh            # MODES="plain new" (new: --replicas 1)
 set -u
-cd "$(dirname "$0")/.."
-export PATH=$PWD/.venv/bin:$PATH RAY_USAGE_STATS_ENABLED=0 LIPSTREAM_API_KEYS="" LIPSTREAM_SERVER=""
+source "$(dirname "$0")/fleet_cpu_setup.sh"
 W=${W:-/tmp/fleet-gil}; mkdir -p $W
-[ -d $W/avatars ] || python -c "
-from pathlib import Path
-from lipstream.fixtures.avatar import tracked_avatar
-from lipstream.models import load_musetalk
-m = load_musetalk(random_weights=True, size='tiny', device='cpu', seed=0)
-tracked_avatar(Path('$W'), 'small', m.vae, m.fingerprints['vae'], width=320, height=180, seed=0)
-" > /dev/null 2>&1 || { echo "the avatar failed"; exit 1; }
+small_avatar $W
 for mode in ${MODES:-plain new}; do
   extra="--replicas 1"; [ $mode = plain ] && extra=""
   rm -rf $W/data-$mode

@@ -6,16 +6,9 @@
 # over the rows (/proc, each process's user + system time) and the rows.
 #   CAP=120 NS=4,4 bash benchmarks/fleet_ingress_cpu.sh
 set -u
-cd "$(dirname "$0")/.."
-export PATH=$PWD/.venv/bin:$PATH RAY_USAGE_STATS_ENABLED=0 LIPSTREAM_API_KEYS="" LIPSTREAM_SERVER=""
+source "$(dirname "$0")/fleet_cpu_setup.sh"
 W=${W:-/tmp/fleet-ingress}; rm -rf $W; mkdir -p $W
-python -c "
-from pathlib import Path
-from lipstream.fixtures.avatar import tracked_avatar
-from lipstream.models import load_musetalk
-m = load_musetalk(random_weights=True, size='tiny', device='cpu', seed=0)
-tracked_avatar(Path('$W'), 'small', m.vae, m.fingerprints['vae'], width=320, height=180, seed=0)
-" > /dev/null 2>&1 || { echo "the avatar failed"; exit 1; }
+small_avatar $W
 cpu() {  # each serving process's CPU seconds so far
   for p in $(pgrep -f "ray::ProxyActor|lipstream:front|bin/haproxy|lipstream:engine"); do
     n=$(tr '\0' ' ' < /proc/$p/cmdline | grep -oE "ray::ProxyActor|lipstream:front|haproxy|lipstream:engine" | head -1)

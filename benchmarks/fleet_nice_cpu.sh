@@ -6,16 +6,9 @@
 # frames/s as in tests/test_serve_fleet.py).
 #   OLD=de06db2 HOGS=2 NS=1,1,1 bash benchmarks/fleet_nice_cpu.sh
 set -u
-cd "$(dirname "$0")/.."
-export PATH=$PWD/.venv/bin:$PATH RAY_USAGE_STATS_ENABLED=0 LIPSTREAM_API_KEYS="" LIPSTREAM_SERVER=""
+source "$(dirname "$0")/fleet_cpu_setup.sh"
 W=${W:-/tmp/fleet-nice}; rm -rf $W; mkdir -p $W
-python -c "
-from pathlib import Path
-from lipstream.fixtures.avatar import tracked_avatar
-from lipstream.models import load_musetalk
-m = load_musetalk(random_weights=True, size='tiny', device='cpu', seed=0)
-tracked_avatar(Path('$W'), 'small', m.vae, m.fingerprints['vae'], width=320, height=180, seed=0)
-" > /dev/null 2>&1 || { echo "the avatar failed"; exit 1; }
+small_avatar $W
 [ -n "${OLD:-}" ] && { git worktree remove --force $W-old 2>/dev/null; git worktree add -q --detach $W-old $OLD; }
 for mode in plain old new; do
   [ $mode = old ] && [ -z "${OLD:-}" ] && continue
