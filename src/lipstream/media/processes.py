@@ -52,8 +52,50 @@ def widen_pipe(fd: int, size: int = REPLY_PIPE_BYTES) -> int:
         return -1
 
 
-async def start_worker_async(module: str) -> asyncio.subprocess.Process:
-    """A worker whose pipes an event loop reads and writes."""
+class AsyncWorker:
+    """A worker process whose pipes an event loop reads and writes: `stdin` an asyncio StreamWriter, `stdout` a
+    StreamReader, with asyncio.subprocess.Process's pid, returncode, wait() and kill().
+
+    Started by subprocess.Popen, not asyncio.create_subprocess_exec: under uvloop (uvicorn's loop where it is
+    installed, and Ray's in every actor) the child runs Python's after-fork handling before its exec, which
+    on Python 3.12 frees the other threads' thread-locals. PyAV 19 keeps each thread's VideoReformatter in
+    one, its swscale slice threads waiting on a condition variable: freed in the child, it waits forever
+    for threads the child does not have, and uv_spawn holds the whole event loop until the child's exec
+    (seen: a server's start hung). Popen's child runs no Python between fork and exec."""
+
+    def __init__(self, proc: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader):
+        self._proc, self.stdin, self.stdout = proc, stdin, stdout
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    async def wait(self) -> int:
+        while self._proc.poll() is None:  # a worker's exit is rare: polled rather than a thread blocked on it
+            await asyncio.sleep(0.02)
+        return self._proc.returncode
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+
+
+async def start_worker_async(module: str) -> AsyncWorker:
+    """A worker whose pipes an event loop reads and writes (AsyncWorker: why not create_subprocess_exec)."""
     argv, env = worker_command(module)
-    return await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE, env=env, limit=PIPE_LIMIT)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    loop = asyncio.get_running_loop()
+    try:
+        reader = asyncio.StreamReader(limit=PIPE_LIMIT)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), proc.stdin)  # its drain() for the writer
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return AsyncWorker(proc, asyncio.StreamWriter(transport, protocol, None, loop), reader)

@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from lipstream.media.processes import start_worker_async
+from lipstream.media.processes import AsyncWorker, start_worker_async
 from lipstream.media.wire import frame_parts, read_message_async
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class RtcWorkerProcess:
 
     def __init__(self, index: int):
         self.index = index
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: AsyncWorker | None = None
         self.peers: dict[str, RemotePeer] = {}
         self.replies: dict[tuple[str, str], asyncio.Future] = {}  # (sid, "answer" | "closed" | "pong") -> reply
         self.failure: str | None = None
