@@ -198,3 +198,25 @@ def test_fleet_size_reads_a_fixed_count():
 
     assert fleet_size("2", None, 1, None) == (2, 1, None)
     assert fleet_size(None, None, 1, None) is None
+
+
+def test_serve_on_a_taken_port_is_a_one_line_error_before_anything_loads(desk, tmp_path):
+    """uvicorn (or Ray's proxy) would find it only at its bind, after the networks (or Ray) had started."""
+    import importlib.util
+    import socket
+
+    avatars = tmp_path / "avatars"
+    avatars.mkdir()
+    fleet = [["--replicas", "1"]] if importlib.util.find_spec("ray") and importlib.util.find_spec("ray.serve") else []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for extra in [[], *fleet]:
+            code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
+                                            "--random-weights", "--port", str(port), *extra], desk)
+            assert_early_one_line_error(code, stdout, stderr, 2, [f"--port {port}", "already in use"])
+    code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--host", "192.0.2.77", "--api-key",
+                                    "k" * 16, "--random-weights"], desk)
+    assert_early_one_line_error(code, stdout, stderr, 2, ["--host 192.0.2.77", "not an address of this machine"])
+    assert not (tmp_path / "data").exists()

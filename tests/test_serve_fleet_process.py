@@ -3,14 +3,19 @@ proxy, HAProxy): the local Ray it starts runs Serve's controller, the ingress an
 own priority (Ray's default is 15 nicer), it is ready on /readyz, its port is served by the ingress asked for,
 a live session speaks through it, and it stops cleanly on SIGINT even when started in a script's background
 (SIGINT ignored there, so Python raises no KeyboardInterrupt), taking its Ray (and HAProxy) down with it.
+Behind HAProxy, Ray's stats and metrics ports are held by another process (as a second fleet's would be):
+HAProxy takes others, which the ready event names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +29,22 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from serve_process import descendants, free_port, listener, speaks  # noqa: E402
 
+HAPROXY_DEFAULT_PORTS = (8404, 9101)  # stats, metrics: Ray's
+
+
+def hold(ports: tuple[int, ...]) -> contextlib.ExitStack:
+    """Something listening on each of `ports` on every interface (or already there: taken either way), until
+    the stack returned is closed."""
+    stack = contextlib.ExitStack()
+    for port in ports:
+        s = stack.enter_context(socket.socket())
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):
+            s.bind(("0.0.0.0", port))
+            s.listen()
+    return stack
+
+
 # who listens on the server's port, and the processes of Serve that must run at its priority, by ingress
 SERVES_PORT = {"ray": r"ray::ProxyActor", "haproxy": r"/haproxy "}
 SERVING = {"ray": r"ray::(ServeController|ProxyActor|ServeReplica:lipstream:(engine|front))",
@@ -36,6 +57,7 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
     port = free_port()
     env = {**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "w")
+    others = hold(HAPROXY_DEFAULT_PORTS if ingress == "haproxy" else ())
     server = subprocess.Popen(
         [sys.executable, "-m", "lipstream.cli", "serve", "--replicas", "1", "--avatars", str(tmp_path / "avatars"),
          "--data", str(tmp_path / "data"), "--random-weights", "--random-size", "tiny", "--device", "cpu",
@@ -51,6 +73,12 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
         assert re.search(SERVES_PORT[ingress], listener(port) or ""), listener(port)
         assert f'"ingress": "{ingress}"' in (tmp_path / "serve.log").read_text()
+        if ingress == "haproxy":
+            ready = next(json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines()
+                         if line.startswith("{") and '"event": "ready"' in line)
+            ports = ready["haproxy_ports"]
+            assert set(ports) == {"stats", "metrics"} and not set(ports.values()) & {*HAPROXY_DEFAULT_PORTS, port}
+            assert re.search(SERVES_PORT[ingress], listener(ports["stats"]) or ""), listener(ports["stats"])
         procs = descendants(server.pid)
         own = os.getpriority(os.PRIO_PROCESS, server.pid)
         serving = {pid: c for pid, c in procs.items() if re.search(SERVING[ingress], c)}
@@ -87,6 +115,7 @@ def test_serve_replicas_as_typed_runs_at_its_own_priority_and_stops_on_sigint(tm
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        others.close()
         log.close()
 
 

@@ -14,6 +14,7 @@ from lipstream.cli.common import (
     err, out, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.preflight import UsageError, check_models, in_range, machine_options
+from lipstream.serve.ports import check_port
 
 
 @app.command("serve")
@@ -78,6 +79,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         options.check()
         fleet = fleet_size(replicas, ray_address, min_replicas, max_replicas)
         check_ingress(ingress, fleet is not None, ray_address)
+        if ray_address is None:  # a cluster's proxies may hold the port already, for an earlier Serve
+            check_port(options.host, options.port)
         options.check_database()
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -29,6 +29,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from fractions import Fraction
 
 import ray
@@ -45,6 +46,7 @@ from lipstream.serve.fleet_router import fleet_replicas, room
 from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
 from lipstream.serve.interface import SessionRefused
 from lipstream.serve.options import ServeOptions
+from lipstream.serve.ports import bind_error, free_port
 
 log = logging.getLogger("lipstream.serve")
 APP = "lipstream"
@@ -70,6 +72,10 @@ RAY_ENV = {"env_vars": {RAY_NICENESS: "0"}}
 # raylet's, so it is set before ray.init; the front's drain before it stops (HAProxy's health checks
 # taking it out of rotation, 30 s by Ray's default) is held to 2 s, HAProxy retrying a refused connection.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+# HAProxy also serves its stats page and Prometheus metrics, on every interface, at Ray's fixed ports: a second
+# fleet on the machine (or anything else there) made HAProxy exit at start, and the server with it. Those ports
+# where free, else ones the system gives; a port set in the environment is the user's and is kept.
+HAPROXY_SIDE_PORTS = {"stats": ("RAY_SERVE_HAPROXY_STATS_PORT", 8404), "metrics": ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)}
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -336,17 +342,31 @@ def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replica
     return float(max(1, int(min(shares, default=1.0))))
 
 
-def start_ray(ray_address: str | None, ingress: str = "ray") -> dict | None:
+def haproxy_side_ports(environ: Mapping[str, str], server_port: int) -> dict[str, str]:
+    """HAProxy's stats and metrics ports not set in `environ`: Ray's defaults where nothing listens (nor will:
+    the server's own port), else free ones (HAPROXY_SIDE_PORTS)."""
+    chosen: dict[str, str] = {}
+    for name, default in HAPROXY_SIDE_PORTS.values():
+        if name not in environ:
+            port = default
+            while port == server_port or str(port) in chosen.values() or bind_error("0.0.0.0", port) is not None:
+                port = free_port()
+            chosen[name] = str(port)
+    return chosen
+
+
+def start_ray(ray_address: str | None, ingress: str = "ray", server_port: int = 0) -> dict | None:
     """Ray for the fleet, its workers at this process's priority; returns the runtime env the replicas still
     need for it. No address: a Ray of its own ("local"), never the last one `ray start` left running (None
     would join that one, and shut its Serve down at the end), whose raylet passes the priority (and with
-    `ingress` "haproxy", HAPROXY_ENV) to every worker it starts. An address: that cluster's raylets are not
+    `ingress` "haproxy", HAPROXY_ENV and HAProxy's side ports, none `server_port`) to every worker it starts. An address: that cluster's raylets are not
     ours, so the job asks for the priority; its ingress is what its `ray start` was given."""
     options = dict(namespace="lipstream", include_dashboard=False, logging_level="WARNING")
     if ray_address is None:
         os.environ[RAY_NICENESS] = "0"  # read by the raylet ray.init starts, and by every worker from it
         if ingress == "haproxy":
             os.environ.update(HAPROXY_ENV)
+            os.environ.update(haproxy_side_ports(os.environ, server_port))
         ray.init(address="local", **options)
         return None
     ray.init(address=ray_address, runtime_env=RAY_ENV, **options)
@@ -395,7 +415,7 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
             nonlocal mark
             phases[name], mark = round(time.perf_counter() - mark, 2), time.perf_counter()
 
-        runtime_env = start_ray(ray_address, ingress)
+        runtime_env = start_ray(ray_address, ingress, options.port)
         phase("ray_s")
         catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
         if weights.device == "cpu":
@@ -418,7 +438,10 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         log.info(json.dumps({"event": "ready", "seconds": round(time.perf_counter() - t, 1), "replicas": replicas
                              or f"{min_replicas}-{max_replicas}", "gpus_per_replica": gpus, "cpus_per_replica": cpus,
                              "host": options.host, "port": options.port, "ray": ray_address or "local",
-                             "ingress": ingress if ray_address is None else "the cluster's", "phases": phases}))
+                             "ingress": ingress if ray_address is None else "the cluster's", "phases": phases,
+                             **({"haproxy_ports": {what: int(os.environ[name])
+                                                   for what, (name, _) in HAPROXY_SIDE_PORTS.items()}}
+                                if ingress == "haproxy" and ray_address is None else {})}))
         ready = True
         while not stop.wait(1.0):
             pass
