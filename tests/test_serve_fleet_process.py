@@ -204,3 +204,14 @@ def test_a_start_that_fails_in_ray_ends_in_one_line_and_leaves_no_ray(tmp_path, 
     alive = [pid for pid in ray_processes if Path(f"/proc/{pid}").exists()
              and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
     assert not alive, {pid: ray_processes[pid][:60] for pid in alive}
+
+
+def test_the_gpu_check_counts_what_each_flag_asks_for():
+    from lipstream.errors import LipStreamError
+    from lipstream.serve.fleet import check_local_gpus
+
+    check_local_gpus(1.0, 4, 4.0, "cuda", "--replicas")
+    check_local_gpus(0.0, 64, 0.0, "cpu", "--replicas")  # CPU replicas take no GPU
+    with pytest.raises(LipStreamError, match=r"^--max-replicas 8 with --device auto: Ray sees 4 GPU\(s\) on this "
+                                             r"machine, 1 for each replica; ask for 4 at most$"):
+        check_local_gpus(1.0, 8, 4.0, "auto", "--max-replicas")

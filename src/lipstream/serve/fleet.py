@@ -433,9 +433,12 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
             gpus = 1.0
         else:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        if ray_address is None:  # a cluster may grow; this machine will not
-            check_local_gpus(gpus, replicas or min_replicas, ray.cluster_resources().get("GPU", 0.0), weights.device,
+        if ray_address is None:  # a cluster may grow; this machine will not (an autoscaler's step past it: pending)
+            have = ray.cluster_resources().get("GPU", 0.0)
+            check_local_gpus(gpus, replicas or min_replicas, have, weights.device,
                              "--replicas" if replicas else "--min-replicas")
+            if replicas is None and max_replicas is not None:
+                check_local_gpus(gpus, max_replicas, have, weights.device, "--max-replicas")
         if max_replicas is None:
             max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
         serve.start(http_options={"host": options.host, "port": options.port})
