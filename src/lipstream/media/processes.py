@@ -72,7 +72,9 @@ class AsyncWorker:
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.poll()
+        """Set once wait() or kill() reaped the worker (its reader sees its end first, as EOF): no syscall per
+        look, since RtcWorkerProcess.alive asks before every frame it sends."""
+        return self._proc.returncode
 
     async def wait(self) -> int:
         while self._proc.poll() is None:  # a worker's exit is rare: polled rather than a thread blocked on it

@@ -359,8 +359,8 @@ def check_local_gpus(gpus_per_replica: float, replicas: int, available: float, d
     GPU, so Serve would wait for one forever (a warning every 30 s). `option` names the count's flag."""
     if gpus_per_replica and replicas * gpus_per_replica > available:
         fits = int(available // gpus_per_replica)
-        raise LipStreamError(f"{option} {replicas} with --device {device}: Ray sees {available:g} GPU(s) on this machine, "
-                             f"{gpus_per_replica:g} for each replica; "
+        raise LipStreamError(f"{option} {replicas} with --device {device}: Ray sees {available:g} GPU(s) on this "
+                             f"machine, {gpus_per_replica:g} for each replica; "
                              + (f"ask for {fits} at most" if fits else "--device cpu runs the replicas on the CPU"))
 
 
@@ -368,8 +368,9 @@ def start_ray(ray_address: str | None, ingress: str = "ray", server_port: int = 
     """Ray for the fleet, its workers at this process's priority; returns the runtime env the replicas still
     need for it. No address: a Ray of its own ("local"), never the last one `ray start` left running (None
     would join that one, and shut its Serve down at the end), whose raylet passes the priority (and with
-    `ingress` "haproxy", HAPROXY_ENV and HAProxy's side ports, none `server_port`) to every worker it starts. An address: that cluster's raylets are not
-    ours, so the job asks for the priority; its ingress is what its `ray start` was given."""
+    `ingress` "haproxy", HAPROXY_ENV and HAProxy's side ports, none `server_port`) to every worker it
+    starts. An address: that cluster's raylets are not ours, so the job asks for the priority; its ingress
+    is what its `ray start` was given."""
     options = dict(namespace="lipstream", include_dashboard=False, logging_level="WARNING")
     if ray_address is None:
         os.environ[RAY_NICENESS] = "0"  # read by the raylet ray.init starts, and by every worker from it
@@ -427,20 +428,20 @@ def run_fleet(options: ServeOptions, weights: EngineWeights, replicas: int | Non
         runtime_env = start_ray(ray_address, ingress, options.port)
         phase("ray_s")
         catch_signals()  # again: Ray's core worker takes SIGTERM over (it aborts the process)
+        have = ray.cluster_resources().get("GPU", 0.0)
         if weights.device == "cpu":
             gpus = 0.0
         elif weights.device.startswith("cuda"):
             gpus = 1.0
         else:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+            gpus = 1.0 if have >= 1 else 0.0
         if ray_address is None:  # a cluster may grow; this machine will not (an autoscaler's step past it: pending)
-            have = ray.cluster_resources().get("GPU", 0.0)
             check_local_gpus(gpus, replicas or min_replicas, have, weights.device,
                              "--replicas" if replicas else "--min-replicas")
             if replicas is None and max_replicas is not None:
                 check_local_gpus(gpus, max_replicas, have, weights.device, "--max-replicas")
         if max_replicas is None:
-            max_replicas = max(1, min_replicas, int(ray.cluster_resources().get("GPU", 0)))
+            max_replicas = max(1, min_replicas, int(have))
         serve.start(http_options={"host": options.host, "port": options.port})
         phase("serve_start_s")  # Serve's controller and its ingress
         cpus = replica_cpus([n["Resources"] for n in ray.nodes() if n.get("Alive")], gpus, replicas or max_replicas)

@@ -58,9 +58,10 @@ class ReplicaSpeech:
     """The speech of every session of one replica, as one stream of calls: at most one in flight and at
     most one every `batch_s` (in the fleet its route's, serve/fleet_channel.py's SpeechRoute.batch_s),
     each carrying {session id: [items in order]} for the sessions with something pending (a session's
-    audio at one rate merged into one run of PCM; "end" and "interrupt" in their place among it). Why: Ray's handling of a call costs the replica's process GIL time beside the
-    engine's core thread; a call per session per 40 ms was 400 calls/s at 16 sessions on the H200 (a call
-    per 20 ms chunk: 800/s, speech 8 s behind). Per replica, the calls per second no longer grow with its
+    audio at one rate merged into one run of PCM; "end" and "interrupt" in their place among it). Why:
+    Ray's handling of a call costs the replica's process GIL time beside the engine's core thread; a call
+    per session per 40 ms was 400 calls/s at 16 sessions on the H200 (a call per 20 ms chunk: 800/s,
+    speech 8 s behind). Per replica, the calls per second no longer grow with its
     sessions.
 
     The sender task runs in a fresh contextvars.Context, not the WebSocket request's that happened to
