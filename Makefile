@@ -22,11 +22,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m lipstream.demo
+	$(PY) -m lipstream.cli.demo
 
 # the example newsroom show (examples/newsroom/show.yaml): every layer, a text scene, a music bed
 show: $(STAMP) espeak
-	$(PY) -m lipstream.demo --show
+	$(PY) -m lipstream.cli.demo --show
 
 # tests/test_serve_page.py drives a real Chromium (Debian's package; Playwright's own download is not used):
 # installed here when missing and apt-get can run as root; without it that test skips

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
     from lipstream.live import preset, start_engine
-    from lipstream.startup import pick_device
+    from lipstream.engine.networks import pick_device
 
     device = pick_device(a.device)
     options = preset("realtime" if device.type == "cuda" else "cpu").replace(encode=False)

@@ -81,6 +81,6 @@ class _ReplayGraph:
 @pytest.fixture
 def replay_graphs(monkeypatch):
     """The engine's CUDA graphs played by a CPU stand-in (an engine made with graphs=True uses it)."""
-    from lipstream.engine import runner
+    from lipstream.engine import engines
 
-    monkeypatch.setattr(runner, "_Graph", _ReplayGraph)
+    monkeypatch.setattr(engines, "_Graph", _ReplayGraph)

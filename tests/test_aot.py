@@ -28,7 +28,7 @@ from lipstream.engine import CompiledEngine, Engine, FrameRequest, make_engine
 from lipstream.engine import aot, aot_build
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.models import model_config
-from lipstream.options import EngineOptions
+from lipstream.engine.options import EngineOptions
 from serve_process import serve_process
 
 CPU = torch.device("cpu")
@@ -188,7 +188,7 @@ def test_the_weights_file_does_not_depend_on_the_upsample_folds_other_engines_ma
     """An engine of another upsample mode in the process folds its weights onto the shared modules; the
     package weights must not take them in (the cached file would read as stale, and be rebuilt)."""
     from lipstream.models.blocks import fuse_upsamplers
-    from lipstream.options import UPSAMPLE_MODES
+    from lipstream.engine.options import UPSAMPLE_MODES
 
     options = aot.default_options(CPU)
 

@@ -10,11 +10,11 @@ import sys
 
 import torch
 
-from lipstream.cuda_early import start_primary_context
+from lipstream.engine.cuda_context import start_primary_context
 
 PROBE = """
 import json, sys, time
-from lipstream.cuda_early import start_primary_context
+from lipstream.engine.cuda_context import start_primary_context
 t = time.perf_counter()
 handle = start_primary_context(sys.argv[1])
 started = time.perf_counter() - t

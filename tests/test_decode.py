@@ -13,7 +13,7 @@ from lipstream.errors import InputError
 from lipstream.engine.blend import untouched
 from lipstream.engine.decode import HALO, first_mask_row
 from lipstream.models.blocks import NEAR, GroupNorm
-from lipstream.options import EngineOptions
+from lipstream.engine.options import EngineOptions
 
 ROW = 12
 

@@ -1,4 +1,4 @@
-"""The fleet's speech connection (serve/fleet_channel.py) without Ray: a SpeechListener on loopback with a
+"""The fleet's speech connection (serve/fleet/channel.py) without Ray: a SpeechListener on loopback with a
 plain function as the replica's speak_many, the front's SpeechChannel and SpeechRoute against it. Batches
 arrive as sent (audio bytes, rates, commands in order), the answer's ended ids come back, a wrong token or
 a malformed message gets nothing, and where the connection fails the Ray call (here a function) takes over."""
@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from lipstream.serve.fleet_channel import (ChannelError, SpeechChannel, SpeechListener, SpeechRoute, decode_batch,
-                                           encode_batch, read_message)
-from lipstream.serve.fleet_speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
+from lipstream.serve.fleet.channel import (ChannelError, SpeechChannel, SpeechListener, SpeechRoute, decode_batch,
+    encode_batch, read_message)
+from lipstream.serve.fleet.speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
 
 
 class Replica:

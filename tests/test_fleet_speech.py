@@ -1,4 +1,4 @@
-"""The fleet front's speech multiplexing (serve/fleet_speech.py) without Ray: a ReplicaSpeech given a plain
+"""The fleet front's speech multiplexing (serve/fleet/speech.py) without Ray: a ReplicaSpeech given a plain
 async function as its call. What every socket of one replica sends goes out as one stream of calls, at most
 one in flight and one every batch_s; a session's audio runs merged, commands in their place; a session the
 replica says has ended (or all of a call's when it fails) raises SessionGone on its next push."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
+from lipstream.serve.fleet.speech import FleetSpeech, ReplicaSpeech
 from lipstream.serve.interface import SessionGone
 
 
@@ -168,7 +168,7 @@ REQUEST = contextvars.ContextVar("request", default=None)
 
 def test_the_sender_does_not_run_in_the_context_of_the_socket_that_started_it():
     """Ray reads a handle call's request ids from a context variable: the sender must not carry the
-    WebSocket request's (serve/fleet_speech.py's ReplicaSpeech says why)."""
+    WebSocket request's (serve/fleet/speech.py's ReplicaSpeech says why)."""
 
     async def main():
         seen = []

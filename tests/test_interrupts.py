@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lipstream.interrupts import DeferredInterrupt
+from lipstream.render.interrupts import DeferredInterrupt
 
 
 def _ctrl_c() -> None:

@@ -27,10 +27,11 @@ from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, S
 from lipstream.live.features import streamed_features
 from lipstream.live.request import Candidate
 from lipstream.live.scheduler import Scheduler
-from lipstream.rates import AUDIO_RATE
-from lipstream.options import EngineOptions, RenderOptions
-from lipstream.render import prepare, write
-from lipstream.script import Program, Scene, Shot
+from lipstream.media.rates import AUDIO_RATE
+from lipstream.engine.options import EngineOptions
+from lipstream.render.options import RenderOptions
+from lipstream.render.program import prepare, write
+from lipstream.render.script import Program, Scene, Shot
 
 FPS = Fraction(2)
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lipstream.media.mp4 import MP4Writer, dts_delay
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 W, H, FPS, FRAMES = 192, 128, Fraction(25), 75
 

@@ -40,7 +40,7 @@ from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from lipstream.integrations.pipecat import FRAME_KEY, UTTERANCE_KEY, LipStreamVideoService  # noqa: E402
 from lipstream.live import AdmissionError, LiveEngine, LiveOptions  # noqa: E402
 from lipstream.media.pixels import mono_pcm  # noqa: E402
-from lipstream.rates import AUDIO_RATE  # noqa: E402
+from lipstream.media.rates import AUDIO_RATE  # noqa: E402
 
 FPS = Fraction(4)
 DELAY_S = 2.0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from lipstream import render_loop
+from lipstream.render import loop as render_loop
 from lipstream.avatar import load_avatar, ping_pong
 from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
@@ -26,9 +26,10 @@ from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.engine import Engine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import load_musetalk
-from lipstream.options import ENGINE_PRESETS, EngineOptions, RenderOptions
-from lipstream.render import prepare, render_program, write
-from lipstream.script import load_script, single_scene
+from lipstream.engine.options import ENGINE_PRESETS, EngineOptions
+from lipstream.render.options import RenderOptions
+from lipstream.render.program import prepare, render_program, write
+from lipstream.render.script import load_script, single_scene
 
 W, H, FPS = 640, 360, 10
 
@@ -70,7 +71,7 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
 def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders, processes):
     out = tmp_path / "talk.mp4"
     options = RenderOptions(avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
-    if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render_loop.write's own writer)
+    if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render.loop.write's own writer)
         options = options.for_machine("cpu", 2)
         plan = prepare(single_scene("anna", studio / "long.wav", start_frame=3), tiny_models, Engine(tiny_models),
                        options)

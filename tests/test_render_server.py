@@ -320,8 +320,8 @@ def test_ctrl_c_cancels_the_job_on_the_server_and_leaves_nothing(server, desk, t
 def test_the_script_sent_is_the_same_program_with_the_uploads_names(tmp_path):
     """Cameras, start frames, crossfades and fps survive the rewrite; each audio is named as uploaded (one
     upload for a file two scenes share); the avatars folder stays here, with a note."""
-    from lipstream.remote_upload import prepare_upload
-    from lipstream.script import load_script
+    from lipstream.client.upload import prepare_upload
+    from lipstream.render.script import load_script
 
     (tmp_path / "a").mkdir()
     write_audio(tmp_path / "a" / "intro speech.wav", speech_like(0.5, 16_000, seed=1), 16_000)

@@ -1,5 +1,5 @@
 """`lipstream serve --replicas 2` for real (issue 26): a local Ray started once for the module with two
-logical GPUs, the fleet application (serve/fleet.py) deployed on it with two engine replicas of tiny
+logical GPUs, the fleet application (serve/fleet/front.py) deployed on it with two engine replicas of tiny
 networks, reached through Ray's HTTP proxy on loopback by real clients (httpx; lipstream.client's
 aiortc WebRTC and speech socket). Jobs go to both replicas and equal a single server's; live sessions
 land on both and a third over capacity is refused with 503; several sessions of one replica speaking at once
@@ -57,7 +57,7 @@ def fleet(root):
     import ray
     from ray import serve
 
-    from lipstream.serve.fleet import APP, EngineWeights, fleet_app
+    from lipstream.serve.fleet.front import APP, EngineWeights, fleet_app
 
     ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test",
              logging_level="ERROR", log_to_driver=False)  # "local": never a `ray start` cluster left on the machine
@@ -126,7 +126,7 @@ def _offline_frames(text: str) -> dict[str, float]:
 
 
 def _store(root: Path):
-    from lipstream.serve.database import open_store
+    from lipstream.serve.store.database import open_store
 
     return open_store(root / "data" / "jobs.sqlite3", runner_id="test", lease_s=LEASE_S)
 
@@ -223,13 +223,13 @@ def test_two_sessions_land_on_two_replicas_and_a_third_is_refused(fleet):
 def test_the_speech_of_a_replicas_sessions_goes_in_one_stream_of_calls(fleet):
     """Six sessions (6 fps: up to four a replica) streaming speech at once in 20 ms chunks, as a TTS
     would: each replica has at most one speech call every CHANNEL_BATCH_S whatever its number of sessions
-    (its calls carry several sessions' speech), nearly all over the front's connection to it (fleet_channel.py),
+    (its calls carry several sessions' speech), nearly all over the front's connection to it (serve/fleet/channel.py),
     and every session gets its pictures, audio and events."""
     from ray import serve
 
     from lipstream.client import connect
-    from lipstream.serve.fleet import APP, ENGINE
-    from lipstream.serve.fleet_speech import CHANNEL_BATCH_S
+    from lipstream.serve.fleet.front import APP, ENGINE
+    from lipstream.serve.fleet.speech import CHANNEL_BATCH_S
 
     engine = serve.get_deployment_handle(ENGINE, app_name=APP)
 
@@ -355,7 +355,7 @@ def test_a_replica_killed_mid_job(fleet, root):
 def test_each_replica_asks_for_the_cpus_that_go_with_its_gpu():
     """Ray sets a replica's OMP_NUM_THREADS (torch's CPU threads) to the CPUs it asked for: one, by Ray's
     default, left a CPU fleet's jobs 1.5x as long as a plain server's."""
-    from lipstream.serve.fleet import replica_cpus
+    from lipstream.serve.fleet.front import replica_cpus
 
     head, gpu_node = {"CPU": 64.0}, {"CPU": 16.0, "GPU": 2.0}
     assert replica_cpus([head, gpu_node], 1.0, 2) == 8.0  # the GPU node's share per GPU, not the cluster's
@@ -368,7 +368,7 @@ def test_merged_metrics_keep_every_family_parseable_with_counters_named_as_prome
     leaves the family empty), a histogram keeps its buckets, the totals' sums come out as replica="all"."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from lipstream.serve.fleet import merged_metrics
+    from lipstream.serve.fleet.front import merged_metrics
 
     texts = {}
     for name, n in (("a", 2), ("b", 3)):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lipstream.serve.database import open_store
-from lipstream.serve.store import SCHEMA_VERSION, Job, JobStore, JobStoreError
+from lipstream.serve.store.database import open_store
+from lipstream.serve.store.base import SCHEMA_VERSION, Job, JobStore, JobStoreError
 from postgres_server import PostgresServer, missing_reason
 
 

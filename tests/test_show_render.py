@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.options import RenderOptions
-from lipstream.render import render_program
-from lipstream.script import load_script
+from lipstream.render.options import RenderOptions
+from lipstream.render.program import render_program
+from lipstream.render.script import load_script
 from lipstream.show.spec import SceneLayers, Show
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None,

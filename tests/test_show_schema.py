@@ -21,7 +21,7 @@ from PIL import Image, ImageFont
 
 from lipstream.errors import InputError
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.script import Scene, Shot, load_script
+from lipstream.render.script import Scene, Shot, load_script
 from lipstream.show.checks import check_show, declared_durations, text_width
 from lipstream.show.spec import (
     DEFAULT_FADE_S, LowerThird, Logo, Music, Picture, SceneLayers, Show, Span, Ticker)
@@ -333,8 +333,8 @@ def test_a_broadcast_job_uploads_the_shows_files_and_the_server_program_points_a
     """`--server` mode's client (remote_jobs: prepare_upload, run_job) against the real server: the show's
     files go up with the audio under the names the script sent names them by; the program the server
     parses from its stored script has every layer of the local one, each file its uploaded copy."""
-    from lipstream.remote_jobs import JobServer, OutputOptions, run_job
-    from lipstream.remote_upload import prepare_upload
+    from lipstream.client.jobs import JobServer, OutputOptions, run_job
+    from lipstream.client.upload import prepare_upload
 
     url, service = server
     (desk / "sounds").mkdir()

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lipstream.avatar import load_avatar
 from lipstream.engine import Engine, FrameRequest
 from lipstream.models.blocks import Upsample, fuse_upsamplers
-from lipstream.options import UPSAMPLE_MODES, EngineOptions
+from lipstream.engine.options import UPSAMPLE_MODES, EngineOptions
 
 FUSED = tuple(m for m in UPSAMPLE_MODES if m != "plain")
 

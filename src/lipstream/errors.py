@@ -1,4 +1,6 @@
-"""One exception type for everything a user can cause: the CLI prints its message as one line."""
+"""One exception type for everything a user can cause: the CLI prints its message as one line.
+
+Kept free of torch and of every other package, so anything may raise these."""
 
 from __future__ import annotations
 
@@ -25,22 +27,7 @@ class WeightsError(LipStreamError):
     """A model file is missing, corrupt, or does not match its architecture."""
 
 
-def check_file(path: str | Path, what: str = "file") -> Path:
-    """Return `path` as a Path if it is an existing, readable, regular file; else raise InputError."""
-    p = Path(path)
-    if not p.exists():
-        raise InputError(p, f"no such {what}")
-    if p.is_dir():
-        raise InputError(p, f"is a folder, expected {_a(what)}")
-    if not p.is_file():
-        raise InputError(p, f"is not a regular file, expected {_a(what)}")
-    try:
-        with open(p, "rb"):
-            pass
-    except OSError as e:
-        raise InputError(p, f"cannot be read ({e.strerror or e})") from None
-    return p
+class UsageError(LipStreamError):
+    """A command-line option with a value that is not allowed (exit status 2, like click's own)."""
 
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+    exit_code = 2

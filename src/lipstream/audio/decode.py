@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from lipstream.audio.resample import resample
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.media.demux import open_input
 from lipstream.models.config import SAMPLE_RATE
 

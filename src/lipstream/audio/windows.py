@@ -37,7 +37,7 @@ from fractions import Fraction
 
 import torch
 
-from lipstream.rates import as_fps  # noqa: F401 (re-exported: lipstream.audio.as_fps)
+from lipstream.media.rates import as_fps  # noqa: F401 (re-exported: lipstream.audio.as_fps)
 from lipstream.models.config import (
     AUDIO_DIM, FEATURE_RATE, HIDDEN_STATES, SAMPLE_RATE, WINDOW_FRAMES_LEFT, WINDOW_STEPS, WINDOW_TOKENS)
 

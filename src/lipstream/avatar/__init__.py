@@ -1,7 +1,16 @@
-"""Avatars: action loops compiled once into everything the renderer needs that does not depend on audio."""
+"""Avatars: action loops compiled once into everything the renderer needs that does not depend on audio.
 
-from lipstream.avatar.cache import Avatar, cycle_length, load_avatar, ping_pong
-from lipstream.avatar.compile import CompileOptions, CompileResult, compile_avatar, compile_many
+The names load on first use (PEP 562): folders.py (an avatar found by name) imports without torch.
+"""
 
-__all__ = ["Avatar", "CompileOptions", "CompileResult", "compile_avatar", "compile_many", "cycle_length",
-           "load_avatar", "ping_pong"]
+from __future__ import annotations
+
+from lipstream import lazy_names
+
+_LAZY = {"Avatar": "cache", "cycle_length": "cache", "load_avatar": "cache", "ping_pong": "cache",
+         "CompileOptions": "compile", "CompileResult": "compile", "compile_avatar": "compile", "compile_many": "compile"}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__ = lazy_names(__name__, globals(), _LAZY)

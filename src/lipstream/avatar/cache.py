@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from lipstream.avatar.folders import META
 from lipstream.errors import InputError, LipStreamError
 
 FORMAT_VERSION = 1
-META = "avatar.json"
 TENSORS = "avatar.safetensors"
 FRAMES = "frames.mp4"
 

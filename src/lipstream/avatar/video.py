@@ -10,7 +10,8 @@ import av
 import numpy as np
 
 from lipstream.avatar.colour import default_matrix
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.media.demux import open_input
 
 MAX_SIDE = 4096  # pixels; 4K DCI. Larger frames are refused rather than half-processed

@@ -13,7 +13,7 @@ import torch
 from lipstream.avatar.colour import i420_to_rgb
 from lipstream.engine.interface import FrameRequest
 from lipstream.engine.reference import blend_reference
-from lipstream.engine.runner import Engine
+from lipstream.engine.engines import Engine
 from lipstream.media.mp4 import MP4Writer
 
 

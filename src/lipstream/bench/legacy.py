@@ -26,13 +26,13 @@ from lipstream.avatar import load_avatar, ping_pong
 from lipstream.media.pixels import yuv_to_rgb_affine
 from lipstream.audio.features import whisper_features
 from lipstream.audio.windows import audio_windows_loop
-from lipstream.io import atomic_path
-from lipstream.rates import AUDIO_RATE
+from lipstream.files import atomic_path
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.models import MuseTalk
 from lipstream.models.config import VAE_SCALING_FACTOR
-from lipstream.preflight import resolve_avatar
-from lipstream.render import load_speech
-from lipstream.script import Program
+from lipstream.avatar.folders import resolve_avatar
+from lipstream.render.program import load_speech
+from lipstream.render.script import Program
 
 BATCH = 20  # upstream's default batch size
 

@@ -187,10 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from lipstream.bench.scenarios import _avatar
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.engine.engines import FAST_INDUCTOR
     from lipstream.live import preset
     from lipstream.models import load_musetalk
-    from lipstream.startup import pick_device
+    from lipstream.engine.networks import pick_device
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--sessions", default="8,16,24")

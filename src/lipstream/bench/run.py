@@ -23,13 +23,14 @@ from lipstream.avatar import load_avatar, ping_pong
 from lipstream.bench import figures, legacy, scenarios
 from lipstream.bench.engines import CPUBlendEngine, RGBEngine, RGBToI420Writer
 from lipstream.engine.interface import FrameEngine
-from lipstream.engine.runner import FAST_INDUCTOR, Engine
+from lipstream.engine.engines import FAST_INDUCTOR, Engine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import MuseTalk
-from lipstream.options import ENGINE_PRESETS, EngineOptions, RenderOptions
-from lipstream.preflight import resolve_avatar
-from lipstream.rates import AUDIO_RATE
-from lipstream.render import load_speech, prepare, render_program, write
+from lipstream.engine.options import ENGINE_PRESETS, EngineOptions
+from lipstream.render.options import RenderOptions
+from lipstream.avatar.folders import resolve_avatar
+from lipstream.media.rates import AUDIO_RATE
+from lipstream.render.program import load_speech, prepare, render_program, write
 
 PRESET = "ultrafast"  # x264 preset of the fast rows (the legacy rows keep upstream's veryfast-like settings)
 
@@ -171,7 +172,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
 
 
 def script_yaml(program) -> str:
-    """A scenario's program as a broadcast script (script.py's format), for the one-shot rows."""
+    """A scenario's program as a broadcast script (render/script.py's format), for the one-shot rows."""
     lines = []
     if program.fps:
         lines.append(f"fps: {program.fps}")

@@ -19,7 +19,7 @@ from lipstream.avatar.boxes import TEMPLATE_LANDMARKS as PHOTO_LANDMARKS  # the 
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import action_loop
 from lipstream.models import MuseTalk
-from lipstream.script import Program, Scene, Shot
+from lipstream.render.script import Program, Scene, Shot
 
 
 @dataclass

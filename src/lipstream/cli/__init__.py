@@ -21,7 +21,8 @@ from lipstream.cli import livekit  # isort: skip
 from lipstream.cli import common  # isort: skip
 from lipstream.cli.common import app, click, err, load_models, old_spellings, process_age, warn_random_weights
 from lipstream.errors import LipStreamError
-from lipstream.preflight import UsageError, random_size_for
+from lipstream.errors import UsageError
+from lipstream.models.config import random_size_for
 
 log = logging.getLogger(__name__)
 __all__ = ["app", "bench", "entry", "livekit", "load_models", "main", "process_age", "random_size_for", "render",

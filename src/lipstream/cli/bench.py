@@ -11,7 +11,8 @@ import typer
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
     load_models, out, renamed)
-from lipstream.preflight import UsageError, check_models, in_range, machine_options
+from lipstream.errors import UsageError
+from lipstream.cli.checks import check_models, in_range, machine_options
 
 
 @app.command("bench")
@@ -101,7 +102,7 @@ def live_bench_cmd(out_dir: Annotated[Path, typer.Option("-o", "--output", help=
 
     from lipstream.bench.live import largest, run
 
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.engine.engines import FAST_INDUCTOR
 
     m = load_models(models, device, random_weights, random_size)
     choice = compile_choice(compile)

@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from lipstream.preflight import UsageError, random_size_for
+from lipstream.errors import UsageError
+from lipstream.models.config import random_size_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="LipStream: fast MuseTalk v1.5 lip-sync for AI presenters.")
@@ -184,7 +185,7 @@ def load_models(models, device: str, random_weights: bool, random_size: str, ava
                 **kwargs):
     """The networks for a command: the warning first when they are random, then loaded on the chosen device."""
     from lipstream.models import load_musetalk
-    from lipstream.startup import pick_device
+    from lipstream.engine.networks import pick_device
 
     device = pick_device(device)
     size = random_size_for(random_size, device.type, avatar_meta)

@@ -9,7 +9,9 @@ import typer
 from lipstream.cli.common import (
     AvatarsOpt, CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, RandomOpt, RandomSizeOpt, app, avatars_dir,
     compile_choice, err, load_models)
-from lipstream.preflight import UsageError, check_models, fps_option, in_range, machine_options, resolve_avatar
+from lipstream.errors import UsageError
+from lipstream.cli.checks import check_models, fps_option, in_range, machine_options
+from lipstream.avatar.folders import resolve_avatar
 
 
 def size_option(value: str | None) -> tuple[int, int] | None:
@@ -69,7 +71,7 @@ def livekit_worker_cmd(
 
     from lipstream.integrations.livekit.worker import run_worker
 
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.engine.engines import FAST_INDUCTOR
 
     m = load_models(models, device, random_weights, random_size)
     choice = compile_choice(compile)

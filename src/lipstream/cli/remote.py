@@ -1,7 +1,7 @@
 """`lipstream render | broadcast --server URL`: which flags a server's job takes, its progress bar, the report.
 
 The command modules hand a program here when --server (or $LIPSTREAM_SERVER) is given; the job
-itself is lipstream.remote_jobs'. Nothing here or there imports torch: a remote render costs the
+itself is lipstream.client.jobs'. Nothing here or there imports torch: a remote render costs the
 client what an HTTP client costs.
 """
 
@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from lipstream.cli.common import err, out
-from lipstream.options import RenderOptions
-from lipstream.preflight import UsageError
-from lipstream.script import Program
+from lipstream.render.options import RenderOptions
+from lipstream.errors import UsageError
+from lipstream.render.script import Program
 
 # flags of a local render that a server's job does not take, and why (--fps, --crf, --x264-preset and
 # --start-frame are sent with the job)
@@ -83,8 +83,8 @@ class JobProgress:
 def render_on_server(program: Program, kind: str, output: Path, options: RenderOptions, start_frame: int,
                      server: str, api_key: str | None) -> None:
     """Hand the render to the server: checks, upload, progress, the MP4 written as a local render writes it."""
-    from lipstream.remote_jobs import JobServer, OutputOptions, run_job
-    from lipstream.remote_upload import prepare_upload
+    from lipstream.client.jobs import JobServer, OutputOptions, run_job
+    from lipstream.client.upload import prepare_upload
 
     upload = prepare_upload(program, kind, output)
     for note in upload.notes:

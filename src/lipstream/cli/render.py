@@ -17,11 +17,13 @@ from lipstream.cli.common import (
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
     avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, start_without_collections,
     warn_random_weights)
-from lipstream.errors import InputError, LipStreamError, check_file
-from lipstream.options import RenderOptions
-from lipstream.preflight import (
-    check_models, check_output_path, check_program, fps_option, in_range, machine_options, random_size_for,
-    render_options)
+from lipstream.errors import InputError, LipStreamError
+from lipstream.files import check_file
+from lipstream.render.options import RenderOptions
+from lipstream.cli.checks import check_models, fps_option, in_range, machine_options, render_options
+from lipstream.files import check_output_path
+from lipstream.render.checks import check_program
+from lipstream.models.config import random_size_for
 from lipstream.show.checks import check_show, declared_durations, frame_size_of
 
 
@@ -95,14 +97,14 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
         err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
     check_models(models, random_weights)
     with start_without_collections():  # the start makes what lives as long as the process
-        from lipstream.cuda_early import start_primary_context
+        from lipstream.engine.cuda_context import start_primary_context
 
         start_primary_context(device)  # the GPU's context made while torch imports
         t_checked = process_age()
 
         import torch
 
-        from lipstream.startup import load_networks, pick_device, warm_gpu_libraries
+        from lipstream.engine.networks import load_networks, pick_device, warm_gpu_libraries
 
         dev = pick_device(device)
         warming = warm_gpu_libraries(dev)
@@ -119,14 +121,14 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
             warn_random_weights()
         # the renderer's modules (PyAV, OpenCV, the show's) imported on a thread while the weights are read on
         # others (file reads and copies, outside the GIL): ~0.2 s of imports off the way to the first frame
-        importing = threading.Thread(target=_import_quietly, args=("lipstream.render",), name="lipstream-import-render",
+        importing = threading.Thread(target=_import_quietly, args=("lipstream.render.program",), name="lipstream-import-render",
                                      daemon=True)
         importing.start()
         nets = load_networks(models, dev, random_weights, size, compile="off" if reference else compile,
                              decode_rows=options.engine.decode_rows, dtype=torch.float32 if reference else None,
                              report=lambda line: err.print(line, highlight=False))
         importing.join()
-        from lipstream.render import render_program
+        from lipstream.render.program import render_program
 
         if warming is not None:  # done long since, normally: the render captures graphs next
             warming.join()
@@ -220,7 +222,7 @@ def render_cmd(ctx: typer.Context,
                random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto",
                timings: TimingsOpt = False, server: ServerOpt = None, api_key: ServerKeyOpt = None) -> None:
     """Make an avatar speak an audio file: one lip-synced MP4 (here, or on a server with --server)."""
-    from lipstream.script import single_scene
+    from lipstream.render.script import single_scene
 
     in_range("--start-frame", start_frame, 0, 10**9, "a loop frame")
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
@@ -249,7 +251,7 @@ def broadcast_cmd(ctx: typer.Context,
                   api_key: ServerKeyOpt = None) -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4 (here, or on a
     server with --server: the script and every audio file it names are uploaded)."""
-    from lipstream.script import load_script
+    from lipstream.render.script import load_script
 
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
                              decode_rows, reference, encoder_processes)
@@ -270,7 +272,7 @@ def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: Re
     """--server: the address checked, every flag only a local render takes refused (one line naming it),
     then the job handed over (cli/remote.py). Never a local render instead."""
     from lipstream.cli.remote import refuse_local_options, render_on_server
-    from lipstream.remote_jobs import server_url
+    from lipstream.client.jobs import server_url
 
     url = server_url(server)
     from_env = ctx.get_parameter_source("server") == click.core.ParameterSource.ENVIRONMENT
@@ -281,7 +283,7 @@ def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: Re
                           "--random-weights": random_weights, "--random-size": random_size != "auto",
                           "--device": device != "auto", "--timings": timings}, from_env)
     if script is not None:
-        from lipstream.script import load_script
+        from lipstream.render.script import load_script
 
         program = load_script(script)
     render_on_server(program, kind, output, options, start_frame, url, api_key or None)
@@ -307,7 +309,7 @@ def warmup_cmd(models: ModelsOpt = None, random_weights: RandomOpt = False,
     render_options(None, 18, None, None, None, decode_rows)
     check_models(models, random_weights)
 
-    from lipstream.startup import KINDS_FOR_ROWS, pick_device, warmup
+    from lipstream.engine.networks import KINDS_FOR_ROWS, pick_device, warmup
 
     dev = pick_device(device)
     size = random_size_for(random_size, dev.type)
@@ -347,7 +349,7 @@ def features(audio: Annotated[Path, typer.Argument(help="Audio file, or a video 
               f"features {tuple(speech.features.shape)}, windows {tuple(speech.windows.shape)} on {m.device}")
     out.print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in speech.timings_ms.items()))
     if output is not None:
-        from lipstream.io import save_safetensors_atomic
+        from lipstream.files import save_safetensors_atomic
 
         save_safetensors_atomic(output, {"features": speech.features, "windows": speech.windows},
                                 {"fps": str(speech.fps), "samples": str(speech.samples.numel()),

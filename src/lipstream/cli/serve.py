@@ -12,8 +12,10 @@ import typer
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
     err, out, renamed, warn_random_weights)
-from lipstream.errors import InputError, LipStreamError, check_file
-from lipstream.preflight import UsageError, check_models, in_range, machine_options
+from lipstream.errors import InputError, LipStreamError
+from lipstream.files import check_file
+from lipstream.errors import UsageError
+from lipstream.cli.checks import check_models, in_range, machine_options
 from lipstream.serve.ports import check_haproxy_ports, check_port
 
 
@@ -93,17 +95,17 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
 
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
     if fleet is not None:  # the driver: Ray and the front's wiring; torch is the replicas' to import
-        from lipstream.serve.fleet import run_fleet
-        from lipstream.serve.fleet_replica import EngineWeights
+        from lipstream.serve.fleet.front import run_fleet
+        from lipstream.serve.fleet.replica import EngineWeights
 
         if random_weights:
             warn_random_weights()
         run_fleet(options, EngineWeights(models, random_weights, random_size, device, compile_choice(compile)),
                   fleet[0], ray_address=ray_address, min_replicas=fleet[1], max_replicas=fleet[2], ingress=ingress)
         return
-    from lipstream.preflight import random_size_for
+    from lipstream.models.config import random_size_for
     from lipstream.serve.server import serve
-    from lipstream.startup import load_live_networks, pick_device
+    from lipstream.engine.networks import load_live_networks, pick_device
 
     dev = pick_device(device)
     size = random_size_for(random_size, dev.type)

@@ -1,14 +1,14 @@
 """The GPU core behind one interface (interface.py): resident avatars, batches of frame requests -> frames.
 
-The names below load on first use (PEP 562): the CLI's checks read `lipstream.options` without torch.
+The names below load on first use (PEP 562): the CLI's checks read `lipstream.engine.options` without torch.
 """
 
 from __future__ import annotations
 
-from lipstream.lazy import lazy_names
+from lipstream import lazy_names
 
-_LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "Engine": "runner", "CompiledEngine": "runner",
-         "StepEngine": "runner", "ReferenceEngine": "reference", "make_engine": "build"}
+_LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "Engine": "engines", "CompiledEngine": "engines",
+         "StepEngine": "engines", "ReferenceEngine": "reference", "make_engine": "build"}
 
 __all__ = sorted(_LAZY)
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from lipstream.options import DEFAULT_DECODE_ROW
+from lipstream.engine.options import DEFAULT_DECODE_ROW
 from lipstream.models.config import ModelConfig
 
 
@@ -91,7 +91,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The engine options a package's graph depends on (engine/runner.py documents them)."""
+    """The engine options a package's graph depends on (engine/engines.py documents them)."""
 
     dtype: str = "float16"
     upsample: str = "transpose"

@@ -46,7 +46,7 @@ from lipstream.engine.aot import (
     weights_key,
 )
 from lipstream.models.config import AUDIO_DIM, MEL_FRAMES, N_MELS
-from lipstream.options import UPSAMPLE_MODES
+from lipstream.engine.options import UPSAMPLE_MODES
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk
@@ -76,7 +76,7 @@ def _identity(t: torch.Tensor) -> tuple:
 
 
 def _steps_for_export(models: MuseTalk, options: StepOptions) -> dict[str, torch.nn.Module]:
-    from lipstream.engine.runner import net_steps
+    from lipstream.engine.engines import net_steps
 
     steps = net_steps(models, options.upsample, options.decode_row, options.decode_stats)
     out: dict[str, torch.nn.Module] = {"full": steps[False], "crop": steps[True]}
@@ -216,7 +216,7 @@ def _check_in_child(folder: Path, weights: Path, device: torch.device) -> dict[s
 
 
 def _save_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    from lipstream.io import save_safetensors_atomic
+    from lipstream.files import save_safetensors_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors_atomic(path, tensors, metadata)
@@ -236,7 +236,7 @@ def _weights_names(path: Path) -> set[str] | None:
 
 
 def _mark_unsupported(info: dict[str, Any], reason: str, root: Path | None, clear: bool = False) -> None:
-    from lipstream.io import atomic_path
+    from lipstream.files import atomic_path
 
     path = aot_dir(root) / UNSUPPORTED_FILE
     try:
@@ -348,7 +348,7 @@ def build_in_children(models: MuseTalk, kinds: list[str], child_command: Callabl
     """Build each of `kinds` in a process of its own, `parallel` at a time (the weights file is written).
 
     `child_command(kind)` starts a process that loads the same networks, builds that one package as
-    build_all does and prints what it built as Built's fields in JSON, last (startup.py's `build` entry);
+    build_all does and prints what it built as Built's fields in JSON, last (engine/networks.py's `build` entry);
     Inductor's compile workers are shared out between the children. A child that dies is reported as that
     kind failing; the others go on."""
     import subprocess

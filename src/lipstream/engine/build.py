@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from lipstream.engine.aot import CompiledNetworks
 from lipstream.engine.interface import FrameEngine
 from lipstream.engine.reference import ReferenceEngine
-from lipstream.engine.runner import CompiledEngine, Engine
-from lipstream.options import EngineOptions
+from lipstream.engine.engines import CompiledEngine, Engine
+from lipstream.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk

@@ -14,8 +14,8 @@ import torch
 from lipstream.media.pixels import MATRICES
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.interface import FrameRequest
-from lipstream.engine.runner import Engine
-from lipstream.options import ENGINE_PRESETS
+from lipstream.engine.engines import Engine
+from lipstream.engine.options import ENGINE_PRESETS
 
 if TYPE_CHECKING:
     from lipstream.models import MuseTalk

@@ -54,7 +54,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SpeechEvent
 from lipstream.media.pixels import pcm16
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine  # in-process mode only: URL mode runs without torch

@@ -11,7 +11,7 @@ The engine's names load on first use (PEP 562): what a session hands out and the
 
 from __future__ import annotations
 
-from lipstream.lazy import lazy_names
+from lipstream import lazy_names
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 

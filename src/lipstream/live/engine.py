@@ -30,7 +30,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
-from lipstream.engine.runner import CompiledEngine, Engine, StepEngine
+from lipstream.engine.engines import CompiledEngine, Engine, StepEngine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.handoff import FrameHandoff
 from lipstream.live.items import SessionClock
@@ -41,7 +41,7 @@ from lipstream.live.runner import InFlight, StepRunner
 from lipstream.live.scheduler import FILL_POLL_S, AdmissionError, OfflineJob, Scheduler, admission
 from lipstream.live.session import Session
 from lipstream.media.encode_pool import EncodePool
-from lipstream.options import EngineOptions
+from lipstream.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks
@@ -503,7 +503,7 @@ def start_engine(avatars: list[str | Path], *, models: str | Path | None = None,
     default place, models.layout); `random_weights` (with `size`) for tests and benchmarks only, never
     passed off as real. Close it with `close()` (or `with`)."""
     from lipstream.models import load_musetalk
-    from lipstream.startup import pick_device
+    from lipstream.engine.networks import pick_device
 
     folders = [Path(a) for a in avatars]
     for folder in folders:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 if TYPE_CHECKING:
     from lipstream.media.session_encoder import EncodedPacket

@@ -24,7 +24,7 @@ import numpy as np
 from lipstream.live.items import LiveFrame, SessionClock, SpeechEvent
 from lipstream.live.request import SpeechRequest
 from lipstream.live.utterance import Utterance
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 FALL_BEHIND_S = 1.0  # a consumer this far behind the playout clock skips ahead (frames dropped, counted)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from lipstream.audio.resample import StreamResampler
 from lipstream.audio.windows import num_frames
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.models.config import SAMPLE_RATE, SAMPLES_PER_FEATURE
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from lipstream.media.processes import start_worker
 from lipstream.media.session_encoder import EncodedPacket
 from lipstream.media.wire import frame_parts, one_line, read_message, read_packets, write_all
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 log = logging.getLogger(__name__)
 

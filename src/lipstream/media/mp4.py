@@ -34,9 +34,9 @@ from pathlib import Path
 import av
 import numpy as np
 
-from lipstream.io import atomic_path
+from lipstream.files import atomic_path
 from lipstream.media.segments import GLOBAL_HEADER, default_threads, encode_segment, x264_context
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 AAC_FRAME = 1024
 # Segment lengths: short first, then the last one repeated. x264 hands out packets only when a

@@ -1,5 +1,5 @@
 """The one wire format between LipStream and its worker processes (encode workers, WebRTC workers), and
-between a fleet's front and its replicas (serve/fleet_channel.py).
+between a fleet's front and its replicas (serve/fleet/channel.py).
 
 A message, either way: struct '<I' body length, then the body: a JSON header (utf-8, one line), b"\\n",
 and a payload of raw bytes (frames, samples, packets). Each worker's module lists its own messages;

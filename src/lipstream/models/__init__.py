@@ -7,7 +7,7 @@ can be imported by the CLI's early checks without importing torch (seconds).
 
 from __future__ import annotations
 
-from lipstream.lazy import lazy_names
+from lipstream import lazy_names
 
 _LAZY = {"MODEL_SIZES": "config", "ModelConfig": "config", "model_config": "config", "COMPONENTS": "load",
          "RANDOM_WARNING": "config", "MuseTalk": "load", "default_dtype": "load", "load_musetalk": "load",

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lipstream.options import UPSAMPLE_MODES
+from lipstream.models.config import UPSAMPLE_MODES
+
 
 NEAR = 4  # near=True: the cut rows' moments are taken to be those of the first 1/NEAR of the rows there
 

@@ -38,6 +38,7 @@ LATENT_SIZE = CROP_SIZE // 8  # 32
 LATENT_CHANNELS = 4
 VAE_SCALING_FACTOR = 0.18215
 UNET_TIMESTEP = 0
+UPSAMPLE_MODES = ("transpose", "phases", "plain")  # how each nearest 2x upsample + 3x3 conv runs (blocks.py)
 
 assert MEL_FRAMES == 3000 and FEATURES_PER_SEGMENT * 2 == MEL_FRAMES
 assert SAMPLES_PER_FEATURE * FEATURE_RATE == SAMPLE_RATE
@@ -170,3 +171,14 @@ def model_config(size: str) -> ModelConfig:
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
     return copy.deepcopy(MODEL_SIZES[size])
+
+
+def random_size_for(choice: str, device: str, avatar_meta: dict | None = None) -> str:
+    """'auto' -> the size the avatar's random VAE had, else tiny on a CPU (a full-size frame takes seconds
+    there) and full on a GPU; 'tiny' and 'full' as asked."""
+    if choice != "auto":
+        return choice
+    made_with = ((avatar_meta or {}).get("vae") or {}).get("random")
+    if made_with in ("tiny", "full"):
+        return made_with
+    return "tiny" if device == "cpu" else "full"

@@ -21,7 +21,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lipstream.serve import routes_avatars, routes_jobs, routes_sessions
+from lipstream.serve.routes import avatars, jobs, sessions
 from lipstream.serve.auth import use_keys
 from lipstream.serve.interface import ServerHost
 from lipstream.serve.options import RETRY_AFTER_S
@@ -31,7 +31,7 @@ from lipstream.serve.uploads import refused_by_length
 log = logging.getLogger("lipstream.serve")
 STATIC = Path(__file__).with_name("static")
 PAGE_CSP = "default-src 'self'"  # the page loads nothing from elsewhere (its WebSocket is same-origin too)
-ROUTERS = (routes_avatars.router, routes_jobs.router, routes_sessions.router)
+ROUTERS = (avatars.router, jobs.router, sessions.router)
 
 probes = APIRouter()  # the page and what operators poll: no key needed
 

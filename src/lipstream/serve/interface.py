@@ -1,5 +1,5 @@
 """What the HTTP app needs of the server behind it, as interfaces: one process (serve/service.py's
-Service with its LiveSessions) and a fleet of engine replicas under Ray Serve (serve/fleet.py's
+Service with its LiveSessions) and a fleet of engine replicas under Ray Serve (serve/fleet/front.py's
 FleetFront) both play these roles, so the routes are the same code and the API is the same.
 
 Jobs need nothing here beyond the shared job store and data folder: runners pull their jobs from
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from lipstream.serve.auth import Caller
     from lipstream.serve.options import ServeOptions
-    from lipstream.serve.store import JobStore
+    from lipstream.serve.store.base import JobStore
 
 
 class SessionRefused(Exception):

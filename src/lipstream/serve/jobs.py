@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lipstream.live.offline import JobCancelled, OfflineLane
-from lipstream.script import single_scene
+from lipstream.render.script import single_scene
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine
     from lipstream.models import MuseTalk
     from lipstream.serve.metrics import Metrics
     from lipstream.serve.options import ServeOptions
-    from lipstream.serve.store import Job, JobStore
+    from lipstream.serve.store.base import Job, JobStore
 
 log = logging.getLogger(__name__)
 KINDS = ("render", "broadcast", "compile")
@@ -217,9 +217,9 @@ class JobRunner:
         local render takes (routes_jobs.OUTPUT_OPTIONS: fps, crf, x264_preset; a render's start_frame)."""
         from fractions import Fraction
 
-        from lipstream.options import RenderOptions
-        from lipstream.render import render_program
-        from lipstream.script import load_script
+        from lipstream.render.options import RenderOptions
+        from lipstream.render.program import render_program
+        from lipstream.render.script import load_script
 
         if kind == "broadcast":
             program = load_script(self.s.o.data_dir / params["script"])

@@ -30,7 +30,7 @@ from fractions import Fraction
 import numpy as np
 
 from lipstream.live import AdmissionError, LiveFrame, Session, SpeechEvent
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.auth import Caller
 from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway

@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine
-    from lipstream.serve.store import JobStore
+    from lipstream.serve.store.base import JobStore
 
 
 class Metrics:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lipstream.show.checks import IMAGE_SUFFIXES
-from lipstream.serve.store import LEASE_S, JobStoreError, default_runner_id
+from lipstream.serve.store.base import LEASE_S, JobStoreError, default_runner_id
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
@@ -59,11 +59,11 @@ class ServeOptions:
     `rtc_workers`: the processes aiortc runs in (serve/rtc.py), so that its Python holds their GILs, not
     the engine's. `database`: the job store (None: the SQLite file jobs.sqlite3 under `data_dir`; or
     postgresql://... shared by servers on several machines). `runner_id`: this server's name among
-    those sharing the store (serve/store.py: leases), the same across its restarts. `lease_s`: how long
+    those sharing the store (serve/store/base.py: leases), the same across its restarts. `lease_s`: how long
     a claim on a job lasts unless its runner renews it (every third of it): a dead server's job is
     taken by another this long after its last renewal. `job_poll_s`: how often an idle job runner looks
     at the store; a plain server's submit wakes its runner at once, but a fleet's replicas hear of a job
-    only by looking (serve/fleet_replica.py asks FLEET_JOB_POLL_S)."""
+    only by looking (serve/fleet/replica.py asks FLEET_JOB_POLL_S)."""
 
     avatars_dir: Path
     data_dir: Path
@@ -92,7 +92,7 @@ class ServeOptions:
         """Open the job store once (a PostgreSQL server reached, the schema created or checked) and
         close it: one-line error naming --database before anything heavy loads."""
         try:
-            from lipstream.serve.database import open_store  # psycopg only when it is asked for
+            from lipstream.serve.store.database import open_store  # psycopg only when it is asked for
 
             open_store(self.job_database(), runner_id=self.runner_id, lease_s=self.lease_s).close()
         except JobStoreError as e:

@@ -41,7 +41,7 @@ from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription, r
 from aiortc.mediastreams import MediaStreamError
 
 from lipstream.media.wire import frame_parts, one_line, read_message_async
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.rtc import VIDEO_CLOCK
 
 QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go

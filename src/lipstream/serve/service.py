@@ -3,7 +3,7 @@
 Started once (every cache warm before it reports ready), then shared by the HTTP app's
 requests: render jobs run through the live engine's offline lane, after the live sessions. It is
 the ServerHost (serve/interface.py) of a single-process server, and the engine of each replica of
-a fleet (serve/fleet.py), whose front is the HTTP app instead.
+a fleet (serve/fleet/front.py), whose front is the HTTP app instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lipstream.avatar.resident import resident_avatar
 from lipstream.live import LiveEngine, preset
 from lipstream.models import MuseTalk
 from lipstream.serve.jobs import JobRunner
-from lipstream.serve.database import open_store
+from lipstream.serve.store.database import open_store
 from lipstream.serve.live import LiveSessions
 from lipstream.serve.metrics import Metrics
 from lipstream.serve.options import AVATAR_NAME, ServeOptions
@@ -30,7 +30,7 @@ from lipstream.serve.rtc import default_workers
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks
     from lipstream.serve.upgrade import StepsUpgrade
-    from lipstream.startup import PendingPackages
+    from lipstream.engine.networks import PendingPackages
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine
-    from lipstream.startup import PendingPackages
+    from lipstream.engine.networks import PendingPackages
 
 log = logging.getLogger("lipstream.serve")
 
@@ -60,7 +60,7 @@ class StepsUpgrade:
 
     def _run(self) -> None:
         from lipstream.engine import aot
-        from lipstream.startup import LIVE_KINDS
+        from lipstream.engine.networks import LIVE_KINDS
 
         t0 = time.perf_counter()
         device = self.pending.device

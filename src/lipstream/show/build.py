@@ -26,7 +26,7 @@ LOWER_THIRD_MARGIN = 0.05  # of the frame's width (left) and height (above the t
 
 def frame_times(bounds: Sequence[int], fps: float) -> list[FrameTime]:
     """Every output frame's (scene, scene time, show time) from the scenes' first frames `bounds`
-    (render.py's: scene k is frames bounds[k]..bounds[k+1]-1, the last entry the frame count)."""
+    (render/program.py's: scene k is frames bounds[k]..bounds[k+1]-1, the last entry the frame count)."""
     fps = float(fps)
     return [(k, (i - bounds[k]) / fps, i / fps)
             for k in range(len(bounds) - 1) for i in range(bounds[k], bounds[k + 1])]

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.show.spec import Picture, Show, Span
 
 # stills by suffix (anything else a pip or cutaway names is opened as a video); the server's list is this one

@@ -359,7 +359,7 @@ class Compositor:
     With `graphs` (on CUDA by default) a batch is painted whole by one CUDA graph per batch size: every
     layer over every frame, opacity 0 where it does not show (those frames come out untouched to the bit),
     so each batch is the same ~150 ops, replayed in one launch. They are launches from the render's
-    producer thread, and each would take the GIL back from the writer's threads (render_loop.py). Without
+    producer thread, and each would take the GIL back from the writer's threads (loop.py). Without
     graphs (the CPU) each layer paints only the frames where it shows, in place."""
 
     def __init__(self, layers: list[Layer], frame_size: tuple[int, int], device: torch.device,

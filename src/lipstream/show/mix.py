@@ -12,7 +12,7 @@ import numpy as np
 
 from lipstream.audio.decode import load_mono
 from lipstream.audio.resample import resample
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.show.spec import Music
 
 SHOW_FADE_S = 1.0  # the bed fades in at the show's start and out at its end

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.media.demux import open_input
 from lipstream.media.pixels import i420_to_rgb
 

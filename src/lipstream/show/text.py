@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.show.spec import LowerThird
 
 Font = ImageFont.FreeTypeFont

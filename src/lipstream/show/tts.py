@@ -19,7 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from lipstream.errors import InputError, LipStreamError, check_file
+from lipstream.errors import InputError, LipStreamError
+from lipstream.files import check_file
 
 DEFAULT_VOICE = "en"
 ESPEAK = "espeak-ng"

@@ -34,7 +34,7 @@ from livekit.agents.voice.avatar import AudioSegmentEnd, AvatarOptions, VideoGen
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SpeechEvent
 from lipstream.media.pixels import i420_resize, pcm16
-from lipstream.rates import AUDIO_RATE
+from lipstream.media.rates import AUDIO_RATE
 
 _POOL: ThreadPoolExecutor | None = None
 CLEAR_WAIT_S = 1.0  # at most this long for the runner to finish pushing the audio it holds

@@ -1,4 +1,5 @@
-"""Atomic outputs: a file appears under its name only when it is complete."""
+"""Files a user names: checked on the way in (present, readable, a file), and outputs written atomically
+(a file appears under its name only when it is complete). No torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,38 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lipstream.errors import InputError
-from lipstream.preflight import check_output_path
+
+
+def check_file(path: str | Path, what: str = "file") -> Path:
+    """Return `path` as a Path if it is an existing, readable, regular file; else raise InputError."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(p, f"no such {what}")
+    if p.is_dir():
+        raise InputError(p, f"is a folder, expected {_a(what)}")
+    if not p.is_file():
+        raise InputError(p, f"is not a regular file, expected {_a(what)}")
+    try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise InputError(p, f"cannot be read ({e.strerror or e})") from None
+    return p
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def check_output_path(dest: str | Path) -> Path:
+    """Fail early, before any work, if `dest` cannot become an output file."""
+    dest = Path(dest)
+    if dest.is_dir():
+        raise InputError(dest, "is a folder, expected an output file name")
+    parent = dest.parent if str(dest.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(dest, f"output folder {parent} does not exist")
+    return dest
 
 
 @contextlib.contextmanager

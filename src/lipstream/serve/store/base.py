@@ -1,7 +1,7 @@
 """The job store of `lipstream serve`: what every store does, and `open_store` to pick one.
 
-Two stores implement `JobStore`: SQLite (serve/store_sqlite.py, the default: one file beside the
-outputs, nothing to install or run, one machine) and PostgreSQL (serve/store_postgres.py: one
+Two stores implement `JobStore`: SQLite (serve/store/sqlite.py, the default: one file beside the
+outputs, nothing to install or run, one machine) and PostgreSQL (serve/store/postgres.py: one
 database that servers on several machines share). The service uses only this interface.
 
 Several runners may share one store. A claim records the runner's id and a lease (`lease_until`),

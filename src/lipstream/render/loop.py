@@ -4,7 +4,7 @@ A producer thread runs the engine batch by batch (GPU work, the show's layers pa
 ring of pinned host buffers; the caller's thread hands the frames to the writer, which encodes and muxes.
 They meet in a bounded queue, so memory stays flat and both sides stay busy. The loop also decides when the
 engine's other buckets are captured (after the first packet, and only where they repay the stop) and runs
-at a short GIL switch interval. render.py makes the plan (`prepare`); the benchmark's ablations hand `write`
+at a short GIL switch interval. program.py makes the plan (`prepare`); the benchmark's ablations hand `write`
 other writers.
 """
 
@@ -28,10 +28,10 @@ from tqdm import tqdm
 from lipstream.engine.blend import crossfade
 from lipstream.engine.interface import FrameEngine, FrameRequest
 from lipstream.errors import LipStreamError
-from lipstream.interrupts import DeferredInterrupt
+from lipstream.render.interrupts import DeferredInterrupt
 from lipstream.media.mp4 import MP4Writer
-from lipstream.options import RenderOptions
-from lipstream.rates import AUDIO_RATE
+from lipstream.render.options import RenderOptions
+from lipstream.media.rates import AUDIO_RATE
 from lipstream.show.compose import Compositor
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder

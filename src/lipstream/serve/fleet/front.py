@@ -1,9 +1,9 @@
 """`lipstream serve --replicas N`: the server as a Ray Serve application, one engine replica per GPU.
 
 Two deployments:
-- **engine** (serve/fleet_replica.py): N replicas (or Ray Serve's autoscaling between a min and a max),
+- **engine** (serve/fleet/replica.py): N replicas (or Ray Serve's autoscaling between a min and a max),
   each owning a GPU (`num_gpus: 1`) and holding a warm Service: networks, avatars, LiveEngine, WebRTC
-  workers, a job runner. Routed by SessionAffineRouter (serve/fleet_router.py).
+  workers, a job runner. Routed by SessionAffineRouter (serve/fleet/router.py).
 - **front**: the HTTP app of a single server (serve/app.py, the same routes and page), behind Ray's
   HTTP proxy. It is the ServerHost (serve/interface.py) of the fleet: jobs go to the shared store and
   data folder, where the replicas' runners claim them (a claim is atomic: one replica a job; a dead
@@ -12,8 +12,8 @@ Two deployments:
   id begins with the replica's); the whole fleet answers 503 only when every replica is full.
 
 Ray's proxy carries the signalling and the speech socket; from the front, the speech of all a replica's
-sessions goes to it as one stream of batches (serve/fleet_speech.py) over a TCP connection of the front's
-own (serve/fleet_channel.py; Ray calls where it cannot be had); a session's media flows by ICE between the
+sessions goes to it as one stream of batches (serve/fleet/speech.py) over a TCP connection of the front's
+own (serve/fleet/channel.py; Ray calls where it cannot be had); a session's media flows by ICE between the
 client and its replica's host. Shared across machines: the job store (`--database
 postgresql://...`) and the data folder (`--data` on a shared filesystem: uploads and results; object
 stores are not supported).
@@ -39,11 +39,11 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from lipstream.errors import LipStreamError
 from lipstream.serve.auth import Caller
-from lipstream.serve.database import open_store
-from lipstream.serve.fleet_channel import SpeechRoute
-from lipstream.serve.fleet_replica import EngineReplica, EngineWeights
-from lipstream.serve.fleet_router import fleet_replicas, room
-from lipstream.serve.fleet_speech import FleetSpeech, ReplicaSpeech
+from lipstream.serve.store.database import open_store
+from lipstream.serve.fleet.channel import SpeechRoute
+from lipstream.serve.fleet.replica import EngineReplica, EngineWeights
+from lipstream.serve.fleet.router import fleet_replicas, room
+from lipstream.serve.fleet.speech import FleetSpeech, ReplicaSpeech
 from lipstream.serve.interface import SessionRefused
 from lipstream.serve.options import ServeOptions
 from lipstream.serve.ports import HAPROXY_SIDE_PORTS, haproxy_side_ports
@@ -52,7 +52,7 @@ log = logging.getLogger("lipstream.serve")
 APP = "lipstream"
 ENGINE = "engine"
 CALL_TIMEOUT_S = 30.0  # a call to a named replica that does not answer by then: it is gone
-ROUTER = "lipstream.serve.fleet_router:SessionAffineRouter"
+ROUTER = "lipstream.serve.fleet.router:SessionAffineRouter"
 STATS_PERIOD_S = 1.0  # how often the replicas report their room to the routers
 READY_WAIT_S = 30.0  # after the replicas are warm, at most this for the front to have their first report
 # Ray starts its workers at nice +15 over the raylet (RAY_worker_niceness), which suits batch tasks, not a live
@@ -189,7 +189,7 @@ class FleetFront:
     def __init__(self, options: ServeOptions, engine, channel_token: str = ""):
         self.o = options
         self.engine = engine
-        self.channel_token = channel_token  # the replicas' speech connections (serve/fleet_channel.py)
+        self.channel_token = channel_token  # the replicas' speech connections (serve/fleet/channel.py)
         self.uploads_dir = options.data_dir / "uploads"
         self.results_dir = options.data_dir / "results"
         for d in (self.uploads_dir, self.results_dir):

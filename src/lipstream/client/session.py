@@ -32,7 +32,7 @@ import numpy as np
 from lipstream.errors import LipStreamError
 from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
-from lipstream.rates import AUDIO_RATE, as_fps
+from lipstream.media.rates import AUDIO_RATE, as_fps
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One engine replica of a `lipstream serve` fleet (serve/fleet.py): a Ray Serve replica that owns a GPU
+"""One engine replica of a `lipstream serve` fleet (serve/fleet/front.py): a Ray Serve replica that owns a GPU
 and holds what a single-process server holds (the networks, the resident avatars, a LiveEngine, the
 WebRTC workers, a job runner on the shared store), warm before Ray sends it anything.
 
@@ -18,7 +18,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from lipstream.serve.auth import Caller
-from lipstream.serve.fleet_channel import SpeechListener
+from lipstream.serve.fleet.channel import SpeechListener
 from lipstream.serve.interface import SessionGone, SessionRefused
 from lipstream.serve.options import ServeOptions
 
@@ -40,8 +40,8 @@ class EngineWeights:
 
     def load(self):
         """startup.LiveNetworks: the packages `lipstream warmup` built on this replica's machine, or the modules."""
-        from lipstream.preflight import random_size_for
-        from lipstream.startup import load_live_networks, pick_device
+        from lipstream.models.config import random_size_for
+        from lipstream.engine.networks import load_live_networks, pick_device
 
         device = pick_device(self.device)
         size = random_size_for(self.random_size, device.type)
@@ -55,7 +55,7 @@ class EngineReplica:
     """A Service in a Ray Serve replica. Session ids begin with "<replica id>."."""
 
     async def __init__(self, options: ServeOptions, weights: EngineWeights, channel_token: str = ""):
-        """`channel_token`: the fleet's secret for the front's speech connections (serve/fleet_channel.py);
+        """`channel_token`: the fleet's secret for the front's speech connections (serve/fleet/channel.py);
         empty: speech comes by Ray calls only."""
         import ray
         from ray import serve
@@ -100,7 +100,7 @@ class EngineReplica:
             raise RuntimeError(f"engine replica {self.name}: its live engine has failed")
 
     def record_routing_stats(self) -> dict:
-        """What SessionAffineRouter and the front read (serve/fleet_router.py)."""
+        """What SessionAffineRouter and the front read (serve/fleet/router.py)."""
         s = self.service
         room, places = s.live.room()
         return {"ready": s.ready, "room_fps": room, "places": places, "sessions": len(s.sessions.open),
@@ -136,7 +136,7 @@ class EngineReplica:
 
     async def speak_many(self, batch: dict[str, list[tuple]]) -> list[str]:
         """What the front's speech sockets sent since its last call, for every session of this replica with
-        something new (serve/fleet_speech.py's ReplicaSpeech), each session's items in order: ("audio",
+        something new (serve/fleet/speech.py's ReplicaSpeech), each session's items in order: ("audio",
         PCM16 bytes, rate), ("end",), ("interrupt",). The ids of those sessions that have ended. Called by
         the front's connection (SpeechListener) or, where it has none, through the handle."""
         from lipstream.serve.live import LocalSpeech

@@ -1,6 +1,6 @@
 """The PostgreSQL job store: one database that `lipstream serve` replicas on several machines share.
 
-The same jobs, transitions and leases as the SQLite store (serve/store.py says how leases work),
+The same jobs, transitions and leases as the SQLite store (serve/store/base.py says how leases work),
 in two tables of the given database (`lipstream_jobs`, `lipstream_schema`), so it can live beside
 other applications' tables. Claims take the oldest queued row with SELECT ... FOR UPDATE SKIP
 LOCKED: concurrent claimers never wait on each other and never take the same row. Every other
@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lipstream.serve.store import (
-    ACTIVE_STATUSES, LEASE_S, SCHEMA_VERSION, STATUSES, Job, JobStoreError, check_result, checked_progress,
-    crashed_error, default_runner_id, job_from_row, one_line, params_json, redact, require_held)
+from lipstream.serve.store.base import (ACTIVE_STATUSES, LEASE_S, SCHEMA_VERSION, STATUSES, Job, JobStoreError,
+    check_result, checked_progress, crashed_error, default_runner_id, job_from_row, one_line, params_json, redact,
+    require_held)
 
 CONNECT_TIMEOUT_S = 5
 NOW = "extract(epoch from clock_timestamp())::double precision"

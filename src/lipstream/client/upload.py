@@ -3,7 +3,7 @@
 The checks a local render makes before torch (the output path, each audio file), plus a header probe of each
 audio file, since the upload is what costs; for a broadcast, the script rewritten for the server (each file
 under the name it is uploaded as, the server's avatars) and the show's files; then, against the server's
-avatar listing, every avatar named and the show's boxes on the server's frame size. remote_jobs.py talks to
+avatar listing, every avatar named and the show's boxes on the server's frame size. jobs.py talks to
 the server. No torch: PyAV (the header probe) and YAML.
 """
 
@@ -13,9 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lipstream.errors import InputError, check_file
-from lipstream.preflight import check_program_inputs
-from lipstream.script import Program
+from lipstream.errors import InputError
+from lipstream.files import check_file
+from lipstream.render.checks import check_program_inputs
+from lipstream.render.script import Program
 from lipstream.serve.options import AUDIO_SUFFIXES
 
 

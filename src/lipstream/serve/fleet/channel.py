@@ -4,8 +4,8 @@ Ray's handling of a call costs the replica's process GIL time on threads of Ray'
 the replica's request wrapper, metrics), beside the engine's core thread: on 2 cores one session's speech
 at 50 calls/s lost 19-59 frames of 240 a row, at 10 calls/s none (docs/BENCHMARKS.md). Here each replica
 listens on its node's address; the front keeps one connection to each and sends what ReplicaSpeech
-(serve/fleet_speech.py) batches as one message, the replica answering with the ids of the sessions that
-have ended. Where a connection cannot be had, the front falls back to the Ray call (serve/fleet.py).
+(serve/fleet/speech.py) batches as one message, the replica answering with the ids of the sessions that
+have ended. Where a connection cannot be had, the front falls back to the Ray call (serve/fleet/front.py).
 
 The wire is media/wire.py's, both ways. The front's first message is {"token": ...}, the fleet's secret;
 the replica answers {"ok": true} or closes. A batch's header is {"batch": [[sid, [item, ...]], ...]}, each
@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from lipstream.media.wire import pack, read_message_async
-from lipstream.serve.fleet_speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
+from lipstream.serve.fleet.speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
 
 log = logging.getLogger("lipstream.serve")
 MAX_MESSAGE = 64 << 20  # a batch: 64 MiB of PCM is over half an hour of 16 kHz speech

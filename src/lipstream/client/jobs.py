@@ -2,7 +2,7 @@
 
 A render on a machine without a GPU, or one that must not wait for networks to load, goes to the
 server that holds them warm. What the user gave is checked first, as a local render checks it
-(remote_upload.py: the output path, each audio file, plus a header probe of each file, since the upload
+(upload.py: the output path, each audio file, plus a header probe of each file, since the upload
 is what costs), then against the server's avatars (GET /v1/avatars), and only then uploaded
 (POST /v1/jobs/render or /v1/jobs/broadcast). The job's server-sent events drive the caller's
 progress; the result is downloaded into the output exactly as a local render writes one: a
@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 
 from lipstream.errors import LipStreamError
-from lipstream.io import atomic_path
-from lipstream.preflight import UsageError
-from lipstream.remote_upload import Upload, check_avatars
+from lipstream.files import atomic_path
+from lipstream.errors import UsageError
+from lipstream.client.upload import Upload, check_avatars
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The speech of a fleet's live sessions on its way from the front to their replicas (serve/fleet.py).
+"""The speech of a fleet's live sessions on its way from the front to their replicas (serve/fleet/front.py).
 
 Each speech socket's FleetSpeech (serve/interface.py's SpeechLink) hands what its client sends to the
 ReplicaSpeech of its session's replica, which sends the speech of all that replica's sessions as one
 stream of calls. Nothing here imports Ray: a ReplicaSpeech makes its calls through the `call` it is
-given (serve/fleet_channel.py's SpeechRoute: the front's own connection to the replica, else the handle
+given (serve/fleet/channel.py's SpeechRoute: the front's own connection to the replica, else the handle
 call; or a plain function in a test).
 """
 
@@ -23,7 +23,7 @@ log = logging.getLogger("lipstream.serve")
 # client chunk's length, so a chunk waits at most one chunk for its call (at 40 ms the fleet's speech was
 # 25-27 ms later at p99 than a plain server's on the H200); 50 calls/s per replica, whatever its sessions.
 SPEECH_BATCH_S = 0.02
-# over the front's own connection (serve/fleet_channel.py), whose messages cost the replica little: half
+# over the front's own connection (serve/fleet/channel.py), whose messages cost the replica little: half
 # that, a chunk's wait halved (at 20 ms the fleet's live p50 was 12-28 ms over a plain server's on an H100,
 # its audio stage p99 10 ms); at most 100 messages/s per replica, still a few sessions' speech in each
 CHANNEL_BATCH_S = 0.01
@@ -56,7 +56,7 @@ class FleetSpeech:
 
 class ReplicaSpeech:
     """The speech of every session of one replica, as one stream of calls: at most one in flight and at
-    most one every `batch_s` (in the fleet its route's, serve/fleet_channel.py's SpeechRoute.batch_s),
+    most one every `batch_s` (in the fleet its route's, serve/fleet/channel.py's SpeechRoute.batch_s),
     each carrying {session id: [items in order]} for the sessions with something pending (a session's
     audio at one rate merged into one run of PCM; "end" and "interrupt" in their place among it). Why:
     Ray's handling of a call costs the replica's process GIL time beside the engine's core thread; a call

@@ -32,7 +32,7 @@ from lipstream.engine.step import NetStep
 from lipstream.engine.surgery import cached_variant
 from lipstream.models.blocks import fuse_upsamplers
 from lipstream.models.config import WINDOW_STEPS, WINDOW_TOKENS
-from lipstream.options import EngineOptions
+from lipstream.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from lipstream.errors import InputError, check_file
+from lipstream.errors import InputError
+from lipstream.files import check_file
 from lipstream.show.schema import SCENE_SHOW_KEYS, TOP_SHOW_KEYS, check_keys, parse_scene_layers, parse_show
 from lipstream.show.spec import Show
 

@@ -174,7 +174,7 @@ def load_live_networks(models: str | Path | None, device: torch.device, random_w
     server, which then moves onto them (serve/upgrade.py); without it (a fleet's replica), or on a machine
     whose torch cannot load packages: the modules with Inductor (minutes cold, tens of seconds warm)."""
     from lipstream.engine import aot
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.engine.engines import FAST_INDUCTOR
     from lipstream.models import load_musetalk
 
     wanted = compile == "on" or (compile == "auto" and device.type == "cuda")
@@ -235,13 +235,13 @@ def warmup(models: str | Path | None, device: torch.device, random_weights: bool
     args = ["--random-size", size] if random_weights else ["--models", str(models or "")]
 
     def child(kind: str) -> list[str]:
-        return [sys.executable, "-m", "lipstream.startup", "build", kind, str(m.device), *args]
+        return [sys.executable, "-m", "lipstream.engine.networks", "build", kind, str(m.device), *args]
 
     return built + aot_build.build_in_children(m, missing, child, parallel, report=tell)
 
 
 def _build_child(argv: list[str]) -> None:
-    """`python -m lipstream.startup build KIND DEVICE (--random-size S | --models DIR)`: one package, built
+    """`python -m lipstream.engine.networks build KIND DEVICE (--random-size S | --models DIR)`: one package, built
     in a process of its own for warmup's `parallel`; prints what it built as JSON, last."""
     import json
     import sys
@@ -249,7 +249,7 @@ def _build_child(argv: list[str]) -> None:
     from lipstream.engine.aot_build import Built
 
     if len(argv) != 5 or argv[0] != "build" or argv[3] not in ("--random-size", "--models"):
-        sys.exit("usage: python -m lipstream.startup build KIND DEVICE (--random-size S | --models DIR)")
+        sys.exit("usage: python -m lipstream.engine.networks build KIND DEVICE (--random-size S | --models DIR)")
     random = argv[3] == "--random-size"
     done = warmup(None if random else (argv[4] or None), torch.device(argv[2]), random, argv[4] if random else "full",
                   kinds=(argv[1],), parallel=1)

@@ -1,6 +1,6 @@
 """/v1/sessions: live presenters over WebRTC (opened with the client's SDP offer, listed, closed)
 and the WebSocket that streams a session's speech in. The sessions are the server's SessionHost
-(serve/interface.py): this process's (serve/live.py) or a fleet's (serve/fleet.py)."""
+(serve/interface.py): this process's (serve/live.py) or a fleet's (serve/fleet/front.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, HTTPException, Request, WebSocket, WebSo
 from fastapi.responses import Response
 from starlette.websockets import WebSocketState
 
-from lipstream.rates import as_fps
+from lipstream.media.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
 from lipstream.serve.interface import ServerHost, SessionGone, SessionRefused
 from lipstream.serve.options import RETRY_AFTER_S
-from lipstream.serve.routes_avatars import known_avatar
+from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
 
 router = APIRouter()

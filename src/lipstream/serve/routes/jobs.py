@@ -16,9 +16,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from lipstream.serve.auth import Caller, caller, caller_or_token
 from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S, SHOW_SUFFIXES, UPLOAD_NAME, show_suffix
 from lipstream.serve.interface import ServerHost
-from lipstream.serve.routes_avatars import known_avatar
+from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
-from lipstream.serve.store import Job
+from lipstream.serve.store.base import Job
 from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
                                      save_upload)
 
@@ -48,9 +48,9 @@ def job_json(job: Job) -> dict:
 def output_options(fps: str | None, crf: int | None, x264_preset: str | None,
                    start_frame: int | None = None) -> dict:
     """The output options given (422 naming the first that is not allowed), as the job's params keep them."""
-    from lipstream.options import X264_PRESETS
-    from lipstream.preflight import MAX_FPS
-    from lipstream.rates import as_fps
+    from lipstream.render.options import X264_PRESETS
+    from lipstream.render.options import MAX_FPS
+    from lipstream.media.rates import as_fps
 
     given: dict = {}
     if fps is not None:
@@ -135,7 +135,7 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
     voice), each under the name the script gives it. `fps` (over the script's), `crf`, `x264_preset`: as
     `lipstream broadcast` takes them (left out: the server chooses)."""
     from lipstream.errors import InputError, LipStreamError
-    from lipstream.script import load_script
+    from lipstream.render.script import load_script
 
     audio, files = audio or [], files or []
     given = output_options(fps, crf, x264_preset)

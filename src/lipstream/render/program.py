@@ -2,7 +2,7 @@
 
 `render_program` is two steps. `prepare` decodes the speech, computes its features and windows,
 makes the avatars resident on the engine and plans every output frame (which avatar frame, which
-audio window, which crossfade). `write` (render_loop.py) runs the plan: the engine's batches into
+audio window, which crossfade). `write` (loop.py) runs the plan: the engine's batches into
 the encoders. The benchmark's ablations call the two steps with their own pieces (another window
 builder, another writer); nothing else does.
 """
@@ -33,11 +33,12 @@ from lipstream.engine.build import make_engine
 from lipstream.engine.interface import FrameEngine, FrameRequest
 from lipstream.errors import InputError
 from lipstream.models.config import SAMPLE_RATE
-from lipstream.options import RenderOptions
-from lipstream.preflight import check_output_path, resolve_avatar
-from lipstream.rates import AUDIO_RATE
-from lipstream.render_loop import Item, RenderPlan, RenderReport, write
-from lipstream.script import Program, Scene
+from lipstream.render.options import RenderOptions
+from lipstream.files import check_output_path
+from lipstream.avatar.folders import resolve_avatar
+from lipstream.media.rates import AUDIO_RATE
+from lipstream.render.loop import Item, RenderPlan, RenderReport, write
+from lipstream.render.script import Program, Scene
 from lipstream.show.build import build_compositor, scene_clock
 from lipstream.show.compose import Compositor
 from lipstream.show.mix import mix_music

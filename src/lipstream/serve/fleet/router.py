@@ -4,7 +4,7 @@ end must reach it); a call that names none goes to the replica with the most roo
 
 The front names a replica with the handle's `session_id` option (Ray Serve's own session-stickiness
 field, here holding the replica's unique id). The replicas report their room through
-`record_routing_stats` (serve/fleet_replica.py); Ray's controller hands every router the replicas
+`record_routing_stats` (serve/fleet/replica.py); Ray's controller hands every router the replicas
 with their latest figures, which the front also reads here to list the fleet (`fleet_replicas`).
 """
 

@@ -12,7 +12,7 @@ What survives a restart: every job with its owner, parameters, status, progress,
 error, timestamps and attempt count. What does not: the work of a job that was running; the
 service calls `requeue_running` at start-up (after a crash) and on a graceful shutdown, so its
 own running jobs are queued again and start over, their claims counted in `attempts`. Several
-processes on one machine may share the file, each with its own runner id (serve/store.py: leases).
+processes on one machine may share the file, each with its own runner id (serve/store/base.py: leases).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
-from lipstream.serve.store import (
-    ACTIVE_STATUSES, LEASE_S, SCHEMA_VERSION, STATUSES, Job, JobStoreError, check_result, checked_progress,
-    crashed_error, default_runner_id, job_from_row, one_line, params_json, require_held)
+from lipstream.serve.store.base import (ACTIVE_STATUSES, LEASE_S, SCHEMA_VERSION, STATUSES, Job, JobStoreError,
+    check_result, checked_progress, crashed_error, default_runner_id, job_from_row, one_line, params_json,
+    require_held)
 
 BUSY_TIMEOUT_S = 10.0  # another process holding the write lock: wait this long before "database is locked"
 

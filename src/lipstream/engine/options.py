@@ -1,22 +1,19 @@
-"""What a render can be asked to do: the engine's options (maths and speed) and the output's, with named presets.
+"""How the engine computes frames: one options object (maths and speed) with named presets.
 
 Kept free of torch: the CLI checks a user's options with these before anything heavy is imported.
-The live engine's options are live/options.py's; the server's, serve/options.py's.
+A render's options (the output's, around these) are render/options.py's; the live engine's, live/options.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from fractions import Fraction
-from pathlib import Path
+from dataclasses import dataclass, replace
+
+from lipstream.models.config import UPSAMPLE_MODES
 
 DECODE_ROWS = ("auto", "full", "mask")  # engine/decode.py: which face rows the VAE decodes
-UPSAMPLE_MODES = ("transpose", "phases", "plain")  # engine/upsample.py: how upsample + conv run
 DECODE_STATS = ("rows", "near")  # engine/decode.py: what a cropped decode's GroupNorms see
 INDUCTOR_MODES = ("off", "vae", "all")  # torch.compile of the uncompiled networks' step
 CAPTURE_MODES = ("before", "later")  # a one-shot render's CUDA graphs: before its first frame, or in the loop
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")
 DEFAULT_DECODE_ROW = 8  # latent row the cropped decode starts at (64 of 256 px)
 MAX_BATCH = 256
 
@@ -91,58 +88,3 @@ ENGINE_PRESETS: dict[str, EngineOptions] = {
     # the plain eager fp32 path and a numpy blend: what the others are checked against
     "reference": EngineOptions(decode_rows="full", upsample="plain", graphs=False, reference=True),
 }
-
-
-@dataclass(frozen=True)
-class RenderOptions:
-    """A render: the engine's options and the output's. `fps` None: the first avatar's. `x264_preset`,
-    `encoders` (parallel x264 segment encoders), `encoder_processes` (those encoders in worker processes,
-    not threads) and `engine.batch` None: chosen for the machine (`for_machine`). `resident`: the avatars
-    stay loaded for the process's next renders."""
-
-    engine: EngineOptions = field(default_factory=EngineOptions)
-    fps: Fraction | None = None
-    crf: int = 18
-    x264_preset: str | None = None
-    encoders: int | None = None
-    encoder_processes: bool | None = None
-    avatars_dir: Path | None = None
-    resident: bool = True
-    progress: bool = True
-
-    def check(self) -> None:
-        """ValueError naming the field and what is allowed."""
-        self.engine.check()
-        if not 0 <= self.crf <= 51:
-            raise ValueError(f"crf {self.crf}: an x264 quality from 0 to 51 is allowed")
-        if self.x264_preset is not None and self.x264_preset not in X264_PRESETS:
-            raise ValueError(f"x264_preset {self.x264_preset!r}: one of {', '.join(X264_PRESETS)} is allowed")
-        if self.encoders is not None and not 1 <= self.encoders <= 64:
-            raise ValueError(f"encoders {self.encoders}: 1 to 64 are allowed")
-        if self.fps is not None and not 0 < self.fps <= 240:
-            raise ValueError(f"fps {self.fps}: above 0 and at most 240 is allowed")
-
-    def for_machine(self, device_type: str, cores: int) -> RenderOptions:
-        """What the user left open, chosen for this machine.
-
-        On a GPU the engine outruns x264 (625 fps core on the H200 against about 300 fps of 1080p
-        veryfast on 16 cores), so the encoder gets the fastest preset and the engine large batches,
-        and its segment encoders run in processes of their own: as threads their Python shares the
-        producer's GIL and kept 4 of 16 cores busy. On a CPU the networks are the bottleneck, veryfast
-        (smaller files) costs nothing that shows, and threads are enough.
-        """
-        gpu = device_type == "cuda"
-        encoders = self.encoders or default_encoders(cores)
-        processes = self.encoder_processes
-        return replace(self, engine=self.engine.for_device(device_type),
-                       x264_preset=self.x264_preset or ("ultrafast" if gpu else "veryfast"), encoders=encoders,
-                       encoder_processes=(gpu and encoders > 1) if processes is None else processes)
-
-    def replace(self, **changes) -> RenderOptions:
-        return replace(self, **changes)
-
-
-def default_encoders(cores: int) -> int:
-    """Parallel x264 segment encoders: one per 2 cores, at most 8; one below 8 cores, where a single
-    encoder with every thread is best (docs/BENCHMARKS.md)."""
-    return min(8, cores // 2) if cores >= 8 else 1

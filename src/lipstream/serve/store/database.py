@@ -1,14 +1,14 @@
 """Which job store a `--database` names: a path or sqlite:///PATH (SQLite, one machine), or
 postgresql://... (PostgreSQL, a queue shared by servers on several machines). The stores import the
-interface (store.py); this module imports them, so neither imports the other."""
+interface (base.py); this module imports them, so neither imports the other."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lipstream.serve.store import DATABASES, LEASE_S, JobStore, JobStoreError, default_runner_id, redact
-from lipstream.serve.store_postgres import PostgresJobStore
-from lipstream.serve.store_sqlite import SqliteJobStore
+from lipstream.serve.store.base import DATABASES, LEASE_S, JobStore, JobStoreError, default_runner_id, redact
+from lipstream.serve.store.postgres import PostgresJobStore
+from lipstream.serve.store.sqlite import SqliteJobStore
 
 
 def open_store(database: str | Path, *, runner_id: str | None = None, lease_s: float = LEASE_S) -> JobStore:
