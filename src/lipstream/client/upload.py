@@ -15,9 +15,8 @@ from pathlib import Path
 
 from lipstream.errors import InputError
 from lipstream.files import check_file
-from lipstream.render.checks import check_program_inputs
+from lipstream.render.checks import AUDIO_SUFFIXES, SHOW_SUFFIXES, check_program_inputs, file_suffix, show_suffix
 from lipstream.render.script import Program
-from lipstream.serve.options import AUDIO_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,6 @@ def prepare_upload(program: Program, kind: str, output: Path) -> Upload:
 
 def upload_name(n: int, path: Path, fallback: str, prefix: str = "") -> str:
     """`01-intro_speech.wav`: numbered (two files of one name stay two), the stem made safe, the suffix kept."""
-    from lipstream.serve.options import file_suffix
 
     suffix = file_suffix(path.name)
     stem = path.name[:len(path.name) - len(suffix)] if suffix else path.name
@@ -109,7 +107,6 @@ def upload_name(n: int, path: Path, fallback: str, prefix: str = "") -> str:
 def show_uploads(program: Program) -> dict[str, Path]:
     """Upload name -> local file for every file the show reads (Show.files(): each once; a Piper voice
     with its .onnx.json beside it), each present and ending as the server takes show files."""
-    from lipstream.serve.options import SHOW_SUFFIXES, show_suffix
 
     out: dict[str, Path] = {}
     seen: set[Path] = set()

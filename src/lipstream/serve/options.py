@@ -7,31 +7,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lipstream.show.checks import IMAGE_SUFFIXES
 from lipstream.serve.store.base import LEASE_S, JobStoreError, default_runner_id
 
 AVATAR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a folder name, never a path
 RETRY_AFTER_S = 5  # the Retry-After of a refusal for now (a key at its cap, a full engine, a server starting)
-# the uploads a job takes, by suffix (here, not in serve/uploads.py, so that a client checks its files without fastapi)
-VIDEO_SUFFIXES = frozenset({".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"})
-AUDIO_SUFFIXES = frozenset({".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".webm", ".mp4", ".mov", ".mkv"})
-# a broadcast's show files (logo, pip and cutaway stills and videos, music, font, a Piper voice and its
-# .onnx.json), uploaded beside its audio under names of this form
-FONT_SUFFIXES = frozenset({".ttf", ".otf", ".ttc"})
-SHOW_SUFFIXES = IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES | FONT_SUFFIXES | {".onnx", ".onnx.json"}
 UPLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name in the job's folder, never a path
-
-
-def file_suffix(name: str) -> str:
-    """A file name's suffix, lower-case, taking a Piper voice's ".onnx.json" as one."""
-    lower = name.lower()
-    return ".onnx.json" if lower.endswith(".onnx.json") else Path(lower).suffix
-
-
-def show_suffix(name: str) -> str | None:
-    """The suffix by which a show file is taken, or None when it is not taken."""
-    suffix = file_suffix(name)
-    return suffix if suffix in SHOW_SUFFIXES else None
 
 
 def is_loopback(host: str) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from lipstream.serve.options import AUDIO_SUFFIXES, VIDEO_SUFFIXES
+from lipstream.render.checks import AUDIO_SUFFIXES, VIDEO_SUFFIXES
 
 __all__ = ["AUDIO_SUFFIXES", "VIDEO_SUFFIXES", "audio_seconds", "new_upload_folder", "refused_by_length", "save_upload"]
 

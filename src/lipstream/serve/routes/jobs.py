@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, Uplo
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from lipstream.serve.auth import Caller, caller, caller_or_token
-from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S, SHOW_SUFFIXES, UPLOAD_NAME, show_suffix
+from lipstream.render.checks import SHOW_SUFFIXES, show_suffix
+from lipstream.serve.options import AVATAR_NAME, RETRY_AFTER_S, UPLOAD_NAME
 from lipstream.serve.interface import ServerHost
 from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
