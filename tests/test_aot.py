@@ -24,7 +24,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import load_avatar
-from lipstream.engine import CompiledEngine, Engine, FrameRequest, make_engine
+from lipstream.engine import PackageEngine, ModuleEngine, FrameRequest, make_engine
 from lipstream.engine import aot, aot_build
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.models import model_config
@@ -104,7 +104,7 @@ def cache(built_cache, tmp_path):
     return root
 
 
-def _frames(engine: Engine, avatar_dir, windows: torch.Tensor) -> torch.Tensor:
+def _frames(engine: ModuleEngine, avatar_dir, windows: torch.Tensor) -> torch.Tensor:
     slot = engine.add_avatar(load_avatar(avatar_dir))
     n = engine.avatars[slot].num_frames
     return engine.render([FrameRequest(slot, i % n, windows[i]) for i in range(len(windows))]).clone()
@@ -115,9 +115,9 @@ def test_compiled_frames_match_the_modules(built_cache, tiny_models, presenter, 
     compiled = aot.load_compiled(model_config("tiny"), SOURCE, CPU, root=built_cache)
     windows = torch.randn(7, 50, 384, generator=torch.Generator().manual_seed(5))
     engine = make_engine(compiled, EngineOptions(batch=4, decode_rows=rows))
-    assert isinstance(engine, CompiledEngine)  # the compiled packages' own engine, chosen by type
+    assert isinstance(engine, PackageEngine)  # the compiled packages' own engine, chosen by type
     fast = _frames(engine, presenter, windows)
-    plain = _frames(Engine(tiny_models, EngineOptions(batch=4, decode_rows=rows)), presenter, windows)
+    plain = _frames(ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows=rows)), presenter, windows)
     assert fast.shape == plain.shape and fast.dtype == torch.uint8
     assert (fast.int() - plain.int()).abs().max() <= 1  # the same maths, fused differently
     assert compiled.fingerprints == tiny_models.fingerprints  # the avatar's VAE check still holds
@@ -297,7 +297,7 @@ def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, t
         avatar = live.add_avatar(load_avatar(presenter))
         with live:
             out[name] = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
-    assert isinstance(live.engine, CompiledEngine)
+    assert isinstance(live.engine, PackageEngine)
     assert np.abs(out["packages"].astype(int) - out["modules"].astype(int)).max() <= 2
     # a running engine on the modules moves onto the packages (what a first `serve` does once they are built)
     live = LiveEngine(tiny_models, preset("cpu"))
@@ -306,7 +306,7 @@ def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, t
         before = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
         steps = live.use_compiled(compiled)
         after = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
-        assert isinstance(live.engine, CompiledEngine) and live.runner.engine is live.engine
+        assert isinstance(live.engine, PackageEngine) and live.runner.engine is live.engine
         assert set(steps) == set(live.engine.buckets) and set(live.step_s) == set(steps)
     assert np.array_equal(before, out["modules"]) and np.array_equal(after, out["packages"])
     with pytest.raises(ValueError, match="inductor"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lipstream.avatar import load_avatar
-from lipstream.engine import Engine, FrameRequest
+from lipstream.engine import ModuleEngine, FrameRequest
 from lipstream.errors import InputError
 from lipstream.engine.blend import untouched
 from lipstream.engine.decode import HALO, first_mask_row
@@ -52,7 +52,7 @@ def test_engine_decodes_the_mask_rows_and_the_frames_stay_close(tiny_models, pre
     windows = torch.randn(avatar.num_frames, 50, 384, generator=torch.Generator().manual_seed(2))
     out = {}
     for rows in ("full", "mask"):
-        engine = Engine(tiny_models, EngineOptions(batch=4, decode_rows=rows, decode_row=ROW))
+        engine = ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows=rows, decode_row=ROW))
         slot = engine.add_avatar(load_avatar(presenter))
         out[rows] = engine.render([FrameRequest(slot, i, windows[i]) for i in range(avatar.num_frames)]).float()
     w, h = avatar.size
@@ -71,11 +71,11 @@ def test_engine_refuses_an_avatar_whose_mask_starts_above_the_decoded_rows(tiny_
     avatar = load_avatar(presenter)
     avatar.masks = avatar.masks.clone()
     avatar.masks[:, 40:50, 100:150] = 255
-    engine = Engine(tiny_models, EngineOptions(batch=4, decode_rows="mask", decode_row=ROW))
+    engine = ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows="mask", decode_row=ROW))
     with pytest.raises(InputError, match="starts at face row 40"):
         engine.add_avatar(avatar)
     with pytest.raises(ValueError, match="decode_rows"):
-        Engine(tiny_models, EngineOptions(batch=4, decode_rows="top"))
+        ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows="top"))
 
 
 def test_auto_decode_crops_the_avatars_that_allow_it_and_decodes_the_others_whole(tiny_models, presenter):
@@ -85,7 +85,7 @@ def test_auto_decode_crops_the_avatars_that_allow_it_and_decodes_the_others_whol
     windows = torch.randn(4, 50, 384, generator=torch.Generator().manual_seed(5))
     out = {}
     for rows in ("full", "mask", "auto"):
-        engine = Engine(tiny_models, EngineOptions(batch=4, decode_rows=rows, decode_row=ROW))
+        engine = ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows=rows, decode_row=ROW))
         low = engine.add_avatar(load_avatar(presenter))
         out[rows, "low"] = engine.render([FrameRequest(low, i, windows[i]) for i in range(4)]).clone()
         if rows != "mask":
@@ -121,7 +121,7 @@ def test_near_statistics_differ_from_the_rows_alone_and_change_nothing_uncut(tin
         assert torch.equal(decoder(z, near=True), decoder(z))  # square maps: near changes nothing
     assert a.shape == b.shape and not torch.allclose(a, b)
     with pytest.raises(ValueError, match="decode_stats"):
-        Engine(tiny_models, EngineOptions(batch=4, decode_stats="mean"))
+        ModuleEngine(tiny_models, EngineOptions(batch=4, decode_stats="mean"))
 
 
 def test_graph_bookkeeping_of_auto_decode_matches_the_eager_path(tiny_models, presenter, replay_graphs):
@@ -132,7 +132,7 @@ def test_graph_bookkeeping_of_auto_decode_matches_the_eager_path(tiny_models, pr
     windows = torch.randn(7, 50, 384, generator=torch.Generator().manual_seed(6))
     out = {}
     for graphs in (False, True):
-        engine = Engine(tiny_models, EngineOptions(batch=4, graphs=graphs, decode_rows="auto", decode_row=ROW), buckets=(2, 4))
+        engine = ModuleEngine(tiny_models, EngineOptions(batch=4, graphs=graphs, decode_rows="auto", decode_row=ROW), buckets=(2, 4))
         low, slot = engine.add_avatar(load_avatar(presenter)), engine.add_avatar(copy.copy(high))
         engine.warm_up()
         for name, requests in {"low": [FrameRequest(low, i % 6, windows[i]) for i in range(7)],
@@ -151,8 +151,8 @@ def test_the_reference_path_stays_exact_whatever_the_fast_defaults(tiny_models):
 
     latents = torch.randn(2, 8, 32, 32, generator=torch.Generator().manual_seed(7))
     windows = torch.randn(2, 50, 384, generator=torch.Generator().manual_seed(8))
-    fast, reference = Engine(tiny_models, EngineOptions(batch=4)), ReferenceEngine(tiny_models)
-    plain = Engine(tiny_models, EngineOptions(batch=4, decode_rows="full", upsample="plain"))
+    fast, reference = ModuleEngine(tiny_models, EngineOptions(batch=4)), ReferenceEngine(tiny_models)
+    plain = ModuleEngine(tiny_models, EngineOptions(batch=4, decode_rows="full", upsample="plain"))
     with torch.inference_mode():
         want = plain.faces(latents, windows)
         assert torch.equal(reference.faces(latents, windows), want)

@@ -18,7 +18,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.audio.resample import StreamResampler, resample
-from lipstream.engine import Engine
+from lipstream.engine import ModuleEngine
 from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
@@ -273,7 +273,7 @@ def test_session_equals_offline_render_where_features_agree(exact, avatars, tiny
     wav = write_audio(tmp_path / "u.wav", speech, 16_000)
     program = Program([Scene(wav, [Shot(0.0, "b")], start_frame=f0 * 5)], avatars_dir=avatars[1].parent)
     options = RenderOptions(EngineOptions(batch=4), fps=FPS, resident=False, progress=False).for_machine("cpu", 2)
-    write(prepare(program, tiny_models, Engine(tiny_models, options.engine), options), tmp_path / "u.mp4", options,
+    write(prepare(program, tiny_models, ModuleEngine(tiny_models, options.engine), options), tmp_path / "u.mp4", options,
           writer=_Capture)
     offline = _Capture.captured
     assert len(offline) == len(spoken)
@@ -592,13 +592,13 @@ def test_a_session_that_stops_reading_stalls_no_other(streaming):
 
 
 def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
-    """Offline frames go through the live core's steps and come out as the plain Engine renders them."""
-    from lipstream.engine import Engine, FrameRequest
+    """Offline frames go through the live core's steps and come out as the plain ModuleEngine renders them."""
+    from lipstream.engine import ModuleEngine, FrameRequest
 
     windows = torch.randn(5, 50, 384)
     frames = [0, 1, 2, 3, 1]
     got = streaming.render_offline(0, frames, windows).result(timeout=60)
-    private = Engine(streaming.m, EngineOptions(batch=8))  # the core thread owns the live one
+    private = ModuleEngine(streaming.m, EngineOptions(batch=8))  # the core thread owns the live one
     private.add_avatar(streaming.engine.avatars[0])
     want = private.render([FrameRequest(0, f, w) for f, w in zip(frames, windows)]).numpy()
     assert got.shape == want.shape

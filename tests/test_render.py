@@ -23,7 +23,7 @@ from lipstream.engine.blend import untouched
 from lipstream.errors import InputError
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
-from lipstream.engine import Engine
+from lipstream.engine import ModuleEngine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import load_musetalk
 from lipstream.engine.options import ENGINE_PRESETS, EngineOptions
@@ -73,7 +73,7 @@ def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path,
     options = RenderOptions(avatars_dir=studio / "avatars", crf=0, encoders=encoders, progress=False)
     if processes:  # MP4Writer's segment encoders as processes (no flag of the CLI's: render.loop.write's own writer)
         options = options.for_machine("cpu", 2)
-        plan = prepare(single_scene("anna", studio / "long.wav", start_frame=3), tiny_models, Engine(tiny_models),
+        plan = prepare(single_scene("anna", studio / "long.wav", start_frame=3), tiny_models, ModuleEngine(tiny_models),
                        options)
         report = write(plan, out, options, writer=functools.partial(MP4Writer, processes=True))
     else:
@@ -198,8 +198,8 @@ def graph_render(studio, graph_device, **render_options):
     options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, first_batch=8), avatars_dir=studio / "avatars",
                             crf=0, progress=False, **render_options)
     engine_options = options.for_machine(graph_device, 2).engine
-    return (models, single_scene("ben", studio / "long.wav"), options, Engine(models, engine_options),
-            Engine(models, engine_options))
+    return (models, single_scene("ben", studio / "long.wav"), options, ModuleEngine(models, engine_options),
+            ModuleEngine(models, engine_options))
 
 
 def same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device) -> None:
@@ -271,7 +271,7 @@ def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_d
     for capture in ("before", "later"):
         options = RenderOptions(ENGINE_PRESETS["fast"].replace(graphs=True, capture=capture, first_batch=8),
                                 avatars_dir=studio / "avatars", crf=0, progress=False)
-        engine = Engine(models, options.for_machine(graph_device, 2).engine)
+        engine = ModuleEngine(models, options.for_machine(graph_device, 2).engine)
         report = render_program(program, tmp_path / f"{capture}.mp4", models, options, engine=engine)
         frames[capture] = decode(tmp_path / f"{capture}.mp4")[0]
         assert len(engine._net) == len(engine.buckets) == 2  # every bucket captured once, either way

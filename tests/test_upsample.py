@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lipstream.avatar import load_avatar
-from lipstream.engine import Engine, FrameRequest
+from lipstream.engine import ModuleEngine, FrameRequest
 from lipstream.models.blocks import Upsample, fuse_upsamplers
 from lipstream.engine.options import UPSAMPLE_MODES, EngineOptions
 
@@ -69,22 +69,22 @@ def test_engine_with_fused_upsamplers_renders_the_same_frames(tiny_models, prese
     windows = torch.randn(6, 50, 384, generator=torch.Generator().manual_seed(3))
     out = {}
     for mode in UPSAMPLE_MODES:
-        engine = Engine(tiny_models, EngineOptions(batch=4, upsample=mode))
+        engine = ModuleEngine(tiny_models, EngineOptions(batch=4, upsample=mode))
         slot = engine.add_avatar(load_avatar(presenter))
         out[mode] = engine.render([FrameRequest(slot, i % avatar.num_frames, windows[i]) for i in range(6)]).int()
     for mode in FUSED:
         assert (out[mode] - out["plain"]).abs().max() <= 1  # uint8 rounding of the same numbers
     with pytest.raises(ValueError, match="upsample"):
-        Engine(tiny_models, EngineOptions(batch=4, upsample="bilinear"))
+        ModuleEngine(tiny_models, EngineOptions(batch=4, upsample="bilinear"))
 
 
 def test_engines_on_the_same_networks_share_the_modules_and_one_fold(tiny_models):
     """So torch.compile's per-module cache serves every engine (no second trace and compile)."""
-    a, b = (Engine(tiny_models, EngineOptions(batch=4, upsample="phases", decode_rows="auto")) for _ in range(2))
+    a, b = (ModuleEngine(tiny_models, EngineOptions(batch=4, upsample="phases", decode_rows="auto")) for _ in range(2))
     for cropped in (False, True):
         assert a._steps[cropped].unet is b._steps[cropped].unet is tiny_models.unet
         assert a._steps[cropped].decoder is b._steps[cropped].decoder is tiny_models.vae.decoder
     up = next(m for m in tiny_models.vae.decoder.modules() if isinstance(m, Upsample))
     folded = up.folded_phases
-    Engine(tiny_models, EngineOptions(batch=4, upsample="phases"))
+    ModuleEngine(tiny_models, EngineOptions(batch=4, upsample="phases"))
     assert up.folded_phases is folded  # folded once per mode

@@ -13,13 +13,13 @@ import torch
 from lipstream.avatar.colour import i420_to_rgb
 from lipstream.engine.interface import FrameRequest
 from lipstream.engine.reference import blend_reference
-from lipstream.engine.engines import Engine
+from lipstream.engine.engines import ModuleEngine
 from lipstream.media.mp4 import MP4Writer
 
 
-class CPUBlendEngine(Engine):
+class CPUBlendEngine(ModuleEngine):
     """The fast network step, but blending done the old way: on the CPU with numpy, frame by frame
-    ("GPU blending off"); the output matches Engine's."""
+    ("GPU blending off"); the output matches ModuleEngine's."""
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
@@ -39,7 +39,7 @@ class CPUBlendEngine(Engine):
         return torch.stack(out).to(self.device)
 
 
-class RGBEngine(Engine):
+class RGBEngine(ModuleEngine):
     """The fast path with RGB frames out instead of I420 ("YUV path off"): blended in YUV on the device,
     then turned into RGB there, so the ablation measures an RGB hand-over (twice the bytes copied back,
     a colour conversion per frame on the CPU, by RGBToI420Writer)."""

@@ -23,7 +23,7 @@ from lipstream.avatar import load_avatar, ping_pong
 from lipstream.bench import figures, legacy, scenarios
 from lipstream.bench.engines import CPUBlendEngine, RGBEngine, RGBToI420Writer
 from lipstream.engine.interface import FrameEngine
-from lipstream.engine.engines import FAST_INDUCTOR, Engine
+from lipstream.engine.engines import FAST_INDUCTOR, ModuleEngine
 from lipstream.media.mp4 import MP4Writer
 from lipstream.models import MuseTalk
 from lipstream.engine.options import ENGINE_PRESETS, EngineOptions
@@ -116,7 +116,7 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
         """The row's engine, built, compiled, captured and warmed on a short program (once per engine)."""
         if variant.engine_key not in engines:
             t = time.perf_counter()
-            engines[variant.engine_key] = (variant.make_engine or (lambda m: Engine(m, fast.engine)))(models)
+            engines[variant.engine_key] = (variant.make_engine or (lambda m: ModuleEngine(m, fast.engine)))(models)
             render(warm_program, work / "warm.mp4", variant)
             report["startup"][call][variant.engine_key] = time.perf_counter() - t
 
@@ -274,9 +274,9 @@ def face_psnr(output: Path, reference: Path, scenario: scenarios.Scenario) -> fl
 def ablations(inductor: str) -> dict[str, Variant]:
     """Each optimisation of the fast path, and the wiring that turns it off."""
 
-    def fast(m: MuseTalk, buckets: tuple[int, ...] | None = None, **change) -> Engine:
+    def fast(m: MuseTalk, buckets: tuple[int, ...] | None = None, **change) -> ModuleEngine:
         """The fast engine with one option changed."""
-        return Engine(m, EngineOptions(batch=FAST_BATCH, inductor=inductor, **change), buckets=buckets)
+        return ModuleEngine(m, EngineOptions(batch=FAST_BATCH, inductor=inductor, **change), buckets=buckets)
 
     one_bucket = (FAST_BATCH,)
     rows = {
@@ -292,7 +292,7 @@ def ablations(inductor: str) -> dict[str, Variant]:
         "mask-rows decode": Variant("full decode", lambda m: fast(m, decode_rows="full")),
     }
     if inductor != "off":
-        rows["compile"] = Variant("no compile", lambda m: Engine(m, EngineOptions(batch=FAST_BATCH)))
+        rows["compile"] = Variant("no compile", lambda m: ModuleEngine(m, EngineOptions(batch=FAST_BATCH)))
     return rows
 
 

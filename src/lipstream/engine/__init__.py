@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lipstream import lazy_names
 
-_LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "Engine": "engines", "CompiledEngine": "engines",
+_LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "ModuleEngine": "engines", "PackageEngine": "engines",
          "StepEngine": "engines", "ReferenceEngine": "reference", "make_engine": "build"}
 
 __all__ = sorted(_LAZY)

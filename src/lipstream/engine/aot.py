@@ -290,7 +290,7 @@ class CompiledStep:
 @dataclass
 class CompiledNetworks:
     """What the compiled engine and the renderer need, from packages instead of the networks' modules:
-    the frame steps (CompiledEngine runs them) and the Whisper encoder (audio.features.AudioNetworks)."""
+    the frame steps (PackageEngine runs them) and the Whisper encoder (audio.features.AudioNetworks)."""
 
     config: ModelConfig
     device: torch.device

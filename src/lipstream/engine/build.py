@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from lipstream.engine.aot import CompiledNetworks
 from lipstream.engine.interface import FrameEngine
 from lipstream.engine.reference import ReferenceEngine
-from lipstream.engine.engines import CompiledEngine, Engine
+from lipstream.engine.engines import PackageEngine, ModuleEngine
 from lipstream.engine.options import EngineOptions
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ def make_engine(networks: MuseTalk | CompiledNetworks, options: EngineOptions) -
     if isinstance(networks, CompiledNetworks):
         if options.reference:
             raise ValueError("the reference path runs on the networks' modules, not on compiled packages")
-        return CompiledEngine(networks, options)
+        return PackageEngine(networks, options)
     if options.reference:
         return ReferenceEngine(networks, options.batch or 16)
-    return Engine(networks, options)
+    return ModuleEngine(networks, options)

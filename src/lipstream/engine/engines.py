@@ -70,7 +70,7 @@ def _compiled(module: torch.nn.Module, mode: str | None) -> torch.nn.Module:
 class StepEngine:
     """What every fast engine shares: resident avatars, one blend canvas, CUDA graphs per bucket (the
     network step, then the blend into I420), `render` and `render_rows`. A subclass says where the
-    network step comes from (`_step`): the networks' modules (Engine) or compiled packages (CompiledEngine).
+    network step comes from (`_step`): the networks' modules (ModuleEngine) or compiled packages (PackageEngine).
 
     Implements engine.interface.FrameEngine. `fixed_shapes`: the step's code is compiled for the bucket
     sizes only, so an uncaptured call is padded to one (no recompiles).
@@ -388,7 +388,7 @@ class StepEngine:
                     dst.index_copy_(0, at, src(a, avatar).index_select(0, index))
 
 
-class Engine(StepEngine):
+class ModuleEngine(StepEngine):
     """The fast engine on the networks' modules: fp16 on CUDA (fp32 on CPU), fused upsamplers, the
     cropped decode where the avatars allow it, optionally Inductor (`options.inductor`) on the buckets
     in `compile_buckets` (each a compile of minutes on a cold cache; the others run the same modules
@@ -413,7 +413,7 @@ class Engine(StepEngine):
             from lipstream.engine.aot import cache_root
 
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # warm starts reuse compiled kernels
-            # Modules, not the step: a compiled module's code is shared by every Engine with the same
+            # Modules, not the step: a compiled module's code is shared by every ModuleEngine with the same
             # shapes (parameters are graph inputs), so a second engine in a process reuses it.
             for step in self._steps.values():
                 step.decoder = _compiled(step.decoder, None)
@@ -425,7 +425,7 @@ class Engine(StepEngine):
         return (self._plain if plain else self._steps)[cropped](latents, windows)
 
 
-class CompiledEngine(StepEngine):
+class PackageEngine(StepEngine):
     """The fast engine on ahead-of-time compiled packages (engine/aot.py): no network modules built,
     no compile wait. Its maths options (upsample, decode row and statistics) are the packages' own."""
 

@@ -2,7 +2,7 @@
 
 A request is (avatar, loop frame index, audio window); the engine does not care which caller or
 scene it comes from. `render_program` runs on any FrameEngine: the fast engine on the networks'
-modules (Engine), the one on compiled packages (CompiledEngine), the plain reference path
+modules (ModuleEngine), the one on compiled packages (PackageEngine), the plain reference path
 (ReferenceEngine) and a running server's live engine (live.offline.OfflineLane).
 """
 

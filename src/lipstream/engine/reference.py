@@ -14,7 +14,7 @@ import torch
 from lipstream.media.pixels import MATRICES
 from lipstream.engine.blend import chroma_span
 from lipstream.engine.interface import FrameRequest
-from lipstream.engine.engines import Engine
+from lipstream.engine.engines import ModuleEngine
 from lipstream.engine.options import ENGINE_PRESETS
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def blend_reference(frame: np.ndarray, face: np.ndarray, mask: np.ndarray, box, 
     return out
 
 
-class ReferenceEngine(Engine):
+class ReferenceEngine(ModuleEngine):
     """Same requests, same outputs, computed the plain way: fp32 eager networks, numpy blend per frame.
 
     The networks see small batches (the maths per frame is the same; one frame at a time made the

@@ -30,7 +30,7 @@ import torch
 
 from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
-from lipstream.engine.engines import CompiledEngine, Engine, StepEngine
+from lipstream.engine.engines import PackageEngine, ModuleEngine, StepEngine
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.handoff import FrameHandoff
 from lipstream.live.items import SessionClock
@@ -66,7 +66,7 @@ class EngineStats:
 
 
 class LiveEngine:
-    """Resident avatars, live sessions and offline frames on one Engine. Use as a context manager
+    """Resident avatars, live sessions and offline frames on one FrameEngine. Use as a context manager
     (or start() / close()); open sessions with open_session()."""
 
     def __init__(self, models: MuseTalk, options: LiveOptions | str = "realtime", *,
@@ -85,10 +85,10 @@ class LiveEngine:
         if compiled is not None:
             if inductor != "off":
                 raise ValueError("an engine on compiled packages takes no inductor option")
-            self.engine: StepEngine = CompiledEngine(compiled, EngineOptions(batch=buckets[-1], decode_rows=decode_rows),
+            self.engine: StepEngine = PackageEngine(compiled, EngineOptions(batch=buckets[-1], decode_rows=decode_rows),
                                                      buckets=buckets)
         else:
-            self.engine = Engine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
+            self.engine = ModuleEngine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
                                  buckets=buckets,
                                  compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
         self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
@@ -187,7 +187,7 @@ class LiveEngine:
         The new engine is made, captured and measured here, beside the running one (so with sessions live the
         measure is pessimistic, and capacity errs low); the core thread then takes it between two steps,
         with nothing in flight. Sessions, their features and the idle loops carry on unchanged."""
-        engine = CompiledEngine(compiled, EngineOptions(batch=self.engine.buckets[-1], decode_rows=self._decode_rows),
+        engine = PackageEngine(compiled, EngineOptions(batch=self.engine.buckets[-1], decode_rows=self._decode_rows),
                                 buckets=self.engine.buckets)
         with self._lock:
             resident = list(self.engine.avatars)

@@ -3,7 +3,7 @@
 A server keeps one LiveEngine: its networks, captured steps and avatars. A render job handed to
 `render_program(..., engine=OfflineLane(live))` plans, decodes speech and writes its MP4 exactly
 as the CLI does, while its frames go through the live scheduler at lower priority than the
-sessions' (LiveEngine.render_offline). The CLI itself keeps its direct Engine: nothing shares it.
+sessions' (LiveEngine.render_offline). The CLI itself keeps its direct ModuleEngine: nothing shares it.
 
 The render asks for its batches in order and says which come next (`prefetch`): those are queued
 on the live engine at once, so its steps run back to back while the render hands the previous

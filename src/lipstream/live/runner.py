@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lipstream.engine import Engine
+from lipstream.engine import StepEngine
 from lipstream.live.features import FeatureTable
 from lipstream.live.scheduler import OfflineJob, StepPlan
 
@@ -77,7 +77,7 @@ def _now(fn: Callable, *args) -> None:
 class StepRunner:
     """Runs the scheduler's steps on the engine; owns the host buffers and the copy stream."""
 
-    def __init__(self, engine: Engine, table: FeatureTable, submit: Callable[..., object] | None = None):
+    def __init__(self, engine: StepEngine, table: FeatureTable, submit: Callable[..., object] | None = None):
         """`submit(fn, *args)` runs a copy out of a host buffer (a thread pool's submit; None: at once)."""
         self.engine, self.table = engine, table
         self._submit = submit or _now
