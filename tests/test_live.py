@@ -23,7 +23,7 @@ from lipstream.engine.blend import untouched
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.fixtures.stream import nal_types
-from lipstream.live import AdmissionError, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
+from lipstream.live import SessionRefused, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import streamed_features
 from lipstream.live.request import Candidate
 from lipstream.live.scheduler import Scheduler
@@ -560,7 +560,7 @@ def test_admission_refuses_a_session_that_would_overload(streaming):
     try:
         opened.append(streaming.open_session(0, fps=FPS))
         opened.append(streaming.open_session(1, fps=FPS))
-        with pytest.raises(AdmissionError, match="the engine is full: 2 sessions take 4 of the 5 frames/s"):
+        with pytest.raises(SessionRefused, match="the engine is full: 2 sessions take 4 of the 5 frames/s"):
             streaming.open_session(2, fps=FPS)
     finally:
         streaming.capacity_fps = keep

@@ -18,7 +18,7 @@ from lipstream.audio.resample import resample
 from lipstream.avatar.colour import i420_to_rgb as i420_to_rgb_torch
 from lipstream.fixtures import speech_like
 from lipstream.fixtures.avatar import tracked_avatar
-from lipstream.live import AdmissionError, LiveFrame, LiveOptions, SpeakingSession, SpeechEvent, start_engine
+from lipstream.live import SessionRefused, LiveFrame, LiveOptions, SpeakingSession, SpeechEvent, start_engine
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
 
 FPS = Fraction(4)
@@ -93,7 +93,7 @@ def test_a_session_by_name_speaks_stereo_pcm16_bytes(engine):
 
 def test_close_gives_the_engine_its_place_back(engine):
     first, second = engine.open_session("anna", fps=FPS), engine.open_session(0, fps=FPS)
-    with pytest.raises(AdmissionError):
+    with pytest.raises(SessionRefused):
         engine.open_session(0, fps=FPS)
     second.close()
     second.close()  # idempotent

@@ -38,7 +38,7 @@ from lipstream.audio.windows import num_frames  # noqa: E402
 from lipstream.fixtures import speech_like  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from lipstream.integrations.pipecat import FRAME_KEY, UTTERANCE_KEY, LipStreamVideoService  # noqa: E402
-from lipstream.live import AdmissionError, LiveEngine, LiveOptions  # noqa: E402
+from lipstream.live import SessionRefused, LiveEngine, LiveOptions  # noqa: E402
 from lipstream.media.pixels import mono_pcm  # noqa: E402
 from lipstream.media.rates import AUDIO_RATE  # noqa: E402
 
@@ -258,7 +258,7 @@ async def test_a_full_engine_is_a_pipecat_error_and_speech_passes_through(engine
     try:
         while True:  # fill every place
             held.append(engine.open_session("anna", fps=FPS, encode=False))
-    except AdmissionError:
+    except SessionRefused:
         pass
     try:
         pcm = _pcm16(speech_like(0.5, 16_000, seed=7))
@@ -268,7 +268,7 @@ async def test_a_full_engine_is_a_pipecat_error_and_speech_passes_through(engine
         for s in held:
             s.close()
     errors = [f for f in up if isinstance(f, ErrorFrame)]
-    assert len(errors) == 1 and "AdmissionError" in errors[0].error
+    assert len(errors) == 1 and "SessionRefused" in errors[0].error
     assert not any(isinstance(f, OutputImageRawFrame) for f in down)
     assert [type(f) for f in down] == [type(f) for f in frames]  # unchanged, in order
     assert b"".join(f.audio for f in down if isinstance(f, TTSAudioRawFrame)) == pcm.tobytes()

@@ -206,14 +206,6 @@ def write_frames(path: Path, frames: list[np.ndarray], width: int, height: int, 
             container.mux(packet)
 
 
-def read_frames(path: Path, count: int, width: int, height: int,
-                device: str | torch.device = "cpu") -> torch.Tensor:
-    """[count, H*3/2, W] uint8 I420 frames on `device`, decoded with FFmpeg's frame threads."""
-    loader = FrameLoader(path, count, width, height, device, background=False)
-    loader.wait(count)
-    return loader.frames
-
-
 class FrameLoader:
     """Decodes an avatar's frames into one tensor on `device`, in order, optionally in a thread.
 

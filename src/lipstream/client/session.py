@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 
 from lipstream.errors import LipStreamError
+from lipstream.live.interface import SessionRefused
 from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
 from lipstream.media.rates import AUDIO_RATE, as_fps
@@ -43,10 +44,6 @@ KEEP_PICTURES = 200  # pictures held for a consumer that is not reading (the old
 KEEP_EVENTS = 256
 CHUNK_S = 1.0  # a long push goes up in messages of at most this much audio
 TRACKS_TIMEOUT_S = 30.0
-
-
-class SessionRefused(LipStreamError):
-    """The server did not open the session (full, a bad key, an unknown avatar, unreachable)."""
 
 
 @dataclass
@@ -121,11 +118,11 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
     try:
         r = await http.get("/v1/avatars")
         if r.status_code != 200:
-            raise SessionRefused(f"{url}: GET /v1/avatars answered {r.status_code}: {_reason(r)}")
+            raise SessionRefused(r.status_code, f"{url}: GET /v1/avatars answered {r.status_code}: {_reason(r)}")
         info = next((a for a in r.json() if a["name"] == avatar), None)
         if info is None:
             names = ", ".join(a["name"] for a in r.json()) or "none"
-            raise SessionRefused(f"{url}: avatar {avatar!r} is not resident (the server has: {names})")
+            raise SessionRefused(404, f"{url}: avatar {avatar!r} is not resident (the server has: {names})")
         pc = RTCPeerConnection()
         pc.addTransceiver("audio", direction="recvonly")
         video = pc.addTransceiver("video", direction="recvonly")
@@ -142,10 +139,11 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
         r = await http.post("/v1/sessions", params=params, content=pc.localDescription.sdp,
                             headers={"Content-Type": "application/sdp"})
         if r.status_code != 201:
-            raise SessionRefused(f"{url}: the server refused a session on {avatar!r} ({r.status_code}): {_reason(r)}")
+            raise SessionRefused(r.status_code, f"{url}: the server refused a session on {avatar!r} ({r.status_code}): "
+                                 f"{_reason(r)}")
     except httpx.TransportError as e:
         await _discard(pc, http)
-        raise SessionRefused(f"{url}: the server cannot be reached ({type(e).__name__}: {e})") from None
+        raise SessionRefused(None, f"{url}: the server cannot be reached ({type(e).__name__}: {e})") from None
     except BaseException:
         await _discard(pc, http)
         raise
@@ -156,7 +154,7 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
     except BaseException as e:
         await session.aclose()
         if isinstance(e, Exception) and not isinstance(e, LipStreamError):
-            raise SessionRefused(f"{url}: session {session.id} could not be set up ({type(e).__name__}: {e})") from e
+            raise SessionRefused(None, f"{url}: session {session.id} could not be set up ({type(e).__name__}: {e})") from e
         raise
     return session
 

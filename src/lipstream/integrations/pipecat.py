@@ -268,7 +268,7 @@ class LipStreamVideoService(FrameProcessor):
 
                 session = await connect(self._url, self._avatar, api_key=self._api_key, fps=self._want_fps,
                                         playout_delay_s=self._playout_delay_s)
-        except Exception as e:  # noqa: BLE001 (AdmissionError, an unknown avatar, no server: reported, then passed through)
+        except Exception as e:  # noqa: BLE001 (SessionRefused, an unknown avatar, no server: reported, then passed through)
             await self.push_error(f"LipStream: no session for avatar {self._avatar!r} ({type(e).__name__}: {e}); "
                                   "the speech passes through without the avatar", exception=e)
             self._opened.set()

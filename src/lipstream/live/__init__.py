@@ -12,14 +12,14 @@ The engine's names load on first use (PEP 562): what a session hands out and the
 from __future__ import annotations
 
 from lipstream import lazy_names
-from lipstream.live.interface import SpeakingSession
+from lipstream.live.interface import SessionRefused, SpeakingSession
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 
 _LAZY = {"EngineStats": "engine", "LiveEngine": "engine", "start_engine": "engine", "LiveOptions": "options",
-         "PRESETS": "options", "preset": "options", "AdmissionError": "scheduler", "Session": "session"}
+         "PRESETS": "options", "preset": "options", "Session": "session"}
 
-__all__ = ["AdmissionError", "EngineStats", "LiveEngine", "LiveFrame", "LiveOptions", "PRESETS", "Session",
-           "SessionStats", "SpeakingSession", "SpeechEvent", "preset", "start_engine"]
+__all__ = ["EngineStats", "LiveEngine", "LiveFrame", "LiveOptions", "PRESETS", "Session",
+           "SessionRefused", "SessionStats", "SpeakingSession", "SpeechEvent", "preset", "start_engine"]
 
 
 __getattr__ = lazy_names(__name__, globals(), _LAZY)

@@ -38,7 +38,8 @@ from lipstream.live.options import LiveOptions, preset
 from lipstream.live.playout import Playout
 from lipstream.live.request import SpeechRequest
 from lipstream.live.runner import InFlight, StepRunner
-from lipstream.live.scheduler import FILL_POLL_S, AdmissionError, OfflineJob, Scheduler, admission
+from lipstream.live.interface import SessionRefused
+from lipstream.live.scheduler import FILL_POLL_S, OfflineJob, Scheduler, admission
 from lipstream.live.session import Session
 from lipstream.media.encode_pool import EncodePool
 from lipstream.engine.options import EngineOptions
@@ -285,7 +286,7 @@ class LiveEngine:
     def open_session(self, avatar: int | str = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
                      start_frame: int = 0, playout_delay_s: float | None = None) -> Session:
         """A new session on a resident avatar (its index or name), idle until speech is pushed;
-        AdmissionError if full. `encode` (None: the engine's `LiveOptions.encode`): H.264 + audio
+        SessionRefused (503) if full. `encode` (None: the engine's `LiveOptions.encode`): H.264 + audio
         packets with each frame, for a WebRTC sender; the integrations, which hand out pictures, pass
         False. `playout_delay_s` (None: the engine's) is this session's own: a client may trade latency
         for fewer late frames; the scheduler orders every frame by its own session's deadline.
@@ -304,7 +305,7 @@ class LiveEngine:
             why = admission(list(self.sessions.values()), fps, self.capacity_fps, self.o.utilisation,
                             len(self._free_rings))
             if why is not None:
-                raise AdmissionError(why)
+                raise SessionRefused(503, why)
             ring = self._free_rings.pop()
             sid = self._next_id
             self._next_id += 1

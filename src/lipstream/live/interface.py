@@ -1,4 +1,4 @@
-"""The one interface a speaking session plays, whichever side of a network it is on.
+"""The one interface a speaking session plays, whichever side of a network it is on, and its one refusal.
 
 `live.Session` (in this process, on a LiveEngine) implements it, and so does
 `lipstream.client.RemoteSession` (a `lipstream serve` session over WebRTC). The Pipecat and
@@ -14,7 +14,24 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from lipstream.errors import LipStreamError
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
+
+
+
+class SessionRefused(LipStreamError):
+    """A session could not be opened, said in one line: the live engine's, the server's and a remote client's.
+
+    `status` says why as HTTP does: 503 full (admitting it would make the others miss their deadlines) or
+    no room, 422 a bad request or offer, 401/403 the key, 404 an unknown avatar; None: no server answered.
+    `detail` is the reason."""
+
+    def __init__(self, status: int | None, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+    def __reduce__(self):  # crosses process boundaries (Ray) whole
+        return type(self), (self.status, self.detail)
 
 
 @runtime_checkable

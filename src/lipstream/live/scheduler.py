@@ -31,10 +31,6 @@ UNDERRUN_SLACK_S = 0.02  # the copy back and the encode, after the step
 FILL_POLL_S = 0.003  # a held-back step is planned again this soon (or at the next push)
 
 
-class AdmissionError(RuntimeError):
-    """A session was refused: admitting it would make the others miss their deadlines."""
-
-
 @dataclass
 class OfflineJob:
     """Frames of an offline render: the avatar's index, loop frames, their windows [n, 50, 384] on the device.

@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     from lipstream.serve.store.base import JobStore
 
 
-class SessionRefused(Exception):
-    """A session could not be opened: `status` is the HTTP answer (503: full or no WebRTC worker, 422: a
-    bad offer), `detail` the one-line reason."""
-
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status, self.detail = status, detail
-
-
 class SessionGone(Exception):
     """The session ended under its speech socket (closed, or its replica died)."""
 

@@ -29,10 +29,11 @@ from fractions import Fraction
 
 import numpy as np
 
-from lipstream.live import AdmissionError, LiveFrame, Session, SpeechEvent
+from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.auth import Caller
-from lipstream.serve.interface import SessionGone, SessionRefused
+from lipstream.live.interface import SessionRefused
+from lipstream.serve.interface import SessionGone
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class LiveSessions:
 
     async def start(self, owner: str, avatar: str, offer_sdp: str,
                     playout_delay_s: float | None = None, fps: Fraction | None = None) -> tuple[LiveSession, str]:
-        """Open an engine session (AdmissionError when full) and answer the client's offer (ValueError:
+        """Open an engine session (SessionRefused when full) and answer the client's offer (ValueError:
         a bad offer; RuntimeError: no WebRTC worker could take it)."""
         h264_offer = prefer_h264(offer_sdp)
         encoded = h264_offer is not None
@@ -214,8 +215,8 @@ class LiveSessions:
                        fps: Fraction | None) -> tuple[str, str]:
         try:
             live, answer = await self.start(owner, avatar, offer, playout_delay_s, fps)
-        except AdmissionError as e:
-            raise SessionRefused(503, str(e)) from None
+        except SessionRefused:  # the engine is full
+            raise
         except ValueError as e:
             raise SessionRefused(422, f"offer: {str(e).splitlines()[0]}") from None
         except RuntimeError as e:  # its WebRTC worker died under it: a new one takes the next session

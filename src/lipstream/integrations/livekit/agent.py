@@ -164,7 +164,7 @@ async def start_in_process(agent_session: AgentSession, room: rtc.Room, engine, 
     """The avatar in this process, on `engine` (a started LiveEngine this process holds; many agents
     share one): the agent's own participant publishes the avatar's video and speech. `avatar`: a
     resident avatar's name or index; `fps` (None: the avatar's) and `size` (None: the avatar's) of
-    the pictures. AdmissionError (lipstream.live) when the engine is full."""
+    the pictures. SessionRefused (lipstream.live) when the engine is full."""
     session = engine.open_session(avatar, fps=fps, encode=False)
     try:
         generator = LipStreamVideoGenerator(session, size=size)

@@ -27,7 +27,7 @@ from livekit.agents.types import ATTRIBUTE_PUBLISH_ON_BEHALF, TOPIC_TRANSCRIPTIO
 from livekit.agents.voice.avatar import AvatarRunner, DataStreamAudioReceiver
 
 from lipstream.integrations.livekit.generator import LipStreamVideoGenerator
-from lipstream.live import AdmissionError, LiveEngine
+from lipstream.live import LiveEngine, SessionRefused
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
@@ -159,8 +159,8 @@ class AvatarWorker:
             await self.leave(room_name)
         try:
             session = self.engine.open_session(index, fps=self.fps, encode=False)
-        except AdmissionError as e:
-            raise DispatchError(503, f"the engine is full: {e}") from None
+        except SessionRefused as e:
+            raise DispatchError(e.status or 503, e.detail) from None
         room = rtc.Room()
         try:
             await room.connect(self.url, self.room_token(room_name, identity, agent_identity),

@@ -44,7 +44,7 @@ from lipstream.serve.fleet.channel import SpeechRoute
 from lipstream.serve.fleet.replica import EngineReplica, EngineWeights
 from lipstream.serve.fleet.router import fleet_replicas, room
 from lipstream.serve.fleet.speech import FleetSpeech, ReplicaSpeech
-from lipstream.serve.interface import SessionRefused
+from lipstream.live.interface import SessionRefused
 from lipstream.serve.options import ServeOptions
 from lipstream.serve.ports import HAPROXY_SIDE_PORTS, haproxy_side_ports
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from lipstream.serve.auth import Caller
 from lipstream.serve.fleet.channel import SpeechListener
-from lipstream.serve.interface import SessionGone, SessionRefused
+from lipstream.live.interface import SessionRefused
+from lipstream.serve.interface import SessionGone
 from lipstream.serve.options import ServeOptions
 
 EVENT_POLL_S = 0.5  # how often an event stream looks whether its session has ended

@@ -13,7 +13,8 @@ from starlette.websockets import WebSocketState
 
 from lipstream.media.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
-from lipstream.serve.interface import ServerHost, SessionGone, SessionRefused
+from lipstream.live.interface import SessionRefused
+from lipstream.serve.interface import ServerHost, SessionGone
 from lipstream.serve.options import RETRY_AFTER_S
 from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
