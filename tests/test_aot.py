@@ -306,7 +306,7 @@ def test_a_live_engine_on_the_packages_renders_the_modules_frames(built_cache, t
         before = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
         steps = live.use_compiled(compiled)
         after = live.render_offline(avatar, list(range(6)), windows).result(timeout=120)
-        assert isinstance(live.engine, PackageEngine) and live.runner.engine is live.engine
+        assert isinstance(live.engine, PackageEngine) and live.core.runner.engine is live.engine
         assert set(steps) == set(live.engine.buckets) and set(live.step_s) == set(steps)
     assert np.array_equal(before, out["modules"]) and np.array_equal(after, out["packages"])
     with pytest.raises(ValueError, match="inductor"):

@@ -483,7 +483,7 @@ def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_m
         s = live.open_session(0, fps=FPS, encode=True)
         try:
             items = await _read(s, 2)
-            with live._lock:  # the core waits on it at its next turn
+            with live.core.lock:  # the core waits on it at its next turn
                 more = await _read(s, 6)
             return s, items + more + await _read(s, 10)
         finally:
@@ -491,7 +491,7 @@ def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_m
 
     try:
         session, items = asyncio.run(run())
-        assert live._error is None
+        assert live.core.error is None
     finally:
         live.close()
     frames = _frames(items)

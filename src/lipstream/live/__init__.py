@@ -15,7 +15,7 @@ from lipstream import lazy_names
 from lipstream.live.interface import SessionRefused, SpeakingSession
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 
-_LAZY = {"EngineStats": "engine", "LiveEngine": "engine", "start_engine": "engine", "LiveOptions": "options",
+_LAZY = {"EngineStats": "core", "LiveEngine": "engine", "start_engine": "engine", "LiveOptions": "options",
          "PRESETS": "options", "preset": "options", "Session": "session"}
 
 __all__ = ["EngineStats", "LiveEngine", "LiveFrame", "LiveOptions", "PRESETS", "Session",

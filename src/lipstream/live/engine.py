@@ -1,16 +1,12 @@
-"""The live engine: many sessions, one GPU, one core thread that owns it (vLLM's engine core, at small scale).
+"""The live engine's front end: what callers use (vLLM's engine front end over its EngineCore).
 
-Each turn of the core: encode the feature windows that new audio completed (one batched
-Whisper call for every session), ask the scheduler for the next step, launch it (the runner: the
-engine's captured graphs, network step and blend into I420), and only then finish the previous
-step: wait for its frames to arrive in pinned host memory (copied on a side stream) and hand each
-session its frames. So the CPU plans step k+1 while the GPU runs step k. Sessions copy their
-frames out on threads and encode them in worker processes (media.EncodePool), off this process's
-GIL; idle frames come from each avatar's idle loop, rendered once at start.
-
-This class is the front end: avatars, sessions (opened, admitted, closed), offline jobs, and the
-core thread's loop; what runs next is the scheduler's (live/scheduler.py), how it runs the
-runner's (live/runner.py), a session's state its own (live/session.py).
+Avatars made resident, sessions opened (admitted by the engine's measured capacity), closed and freed,
+offline frames (a server's render jobs, the idle loops) queued at lower priority, and the start: every
+bucket captured, a step's cost measured, the encoders and the core's thread started, the idle loops
+rendered. The core (live/core.py) steps the GPU on its own thread: features -> schedule -> launch ->
+finish. A session's state is its own (live/session.py: request | hand-off | playout); sessions copy
+their frames out on the core's copy threads and encode them in worker processes (media.EncodePool),
+off this process's GIL; idle frames come from each avatar's idle loop, rendered once at start.
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,21 +23,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lipstream.audio.features import whisper_features
 from lipstream.avatar import Avatar, load_avatar, ping_pong
-from lipstream.engine.engines import PackageEngine, ModuleEngine, StepEngine
-from lipstream.live.features import FeatureTable, StreamingWhisper
+from lipstream.engine.engines import ModuleEngine, PackageEngine, StepEngine
+from lipstream.engine.options import EngineOptions
+from lipstream.live.core import EngineStats, LiveCore
 from lipstream.live.handoff import FrameHandoff
+from lipstream.live.interface import SessionRefused
 from lipstream.live.items import SessionClock
 from lipstream.live.options import LiveOptions, preset
 from lipstream.live.playout import Playout
 from lipstream.live.request import SpeechRequest
-from lipstream.live.runner import InFlight, StepRunner
-from lipstream.live.interface import SessionRefused
-from lipstream.live.scheduler import FILL_POLL_S, OfflineJob, Scheduler, admission
+from lipstream.live.runner import StepRunner
+from lipstream.live.scheduler import OfflineJob, admission
 from lipstream.live.session import Session
 from lipstream.media.encode_pool import EncodePool
-from lipstream.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from lipstream.engine.aot import CompiledNetworks
@@ -50,20 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 COMPILED_FROM = 8  # Inductor (when asked) for the buckets of this many frames and up
-COALESCE_S = 0.004
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    frames: int = 0  # live frames rendered
-    offline_frames: int = 0
-    idle_cached_frames: int = 0  # idle frames handed out from the kept idle loops (no step)
-    whisper_windows: int = 0
-    whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
-    gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
-    started_at: float = field(default_factory=time.monotonic)
-    batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
 class LiveEngine:
@@ -86,45 +66,45 @@ class LiveEngine:
         if compiled is not None:
             if inductor != "off":
                 raise ValueError("an engine on compiled packages takes no inductor option")
-            self.engine: StepEngine = PackageEngine(compiled, EngineOptions(batch=buckets[-1], decode_rows=decode_rows),
-                                                     buckets=buckets)
+            engine: StepEngine = PackageEngine(compiled, EngineOptions(batch=buckets[-1], decode_rows=decode_rows),
+                                               buckets=buckets)
         else:
-            self.engine = ModuleEngine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
-                                 buckets=buckets,
-                                 compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
-        self.table = FeatureTable(self.o.max_sessions, self.o.ring_steps, self.device, models.dtype)
-        self.whisper = StreamingWhisper(models, self.table, self.o.context_steps, self.o.hop_steps,
-                                        self.o.lookahead_steps, trace=self.o.trace_whisper)
-        self.scheduler = Scheduler(buckets[-1], self.o.fill_slack_s)
-        # frames are copied out of the host buffers on threads (memcpy without the GIL) and encoded in
-        # worker processes (EncodePool, started with the first encoded session): in this process x264
-        # and PyAV held the GIL ~0.8 ms a frame and, retaking it constantly, starved the core and the
-        # callers' event loops
-        self._copy = ThreadPoolExecutor(max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="live-copy")
-        self.runner = StepRunner(self.engine, self.table, self._copy.submit)
-        self.sessions: dict[int, Session] = {}
+            engine = ModuleEngine(models, EngineOptions(batch=buckets[-1], decode_rows=decode_rows, inductor=inductor),
+                                  buckets=buckets,
+                                  compile_buckets=tuple(b for b in buckets if b >= COMPILED_FROM) or (buckets[-1],))
+        self.core = LiveCore(models, engine, self.o)
         self._free_rings = list(range(self.o.max_sessions))[::-1]  # each session's rows of the feature table
         self._next_id = 0
-        self._lock = threading.Lock()  # sessions, avatars and offline jobs change under it, between steps
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self.capacity_fps = self.o.capacity_fps
         self.start_phases: dict[str, float] = {}  # seconds of each step of start()
-        self.stats = EngineStats()
         self._rest0: dict[int, np.ndarray] = {}  # avatar -> its loop frame 0 on the host (a session's first picture)
-        self.idle_loops: dict[int, np.ndarray] = {}  # avatar -> its idle loop [n, H*3/2, W] I420, on the host
-        self._idle_bytes = 0  # kept and being rendered
+        self._idle_bytes = 0  # idle loops kept and being rendered
         self._encode_processes = encode_processes or max(1, (os.cpu_count() or 2) - 2)
-        self.encode_pool: EncodePool | None = None
+        self.encode_pool: EncodePool | None = None  # started with the first encoded session
         self._pool_lock = threading.Lock()
-        self._swap: tuple[StepEngine, dict[int, float], threading.Event] | None = None  # for the core thread
+
+    # what callers and the server read of the core
+    @property
+    def engine(self) -> StepEngine:
+        """The FrameEngine the core steps (another once `use_compiled` has moved it onto the packages)."""
+        return self.core.engine
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        return self.core.sessions
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats
+
+    @property
+    def idle_loops(self) -> dict[int, np.ndarray]:
+        return self.core.idle_loops
 
     @property
     def step_s(self) -> dict[int, float]:
         """What a step of each bucket took when measured at start."""
-        return self.scheduler.step_s
+        return self.core.scheduler.step_s
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -132,18 +112,18 @@ class LiveEngine:
         """Keep an avatar resident (a compiled avatar folder or a loaded one); returns its index."""
         if not isinstance(avatar, Avatar):
             avatar = load_avatar(avatar, self.device, vae_fingerprint=self.m.fingerprints.get("vae"))
-        with self._lock:
-            index = self.engine.add_avatar(avatar)
+        with self.core.lock:
+            index = self.core.engine.add_avatar(avatar)
         avatar.wait_frames(1)
         self._rest0[index] = avatar.frames[0].cpu().numpy()
-        if self._thread is not None:
-            self.runner.warm_sizes()
+        if self.core.running:
+            self.core.runner.warm_sizes()
             self._keep_idle_loop(index)
         return index
 
     def start(self) -> LiveEngine:
         """Capture every bucket, measure what a step costs, then start the core thread."""
-        if self._thread is not None:
+        if self.core.running:
             return self
         if not self.engine.avatars:
             raise ValueError("add an avatar before starting the live engine")
@@ -157,24 +137,24 @@ class LiveEngine:
             marks.append(time.perf_counter())
             self.start_phases[name] = round(marks[-1] - marks[-2], 2)
 
-        self.whisper.idle_window()
+        core = self.core
+        core.whisper.idle_window()
         if self.o.features == "stream":
-            self.whisper.warm()
+            core.whisper.warm()
         mark("whisper_s")
         self.engine.warm_up()
         mark("capture_and_compile_s")
-        self.runner.warm_sizes()
-        self.scheduler.step_s.update(self.runner.measure())
+        core.runner.warm_sizes()
+        core.scheduler.step_s.update(core.runner.measure())
         if self.capacity_fps is None:
-            self.capacity_fps = self.scheduler.capacity_fps()
+            self.capacity_fps = core.scheduler.capacity_fps()
         mark("measure_s")
         log.info("live engine: steps %s s, capacity %.0f frames/s",
                  {b: round(s, 4) for b, s in self.step_s.items()}, self.capacity_fps)
         if self.o.encode:
             self._encoders()
         mark("encoders_s")
-        self._thread = threading.Thread(target=self._run, name="lipstream-live-core", daemon=True)
-        self._thread.start()
+        core.start()
         for f in [self._keep_idle_loop(index) for index in range(len(self.engine.avatars))]:
             if f is not None:
                 f.result()  # started means warm: idle sessions cost no step from the first frame
@@ -190,37 +170,22 @@ class LiveEngine:
         with nothing in flight. Sessions, their features and the idle loops carry on unchanged."""
         engine = PackageEngine(compiled, EngineOptions(batch=self.engine.buckets[-1], decode_rows=self._decode_rows),
                                 buckets=self.engine.buckets)
-        with self._lock:
+        with self.core.lock:
             resident = list(self.engine.avatars)
         for a in resident:
             engine.add_avatar(a)
         with torch.inference_mode():
             engine.warm_up()
-            probe = StepRunner(engine, self.table)
+            probe = StepRunner(engine, self.core.table)
             probe.warm_sizes()
             step_s = probe.measure()
-        if self._thread is None:  # not started: nothing runs yet
-            self._take(engine, step_s)
-            return step_s
-        taken = threading.Event()
-        with self._lock:
-            for a in self.engine.avatars[len(resident):]:  # added meanwhile
-                engine.add_avatar(a)
-            self._swap = (engine, step_s, taken)
-        self._wake.set()
-        if not taken.wait(timeout_s):
-            raise RuntimeError(f"the live engine's core did not take the compiled steps within {timeout_s} s")
+        self.core.take_engine(engine, step_s, timeout_s)
         self._raise_error()
-        return step_s
-
-    def _take(self, engine: StepEngine, step_s: dict[int, float]) -> None:
-        self.engine = self.runner.engine = engine
-        self.runner.warm_sizes()
-        self.scheduler.step_s.update(step_s)
         if self.o.capacity_fps is None:
-            self.capacity_fps = self.scheduler.capacity_fps()
+            self.capacity_fps = self.core.scheduler.capacity_fps()
         log.info("live engine: on the compiled packages, steps %s s, capacity %.0f frames/s",
                  {b: round(s, 4) for b, s in step_s.items()}, self.capacity_fps or 0)
+        return step_s
 
     def _keep_idle_loop(self, avatar: int) -> Future | None:
         """Render the idle loop of the avatar (offline lane) and keep it, if it fits idle_cache_gib."""
@@ -232,7 +197,8 @@ class LiveEngine:
                      avatar, size / 2**20)
             return None
         self._idle_bytes += size
-        window = self.table.table[self.table.idle].reshape(1, -1, self.table.table.shape[-1])
+        table = self.core.table
+        window = table.table[table.idle].reshape(1, -1, table.table.shape[-1])
         future = self.render_offline(avatar, list(range(a.num_frames)), window.expand(a.num_frames, -1, -1))
 
         def keep(f: Future) -> None:
@@ -245,12 +211,7 @@ class LiveEngine:
         return future
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._copy.shutdown(wait=True)
+        self.core.stop()
         for s in list(self.sessions.values()):
             s.close()
         if self.encode_pool is not None:
@@ -267,7 +228,7 @@ class LiveEngine:
     def room(self) -> tuple[float | None, int]:
         """(frames/s another session may still take: None when admission has no capacity figure, session
         places free): what a fleet routes new sessions by."""
-        with self._lock:
+        with self.core.lock:
             places = len(self._free_rings)
             if self.capacity_fps is None:
                 return None, places
@@ -301,7 +262,7 @@ class LiveEngine:
         fps = Fraction(fps if fps is not None else a.fps).limit_denominator(1001)
         if not 1 <= fps <= 60:
             raise ValueError(f"fps: {float(fps):g}; 1 to 60 is allowed")
-        with self._lock:
+        with self.core.lock:
             why = admission(list(self.sessions.values()), fps, self.capacity_fps, self.o.utilisation,
                             len(self._free_rings))
             if why is not None:
@@ -321,12 +282,12 @@ class LiveEngine:
                     gop_frames=max(1, round(self.o.gop_s * float(fps))), matrix=a.meta.get("colour_matrix", "bt601"),
                     on_packets=handoff.encoded, on_error=handoff.encoder_failed))
         except BaseException:
-            with self._lock:
+            with self.core.lock:
                 self._free_rings.append(ring)  # its rows go back
             raise
-        with self._lock:
+        with self.core.lock:
             self.sessions[sid] = session
-        self._wake.set()
+        self.core.wake.set()
         return session
 
     def _rest_frame(self, avatar: int, frame: int) -> np.ndarray:
@@ -344,16 +305,16 @@ class LiveEngine:
         """A session's three parts, wired to each other and to this engine's threads."""
         a = self.engine.avatars[avatar]
         clock = SessionClock(time.monotonic(), o.playout_delay_s, fps)
-        request = SpeechRequest(sid, ring, avatar, a.fps, a.num_frames, start_frame, clock, o, self.table)
+        request = SpeechRequest(sid, ring, avatar, a.fps, a.num_frames, start_frame, clock, o, self.core.table)
         playout: Playout | None = None
 
         def to_playout(kind: str, generation: int, item: object) -> None:
             playout.arrive(kind, generation, item)
 
-        handoff = FrameHandoff(sid, clock, request.first_step, request.frame_audio, to_playout, self._copy.submit,
+        handoff = FrameHandoff(sid, clock, request.first_step, request.frame_audio, to_playout, self.core.copy.submit,
                                time.monotonic)
         playout = Playout(clock, request, rest, handoff.want_keyframe, time.monotonic)
-        return Session(request, handoff, playout, o, a.size, self._wake.set, time.monotonic,
+        return Session(request, handoff, playout, o, a.size, self.core.wake.set, time.monotonic,
                        matrix=a.meta.get("colour_matrix", "bt601"), release=self._release)
 
     def _encoders(self) -> EncodePool:
@@ -367,7 +328,7 @@ class LiveEngine:
         session.close()
 
     def _release(self, session: Session) -> None:
-        with self._lock:
+        with self.core.lock:
             if self.sessions.pop(session.id, None) is not None:
                 self._free_rings.append(session.request.ring)
 
@@ -391,109 +352,18 @@ class LiveEngine:
         if not frames:
             job.future.set_result(out)
             return job.future
-        with self._lock:
-            self.scheduler.add_offline(job)
-        self._wake.set()
+        with self.core.lock:
+            self.core.scheduler.add_offline(job)
+        self.core.wake.set()
         return job.future
 
     def failed(self) -> bool:
         """The core thread stopped on an error (every session has ended with it)."""
-        return self._error is not None
+        return self.core.error is not None
 
     def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("the live engine's core stopped") from self._error
-
-    # --- the core thread ------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        inflight: InFlight | None = None
-        last_turn = features_at = 0.0
-        try:
-            with torch.inference_mode():
-                while not self._stop.is_set():
-                    if self._swap is not None:  # new steps (use_compiled): taken with nothing in flight
-                        if inflight is not None:
-                            self._finish(inflight)
-                            inflight = None
-                        with self._lock:
-                            engine, step_s, taken = self._swap
-                            self._take(engine, step_s)
-                            self._swap = None
-                        taken.set()
-                    if inflight is not None and inflight.done is not None and inflight.done.query():
-                        self._finish(inflight)  # done already: its frames go out before this turn's work
-                        inflight = None
-                    with self._lock:
-                        sessions = list(self.sessions.values())
-                        # Whisper runs over every session's ready windows at most once a feature tick
-                        # (the first window after a quiet spell at once): unaligned 20 ms pushes
-                        # otherwise make a small encoder run at nearly every turn
-                        now = time.monotonic()
-                        features_wait = features_at + self.o.feature_tick_s - now
-                        if features_wait <= 0 and self._features(sessions):
-                            features_at = now
-                        now = time.monotonic()
-                        plan = self.scheduler.plan(sessions, now, self.idle_loops)
-                        launched = self._launch(plan) if len(plan) else None
-                    self.runner.hand_out_cached(plan, self.idle_loops, now)
-                    self.stats.idle_cached_frames += len(plan.cached)
-                    if inflight is not None:
-                        self._finish(inflight)
-                    inflight = launched
-                    if inflight is not None and inflight.done is None:  # no GPU: the step already ran
-                        self._finish(inflight)
-                        inflight = None
-                    if inflight is None:
-                        wait = FILL_POLL_S if plan.deferred else self.scheduler.idle_wait(
-                            sessions, time.monotonic(), self.idle_loops)
-                        self._wake.wait(min(wait, features_wait) if features_wait > 0 else wait)
-                        self._wake.clear()
-                        # Pushes wake the core; a turn scans every session and runs Whisper, so turns
-                        # are at least COALESCE_S apart (otherwise 24 sessions' 20 ms pushes make
-                        # 1200 turns a second, and their Python starves every other thread).
-                        time.sleep(max(0.0, last_turn + COALESCE_S - time.monotonic()))
-                    last_turn = time.monotonic()
-                if inflight is not None:
-                    self._finish(inflight)
-        except BaseException as e:  # noqa: BLE001 (handed to every caller)
-            log.exception("the live engine's core stopped")
-            self._error = e
-            for s in list(self.sessions.values()):
-                s.close()
-            self.scheduler.fail_offline(RuntimeError("the live engine's core stopped"))
-
-    def _features(self, sessions: list[Session]) -> int:
-        """Encode every window that can be now (stream), or whole ended utterances; how many."""
-        jobs, whole = [], 0
-        for s in sessions:
-            if self.o.features == "stream":
-                jobs += s.request.window_jobs()
-            else:
-                for audio, rows in s.request.whole_utterances():
-                    feats = whisper_features(torch.from_numpy(audio), self.m)
-                    index = torch.tensor(rows[:len(feats)], device=self.device)
-                    self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
-                    whole += 1
-        if jobs:
-            self.stats.whisper_runs += self.whisper.run(jobs)
-            self.stats.whisper_windows += len(jobs)
-        return len(jobs) + whole
-
-    def _launch(self, plan) -> InFlight:
-        inflight = self.runner.launch(plan)
-        self.stats.steps += 1
-        n = len(plan)
-        self.stats.batch_sizes[n] = self.stats.batch_sizes.get(n, 0) + 1
-        return inflight
-
-    def _finish(self, f: InFlight) -> None:
-        took = self.runner.finish(f)
-        if f.timing is not None:
-            self.stats.gpu_busy_s += took
-        self.scheduler.observe_step(took)
-        self.stats.frames += len(f.plan.live)
-        self.stats.offline_frames += len(f.plan.offline)
+        if self.core.error is not None:
+            raise RuntimeError("the live engine's core stopped") from self.core.error
 
 
 def start_engine(avatars: list[str | Path], *, models: str | Path | None = None, random_weights: bool = False,
