@@ -1,5 +1,5 @@
 """`lipstream serve --replicas 2` for real (issue 26): a local Ray started once for the module with two
-logical GPUs, the fleet application (serve/fleet/front.py) deployed on it with two engine replicas of tiny
+logical GPUs, the fleet application (serve/fleet/start.py) deployed on it with two engine replicas of tiny
 networks, reached through Ray's HTTP proxy on loopback by real clients (httpx; lipstream.client's
 aiortc WebRTC and speech socket). Jobs go to both replicas and equal a single server's; live sessions
 land on both and a third over capacity is refused with 503; several sessions of one replica speaking at once
@@ -57,7 +57,8 @@ def fleet(root):
     import ray
     from ray import serve
 
-    from lipstream.serve.fleet.front import APP, EngineWeights, fleet_app
+    from lipstream.serve.fleet.replica import EngineWeights
+    from lipstream.serve.fleet.start import APP, fleet_app
 
     ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="lipstream-test",
              logging_level="ERROR", log_to_driver=False)  # "local": never a `ray start` cluster left on the machine
@@ -355,7 +356,7 @@ def test_a_replica_killed_mid_job(fleet, root):
 def test_each_replica_asks_for_the_cpus_that_go_with_its_gpu():
     """Ray sets a replica's OMP_NUM_THREADS (torch's CPU threads) to the CPUs it asked for: one, by Ray's
     default, left a CPU fleet's jobs 1.5x as long as a plain server's."""
-    from lipstream.serve.fleet.front import replica_cpus
+    from lipstream.serve.fleet.start import replica_cpus
 
     head, gpu_node = {"CPU": 64.0}, {"CPU": 16.0, "GPU": 2.0}
     assert replica_cpus([head, gpu_node], 1.0, 2) == 8.0  # the GPU node's share per GPU, not the cluster's

@@ -123,7 +123,7 @@ def test_the_fleets_driver_does_not_import_torch(tmp_path, tiny_models):
     """The process that starts Ray and wires the front loads no networks (its replicas do): torch's import
     (2-3 s on a GPU host) would only delay Ray's start. Its command up to run_fleet, in a fresh process."""
     tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
-    probe = ("import sys\nimport lipstream.serve.fleet.front as fleet\n"
+    probe = ("import sys\nimport lipstream.serve.fleet.start as fleet\n"
              "fleet.run_fleet = lambda *a, **k: print('torch' in sys.modules, 'ray' in sys.modules)\n"
              "from lipstream.cli import main\n"
              f"main(['serve', '--replicas', '1', '--avatars', {str(tmp_path / 'avatars')!r}, '--data', "
@@ -152,7 +152,7 @@ def test_a_failed_start_is_said_in_one_line_from_rays_report():
     gives the application up; anything else is not a failed start and is raised as it is."""
     import ray.exceptions
 
-    from lipstream.serve.fleet.front import start_failure
+    from lipstream.serve.fleet.start import start_failure
 
     haproxy = RuntimeError("HAProxy crashed during startup: [NOTICE]   (19712) : haproxy version is 2.8.25\n"
                            "[WARNING]  (19712) : config : log format ignored\n"
@@ -208,7 +208,7 @@ def test_a_start_that_fails_in_ray_ends_in_one_line_and_leaves_no_ray(tmp_path, 
 
 def test_the_gpu_check_counts_what_each_flag_asks_for():
     from lipstream.errors import LipStreamError
-    from lipstream.serve.fleet.front import check_local_gpus
+    from lipstream.serve.fleet.start import check_local_gpus
 
     check_local_gpus(1.0, 4, 4.0, "cuda", "--replicas")
     check_local_gpus(0.0, 64, 0.0, "cpu", "--replicas")  # CPU replicas take no GPU

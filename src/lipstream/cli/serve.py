@@ -95,7 +95,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
 
     json_logs(os.environ.get("LIPSTREAM_LOG", "INFO"))
     if fleet is not None:  # the driver: Ray and the front's wiring; torch is the replicas' to import
-        from lipstream.serve.fleet.front import run_fleet
+        from lipstream.serve.fleet.start import run_fleet
         from lipstream.serve.fleet.replica import EngineWeights
 
         if random_weights:

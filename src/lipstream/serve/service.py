@@ -3,7 +3,7 @@
 Started once (every cache warm before it reports ready), then shared by the HTTP app's
 requests: render jobs run through the live engine's offline lane, after the live sessions. It is
 the ServerHost (serve/interface.py) of a single-process server, and the engine of each replica of
-a fleet (serve/fleet/front.py), whose front is the HTTP app instead.
+a fleet (serve/fleet/), whose front is the HTTP app instead.
 """
 
 from __future__ import annotations
