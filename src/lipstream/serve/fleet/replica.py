@@ -1,4 +1,4 @@
-"""One engine replica of a `lipstream serve` fleet (serve/fleet/start.py deploys it): a Ray Serve replica that owns a GPU
+"""One engine replica of a `lipstream serve` fleet (deployed by serve/fleet/start.py): a Ray Serve replica that owns a GPU
 and holds what a single-process server holds (the networks, the resident avatars, a LiveEngine, the
 WebRTC workers, a job runner on the shared store), warm before Ray sends it anything.
 
