@@ -1,4 +1,4 @@
-"""The live session API the integrations build on (README: "The live session API"), on the CPU.
+"""The live session API the integrations build on (docs/live.md), on the CPU.
 
 What an adapter relies on: PCM16 bytes and interleaved channels pushed as they come from a TTS,
 pictures in the avatar's colour matrix, sessions opened by avatar name, and close() giving the

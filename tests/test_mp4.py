@@ -120,7 +120,7 @@ def test_segment_processes_match_threads_and_leave_no_shared_memory(tmp_path):
     shared-memory file left once the writer closes (nor while it writes: unlinked once mapped).
 
     Not bit for bit: this libx264 reads memory it never wrote (MALLOC_PERTURB_ changes its bytes, even
-    alone on one thread, docs/NOTES.md), so two encodes of the same frames differ in a few decisions."""
+    alone on one thread), so two encodes of the same frames differ in a few decisions."""
     frames = moving_frames(FRAMES, seed=3)
     write(tmp_path / "t.mp4", frames, "veryfast", encoders=3)
     write(tmp_path / "p.mp4", frames, "veryfast", encoders=3, processes=True)

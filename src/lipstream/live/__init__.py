@@ -1,6 +1,6 @@
 """Live lip-sync: sessions that speak as their audio arrives, many on one GPU (engine.py says how).
 
-The stable surface (README: "The live session API"): `start_engine` and `LiveEngine` (avatars, `open_session`),
+The stable surface (docs/live.md): `start_engine` and `LiveEngine` (avatars, `open_session`),
 `Session` (`push_audio`, `end_utterance`, `clear`, `async for item in session`, `rgb`, `close`),
 what it hands out (`LiveFrame`, `SpeechEvent`), `LiveOptions` and its presets, and `SpeakingSession`,
 the interface a local and a remote session share.

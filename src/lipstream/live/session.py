@@ -17,8 +17,7 @@ state, with the hand-offs between them explicit:
 
 This class is what a caller holds, and the stable surface the integrations (Pipecat, LiveKit)
 are built on: push, end and clear from any thread, read with `async for item in session`
-(LiveFrame | SpeechEvent), `rgb(frame)` for a picture, `close()` when done (README: "The live
-session API").
+(LiveFrame | SpeechEvent), `rgb(frame)` for a picture, `close()` when done (docs/live.md).
 """
 
 from __future__ import annotations

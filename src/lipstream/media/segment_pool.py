@@ -2,7 +2,7 @@
 
 In one process the segment encoders' Python (wrapping frames, packets, bytes) shares a GIL with the render's
 producer and muxer; on 16 cores a one-shot render kept only 4 of them busy, waiting on its encoders for
-most of its loop (docs/NOTES.md). Here each encoder is an encode worker process (encode_worker.py, the
+most of its loop. Here each encoder is an encode worker process (encode_worker.py, the
 live sessions' kind): a writer's frames go into one shared-memory arena that every worker maps, a segment
 is a list of its slots, and the packets come back on the worker's reader thread. Pickling 3 MB frames
 through pipes instead ran 3x slower than threads (docs/BENCHMARKS.md): only slot numbers travel here.

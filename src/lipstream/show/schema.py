@@ -19,7 +19,7 @@ from lipstream.errors import InputError
 from lipstream.show.spec import (
     CORNERS, DEFAULT_FADE_S, LowerThird, Logo, Music, Picture, SceneLayers, Show, Span, Ticker)
 
-# the keys each mapping takes, in the order the README lists them (and the errors list them)
+# the keys each mapping takes, in the order docs/render.md lists them (and the errors list them)
 SCENE_SHOW_KEYS = ("lower_third", "pip", "cutaway")
 TOP_SHOW_KEYS = ("overlays", "music", "font", "voice")
 LOWER_THIRD_KEYS = ("title", "subtitle", "from", "to", "fade")

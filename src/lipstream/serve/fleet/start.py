@@ -96,7 +96,7 @@ def replica_cpus(nodes: list[dict[str, float]], gpus_per_replica: float, replica
 
     Ray sets a replica's OMP_NUM_THREADS (torch's CPU threads) to what it asked: with Ray's default of
     one, an engine did its CPU work on one thread where a plain server has them all (a CPU fleet's jobs
-    took 1.5x as long, docs/NOTES.md). A GPU replica gets the CPUs that go with its GPU on the scarcest
+    took 1.5x as long). A GPU replica gets the CPUs that go with its GPU on the scarcest
     GPU node (so that it fits on every one); a CPU replica its part of the largest node."""
     if gpus_per_replica > 0:
         shares = [n.get("CPU", 0.0) * gpus_per_replica / n["GPU"] for n in nodes if n.get("GPU", 0) >= gpus_per_replica]
