@@ -8,7 +8,8 @@ from __future__ import annotations
 from lipstream import lazy_names
 
 _LAZY = {"FrameRequest": "interface", "FrameEngine": "interface", "ModuleEngine": "engines", "PackageEngine": "engines",
-         "StepEngine": "engines", "ReferenceEngine": "reference", "make_engine": "build"}
+         "StepEngine": "engines", "ReferenceEngine": "reference", "make_engine": "build",
+         "EngineOptions": "options", "ENGINE_PRESETS": "options"}
 
 __all__ = sorted(_LAZY)
 
