@@ -4,8 +4,8 @@ A producer thread runs the engine batch by batch (GPU work, the show's layers pa
 ring of pinned host buffers; the caller's thread hands the frames to the writer, which encodes and muxes.
 They meet in a bounded queue, so memory stays flat and both sides stay busy. The loop also decides when the
 engine's other buckets are captured (after the first packet, and only where they repay the stop) and runs
-at a short GIL switch interval. program.py makes the plan (`prepare`); the benchmark's ablations hand `write`
-other writers.
+at a short GIL switch interval. program.py makes the plan (`prepare`; its data: plan.py); the benchmark's
+ablations hand `write` other writers.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 from lipstream.engine.blend import crossfade
-from lipstream.engine.interface import FrameEngine, FrameRequest
+from lipstream.engine.interface import FrameRequest
 from lipstream.errors import LipStreamError
 from lipstream.render.interrupts import DeferredInterrupt
 from lipstream.media.mp4 import MP4Writer
 from lipstream.render.options import RenderOptions
+from lipstream.render.plan import RenderPlan
 from lipstream.media.rates import AUDIO_RATE
-from lipstream.show.compose import Compositor
 
 QUEUE_BATCHES = 4  # batches of frames in flight between the GPU and the encoder
 PREFETCH_BATCHES = 2  # batches the engine is told are coming beyond the one asked for (FrameEngine.prefetch)
@@ -74,17 +74,6 @@ class VideoWriter(Protocol):
 
 
 @dataclass
-class Item:
-    """What one output frame is: a request, or two with a dissolve weight for the second."""
-
-    main: FrameRequest
-    previous: FrameRequest | None = None
-    weight: float = 1.0
-    scene: int = 0  # which scene of the program it belongs to (the show's layers are per scene)
-    local: int = 0  # its frame number from that scene's start
-
-
-@dataclass
 class RenderReport:
     output: Path
     frames: int
@@ -98,22 +87,6 @@ class RenderReport:
     @property
     def render_fps(self) -> float:
         return self.frames / self.wall_s if self.wall_s else 0.0
-
-
-@dataclass
-class RenderPlan:
-    """Everything a render needs besides the frames themselves (`prepare` makes it)."""
-
-    engine: FrameEngine
-    items: list[Item]
-    audio48: np.ndarray  # the output's track, 48 kHz mono
-    fps: Fraction
-    size: tuple[int, int]  # width, height
-    matrix: str  # the colour matrix the frames were blended in
-    t0: float  # perf_counter() at the start
-    timings: dict[str, float] = field(default_factory=dict)
-    compositor: Compositor | None = None  # the show's layers (None: none paints, the render pays nothing)
-
 
 
 class BatchTimer:
