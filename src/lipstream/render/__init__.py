@@ -1,9 +1,10 @@
 """The offline job: a program of scenes (one audio file, or a broadcast script) -> one H.264/AAC MP4.
 
 script.py: broadcast scripts -> a Program. checks.py: its inputs checked before torch. program.py: `prepare`
-(speech, features, windows, resident avatars, the frame plan) and `render_program`. loop.py: the plan's
-frames through the engine into the MP4 writer. options.py: RenderOptions. The names load on first use
-(PEP 562): the CLI and a remote client read scripts and options without torch.
+(speech, features, windows, resident avatars, the frame plan) and `render_program`. plan.py: the plan's data.
+loop.py: the plan's frames through the engine into the MP4 writer (`write`); producer.py: its GPU side.
+options.py: RenderOptions. The names load on first use (PEP 562): the CLI and a remote client read scripts
+and options without torch.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ from lipstream.render.options import RenderOptions
 from lipstream.files import check_output_path
 from lipstream.avatar.folders import resolve_avatar
 from lipstream.media.rates import AUDIO_RATE
-from lipstream.render.loop import Item, RenderPlan, RenderReport, write
+from lipstream.render.loop import RenderReport, write
+from lipstream.render.plan import Item, RenderPlan
 from lipstream.render.script import Program, Scene
 from lipstream.show.build import build_compositor, scene_clock
 from lipstream.show.compose import Compositor
