@@ -23,8 +23,7 @@
 #               first with a `lipstream render --server` job. Knobs: RUNS (2), SERVE_ROWS (2), WARMUP=0 (no
 #               `lipstream warmup`: renders on the uncompiled engine), ALSO='FLAGS' (a warm row with these
 #               flags after each default one), UR_SIZE (1920x1080), SPEECH_S (25.83 s: 775 frames at 30 fps),
-#               UR_T (480 s). Out: user_render.json/.txt,
-#               serve_packagesN.log, server_render.txt.
+#               UR_T (480 s). Out: user_render.json/.txt, serve_packagesN.log, server_render.txt.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
