@@ -261,7 +261,7 @@ stage_bench() {
   install_wheels
   use_packages
   local t dev=(); t=$(date +%s.%N)
-  [ "$DEVICE" = cpu ] && dev=(--device cpu --random-size tiny --size 320x180 --scale 0.1)
+  [ "$DEVICE" = cpu ] && dev=(--device cpu --random-size tiny --size 640x360 --scale 0.1)
   timeout ${BENCH_T:-300} $PY -m lipstream.cli bench -o "$W/bench" --weights random --modes ${MODES:-fast,oneshot} \
     --scenarios ${SCENARIOS:-B} "${dev[@]}" > "$OUT/bench.txt" 2>&1
   echo "bench rc $? in $(secs $t) s"; tail -12 "$OUT/bench.txt"
@@ -337,7 +337,7 @@ stage_serve() {
 
 stage_live() {
   install_wheels
-  local size=1280x720 dev=(); [ "$DEVICE" = cpu ] && { size=320x180; dev=(--device cpu --random-size tiny); }
+  local size=1280x720 dev=(); [ "$DEVICE" = cpu ] && { size=640x360; dev=(--device cpu --random-size tiny); }
   export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor
   timeout ${LIVE_T:-500} $PY -m lipstream.cli live-bench --random-weights "${dev[@]}" --sessions ${NS:-16,20,24} \
     --size $size --seconds ${SECONDS_:-12} -o "$OUT/live" 2>&1 | tail -6
