@@ -17,7 +17,7 @@
 #               itself as ray-lite.zip, without its jars), .whl-diag (py-spy), .whl-suite (dlib-bin),
 #               .whl-base (the part of .whl the agent stacks need), .whl-pipecat, .whl-livekit.
 #               WHEELS="core ray diag suite" (default; add base pipecat livekit for the agent stacks).
-# render        (carry .whl; ~220-370 s) benchmarks/user_render.py: `lipstream compile`, `render` with nothing
+# render        (carry .whl; 190-290 s) benchmarks/user_render.py: `lipstream compile`, `render` with nothing
 #               cached, `lipstream warmup`, RUNS warm renders on its packages, `--no-compile`; then SERVE_ROWS
 #               `lipstream serve` starts on the packages (process start -> /readyz 200, SIGTERM exit), the
 #               first with a `lipstream render --server` job. Knobs: RUNS (2), SERVE_ROWS (2), WARMUP=0 (no
@@ -31,18 +31,18 @@
 #               --scenarios SCENARIOS` on render's packages. MODES (fast,oneshot), SCENARIOS (B), BENCH_T
 #               (300 s). The whole bench (legacy,fast,ablation,oneshot; A then B) is two calls of ~500 s.
 #               Out: bench.md, bench.json, bench.txt.
-# serve-cold    (carry .whl; ~400 s) `lipstream serve` with nothing cached: ready on the uncompiled steps, a
+# serve-cold    (carry .whl) `lipstream serve` with nothing cached: ready on the uncompiled steps, a
 #               `render --server` job while `lipstream warmup` builds the packages beside it, the move onto
 #               them (UPGRADE_T, 380 s), two jobs after. Out: serve_cold.log, server_render.txt.
-# serve         (carry .whl; ~300 s) plain `lipstream serve` on 4 avatars of 1280x720@25 (Inductor, cache in
+# serve         (carry .whl) plain `lipstream serve` on 4 avatars of 1280x720@25 (Inductor, cache in
 #               .inductor): start to /readyz, `lipstream serve-bench` rows of NS (8,16,20,24) sessions, each
 #               client in its own process, a 20 s render job beside each row (JOB=0: none), nvidia-smi samples,
 #               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), PROF_AT=S (py-spy of every
 #               server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
-# live          (carry .whl; ~250 s) `lipstream live-bench`: NS (16,20,24) sessions of 720p25 in the engine's
+# live          (carry .whl) `lipstream live-bench`: NS (16,20,24) sessions of 720p25 in the engine's
 #               own process, the server's own latency (push -> frame encoded). SECONDS_ (12), LIVE_T (500 s).
 #               Out: live/.
-# fleet         (after render, same machine; carry .whl-ray; ~300-400 s) plain `lipstream serve` against
+# fleet         (after render, same machine; carry .whl-ray; 300-410 s) plain `lipstream serve` against
 #               `lipstream serve --replicas REPLICAS` (1), both on render's packages when there: serve-bench
 #               rows of NS (16,20,16,20) sessions on 4 avatars of 1280x720@25 with a 20 s job beside each,
 #               three `render --server` jobs alone, JOBS (4) monologue jobs submitted together
