@@ -1,4 +1,4 @@
-"""Issue 27's figures against a running `lipstream serve --replicas G` (one engine per GPU), from clients
+"""The fleet's figures against a running `lipstream serve --replicas G` (one engine per GPU), from clients
 in their own processes:
 
 1. live: `lipstream serve-bench` rows (aiortc clients, each in its own process) at the given session counts:
@@ -12,7 +12,8 @@ in their own processes:
 
     python benchmarks/fleet_gpus.py --url http://127.0.0.1:8000 --gpus 2 --avatar anchor --audio speech.wav \
         --sessions 32,40,48 --jobs 8 --kill -o OUT/fleet_x2
-Writes OUT/fleet_gpus.json (benchmarks/fleet_chart.py draws 1 GPU against 2 from two of them).
+Writes OUT/fleet_gpus.json. `bash benchmarks/gpu_run.sh fleet` runs it against each server (the jobs together);
+docs/BENCHMARKS.md, "Fleet", reports it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Each pipeline/generator is fed TTS-like speech in real time (20 ms chunks, utter
 pauses of 0.5-1.5 s) and read the way its stack reads it (bench/pipecat_load.py,
 bench/livekit_load.py). A row holds when every one of the N gets its pictures at the session's
 frame rate (the slowest >= 98% of it), no speech picture lacks its audio right after it, and no
-speech frame is late. The largest N that holds, per stack, is the figure README.md quotes.
+speech frame is late. The largest N that holds, per stack, is the figure docs/BENCHMARKS.md reports
+("Agent stacks"); `bash benchmarks/gpu_run.sh integrations` runs it on the GPU.
 
     python3 benchmarks/integrations.py --stacks pipecat,livekit --sessions 8,16,20,24 \\
         --size 1280x720 --seconds 12 --out OUT   (full-size random weights on the GPU)

@@ -1,4 +1,4 @@
-"""What the newsroom layers cost (issue 29): the same monologue broadcast with and without every layer.
+"""What the newsroom layers cost: the same monologue broadcast with and without every layer.
 
     python benchmarks/show_cost.py --work DIR [--runs 3] [--variants plain,show,show-5ms]
 DIR holds avatars/anchor and speech.wav (benchmarks/user_render.py's DIR/work: the 26 s 1080p30

@@ -18,10 +18,8 @@ Rerun (a CUDA GPU, the `lipstream` package installed, e.g. `pip install -e .`: e
 
     python3 benchmarks/user_render.py --out DIR --track-truth --runs 2
 
-Reported in docs/BENCHMARKS.md, "Cold start (issue 13): what a user waits for, and why the goals
-are not met yet" (commit 20be3f4, that command; docs/results/user_render_20be3f4.json) and "What a
-user runs (issue 12): the default `lipstream render` on the H200" (commit 5e46f73, the script as
-it was then, `--out DIR`; docs/results/user_render_5e46f73.json).
+`bash benchmarks/gpu_run.sh render` runs it on the GPU; docs/BENCHMARKS.md reports it ("Offline render",
+"Avatar compile").
 """
 
 from __future__ import annotations
