@@ -58,7 +58,7 @@ def main() -> None:
     w, h = (int(v) for v in a.size.split("x"))
 
     from lipstream.bench.scenarios import _avatar
-    from lipstream.engine.runner import FAST_INDUCTOR
+    from lipstream.engine.engines import FAST_INDUCTOR
     from lipstream.live import LiveEngine, preset
     from lipstream.models import load_musetalk
 

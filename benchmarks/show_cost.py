@@ -37,8 +37,8 @@ music: {file: bed.m4a, gain_db: -18, duck_db: -12}
 """
 
 
-# the show with the render loop's GIL switch interval at CPython's default (5 ms) instead of render_loop.py's
-SLOW_SWITCH = ("import sys, lipstream.render_loop as r; r.LOOP_SWITCH_INTERVAL_S = 0.005; from lipstream.cli import entry; "
+# the show with the render loop's GIL switch interval at CPython's default (5 ms) instead of render/loop.py's
+SLOW_SWITCH = ("import sys, lipstream.render.loop as r; r.LOOP_SWITCH_INTERVAL_S = 0.005; from lipstream.cli import entry; "
                "sys.argv[0] = 'lipstream'; entry()")
 
 
