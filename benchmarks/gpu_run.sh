@@ -39,6 +39,9 @@
 #               client in its own process, a 20 s render job beside each row (JOB=0: none), nvidia-smi samples,
 #               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), PROF_AT=S (py-spy of every
 #               server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
+# core          (no wheels; ~60 s a variant) benchmarks/gpu_core.py: the frame step alone (network step and
+#               blend, no encode) in frames/s and its face-box PSNR against eager fp32, per engine variant.
+#               VARIANTS (transpose:auto,transpose:full), CORE_T (540 s). Out: core_variants.json/.md.
 # live          (carry .whl) `lipstream live-bench`: NS (16,20,24) sessions of 720p25 in the engine's
 #               own process, the server's own latency (push -> frame encoded). SECONDS_ (12), LIVE_T (500 s).
 #               Out: live/.
@@ -335,6 +338,12 @@ stage_serve() {
   rm -f "$W/idle.txt"
 }
 
+stage_core() {
+  local smoke=(); [ "$DEVICE" = cpu ] && smoke=(--smoke)
+  timeout ${CORE_T:-540} $PY benchmarks/gpu_core.py "${smoke[@]}" --variants ${VARIANTS:-transpose:auto,transpose:full} \
+    --budget ${CORE_T:-540} --out "$OUT" 2>&1 | tail -4
+}
+
 stage_live() {
   install_wheels
   local size=1280x720 dev=(); [ "$DEVICE" = cpu ] && { size=640x360; dev=(--device cpu --random-size tiny); }
@@ -463,9 +472,9 @@ stage_suite() {
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
 for stage in "$@"; do
   case $stage in
-  wheels|render|show|bench|serve|live|fleet|integrations|suite) ;;
+  wheels|render|show|bench|core|serve|live|fleet|integrations|suite) ;;
   serve-cold) stage=serve_cold ;;
-  *) echo "unknown stage '$stage': wheels render show bench serve-cold serve live fleet integrations suite"; exit 2 ;;
+  *) echo "unknown stage '$stage': wheels render show bench core serve-cold serve live fleet integrations suite"; exit 2 ;;
   esac
   t_stage=$(date +%s.%N)
   echo "== $stage (commit ${COMMIT:-?})"

@@ -1,4 +1,4 @@
-"""The GPU core benchmark's pieces, shared by benchmarks/speed_targets.py and benchmarks/core_variants.py:
+"""The GPU core benchmark's pieces (benchmarks/gpu_core.py):
 the generated 1080p anchor, its frame requests, the core's frames per second, the face boxes' PSNR
 against the reference engine, and the options and report header every such script has."""
 
@@ -27,9 +27,9 @@ def sync() -> None:
 
 
 def common_arguments(ap: argparse.ArgumentParser, budget: float) -> argparse.ArgumentParser:
-    """The options every issue-5 GPU script takes."""
+    """The options every GPU core script takes."""
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    ap.add_argument("--track", type=Path, help="the face track of the bench loop (see speed_targets.py's docstring)")
+    ap.add_argument("--track", type=Path, help="the face track of the bench loop (JSON, as compile --save-track writes it)")
     ap.add_argument("--budget", type=float, default=budget, help="seconds; optional steps are skipped past it")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny networks: check the script, measure nothing")
     return ap

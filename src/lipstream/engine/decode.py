@@ -2,7 +2,7 @@
 
 The blend mask is zero above the nose tip, so the decoder runs only from latent row `row` down. The
 cut's top edge is zero-padded, so the mask must start a few latent rows (HALO) below it. On the H200
-(benchmarks/core_variants.py, docs/BENCHMARKS.md: full-size random weights, 64 frames, worst frame's
+(benchmarks/gpu_core.py, docs/BENCHMARKS.md: full-size random weights, 64 frames, worst frame's
 face-box luma PSNR against eager fp32) the "rows" statistics from row 8 keep 45.9 dB at 625 fps
 (full decode: 70.5 dB, 526 fps); from row 6 53.4 dB, from row 10 42.6 dB. "near" (models/blocks.py
 GroupNorm) costs 5% of the speed (a per-row reduction); it helps at row 8 (47.6 dB) and hurts at

@@ -37,7 +37,7 @@ def pick_device(name: str) -> torch.device:
 def warm_gpu_libraries(device: torch.device) -> threading.Thread | None:
     """cuBLAS and cuDNN loaded and their first kernels run, on a thread, while the networks load: the first
     fp16 matmul and conv of a fresh process cost 0.12-0.16 s and 0.09-0.32 s on the H200
-    (benchmarks/startup_probe.py), and otherwise the first graph capture pays them on the way to the first
+    (a finished study: docs/BENCHMARKS.md), and otherwise the first graph capture pays them on the way to the first
     frame. The libraries and their kernels are the process's; only each thread's handle is its own. Join
     the thread before any graph capture (nothing else may run on the GPU meanwhile)."""
     if device.type != "cuda":

@@ -31,7 +31,7 @@ class EngineOptions:
     `graphs`: CUDA graphs (None: on a GPU). `capture`: when a one-shot render captures them: "before" its
     first frame for the first batch's bucket (the others in the render loop), or "later": the first batch
     runs uncaptured and every bucket is captured in the loop (a package's direct call may cost less than a
-    capture: benchmarks/package_graphs.py decides). `reference`: the plain eager fp32 path with a numpy
+    capture: a finished study in docs/BENCHMARKS.md decided). `reference`: the plain eager fp32 path with a numpy
     blend, slow on purpose: the fast path is checked against it."""
 
     batch: int | None = None

@@ -20,7 +20,7 @@ PIPE_LIMIT = 1 << 26  # an asyncio reader's buffer: a 1080p I420 frame is 3 MB
 # its write until the parent's reader thread has drained all but a pipe's worth, which that thread does
 # 64 KB at a time, taking the GIL back for each. Beside two busy Python threads, 20 replies of 4.4 MB kept
 # the writer blocked 0.86-6.1 s through a 64 KB pipe, 0.20-0.79 s through 1 MB (Linux's default ceiling
-# for a pipe; benchmarks/pipe_replies.py on a 2-core machine, 2026-12-05).
+# for a pipe; measured on a 2-core machine, 2026-12-05).
 REPLY_PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl; Python names it from 3.10 on Linux only
 
