@@ -190,9 +190,10 @@ wheels_all() {  # the folders named (core ray diag suite base pipecat livekit); 
   for kind in "$@"; do
     case $kind in
     core)  # PyAV, the server's stack, aiortc's, diffusers (tests/test_networks.py)
-      wheels_get .whl av fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn \
-        python-multipart websockets aiortc aioice pylibsrtp pyee google-crc32c dnspython ifaddr cffi pycparser \
-        cryptography pyopenssl sniffio opentelemetry-api importlib-metadata lazy-importer typing-extensions diffusers ;;
+      # cryptography < 51: pyOpenSSL 26.4 requires it, and a wrong pair breaks DTLS silently
+      wheels_get .whl av fastapi starlette pydantic pydantic-core typing-inspection annotated-types annotated-doc \
+        uvicorn python-multipart websockets aiortc aioice pylibsrtp pyee google-crc32c dnspython ifaddr cffi pycparser \
+        "cryptography<51" pyopenssl sniffio opentelemetry-api importlib-metadata lazy-importer typing-extensions diffusers ;;
     ray)  # Ray Serve's imports the image lacks (found with PYTHONPROFILEIMPORTTIME=1 in every Ray process's log),
       # and Ray itself without its Java jars, RLlib and the dashboard's source map: 42 MB instead of 75
       wheels_get .whl-ray aiohttp-cors colorful "grpcio==1.81.0" "grpcio-reflection==1.81.0" "protobuf>=6,<7" \
