@@ -12,7 +12,7 @@ import typer
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
     err, out, renamed, warn_random_weights)
-from lipstream.errors import InputError, LipStreamError
+from lipstream.errors import InputError, LipStreamError, require
 from lipstream.files import check_file
 from lipstream.errors import UsageError
 from lipstream.cli.checks import check_models, in_range, machine_options
@@ -67,6 +67,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """Keep the networks, the compiled steps and the avatars resident; serve jobs and live sessions."""
+    require("serve", "lipstream serve")
     from lipstream.serve.options import ServeOptions
 
     live_preset = renamed("--preset", "--live-preset", preset, live_preset, "realtime")
@@ -139,10 +140,7 @@ def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
             count = 0
         if not 1 <= count <= 1024:
             raise ValueError(f"--replicas {replicas!r}: a number from 1 to 1024, or auto, is allowed")
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-        raise ValueError("--replicas: Ray Serve is not installed; pip install 'lipstream[ray]'")
+    require("ray", "--replicas")
     return count, min_replicas, max_replicas
 
 
@@ -187,6 +185,7 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                              "(default: the server's).")] = None,
                     ) -> None:
     """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
+    require("serve", "lipstream serve-bench", "httpx", "aiortc", "websockets")
     try:
         counts = [int(v) for v in sessions.split(",") if v.strip()]
     except ValueError:

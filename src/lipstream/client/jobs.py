@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-import httpx
-
-from lipstream.errors import LipStreamError
-from lipstream.files import atomic_path
-from lipstream.errors import UsageError
 from lipstream.client.upload import Upload, check_avatars
+from lipstream.errors import LipStreamError, UsageError, require
+from lipstream.files import atomic_path
+
+require("serve", "lipstream.client", "httpx")
+
+import httpx  # noqa: E402  (after the one-line hint that names the extra)
 
 log = logging.getLogger(__name__)
 

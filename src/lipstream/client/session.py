@@ -26,14 +26,17 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
-import httpx
 import numpy as np
 
-from lipstream.errors import LipStreamError
+from lipstream.errors import LipStreamError, require
 from lipstream.live.interface import SessionRefused
 from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
 from lipstream.media.rates import AUDIO_RATE, as_fps
+
+require("serve", "lipstream.client", "httpx", "aiortc", "websockets")
+
+import httpx  # noqa: E402  (after the one-line hint that names the extra)
 
 log = logging.getLogger(__name__)
 
