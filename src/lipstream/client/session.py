@@ -28,6 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from lipstream.client.jobs import key_refusal
 from lipstream.errors import LipStreamError, require
 from lipstream.live.interface import SessionRefused
 from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
@@ -120,6 +121,8 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
     pc = None
     try:
         r = await http.get("/v1/avatars")
+        if r.status_code in (401, 403):
+            raise SessionRefused(r.status_code, key_refusal(url, r.status_code, bool(api_key), "pass api_key=KEY"))
         if r.status_code != 200:
             raise SessionRefused(r.status_code, f"{url}: GET /v1/avatars answered {r.status_code}: {_reason(r)}")
         info = next((a for a in r.json() if a["name"] == avatar), None)
