@@ -165,7 +165,7 @@ def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path
                                                                                                  "address")),
                                              ("postgresql://u:secret@127.0.0.1:1/db", postgres)):
         code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
-                                        "--database", database, "--random-weights"], desk)
+                                        "--database", database, "--random-weights", "--port", "0"], desk)
         lines = stderr.strip().splitlines()
         assert code == expected and len(lines) == 1, stderr
         assert lines[0].startswith(start) and why in lines[0] and "secret" not in lines[0]

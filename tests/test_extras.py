@@ -90,7 +90,7 @@ def test_compile_without_dlib_names_its_extra_its_licence_and_the_track_option(t
 
 def test_the_options_that_need_an_extra_name_it(tmp_path):
     (tmp_path / "avatars").mkdir()
-    serve = ["serve", "--avatars", "avatars", "--data", "data", "--random-weights"]
+    serve = ["serve", "--avatars", "avatars", "--data", "data", "--random-weights", "--port", "0"]  # 0: any free one
     p = run(CLI, ["ray"], [*serve, "--replicas", "2"], tmp_path)
     assert_one_line(p, "error: --replicas needs the ray extra: pip install 'lipstream[ray]'")
     p = run(CLI, ["psycopg"], [*serve, "--database", "postgresql://u:secret@127.0.0.1:1/db"], tmp_path)

@@ -123,11 +123,12 @@ def test_the_fleets_driver_does_not_import_torch(tmp_path, tiny_models):
     """The process that starts Ray and wires the front loads no networks (its replicas do): torch's import
     (2-3 s on a GPU host) would only delay Ray's start. Its command up to run_fleet, in a fresh process."""
     tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    # --port 0: any free port (the default, 8000, may be another server's on a shared machine)
     probe = ("import sys\nimport lipstream.serve.fleet.front as fleet\n"
              "fleet.run_fleet = lambda *a, **k: print('torch' in sys.modules, 'ray' in sys.modules)\n"
              "from lipstream.cli import main\n"
              f"main(['serve', '--replicas', '1', '--avatars', {str(tmp_path / 'avatars')!r}, '--data', "
-             f"{str(tmp_path / 'data')!r}, '--random-weights'])\n")
+             f"{str(tmp_path / 'data')!r}, '--random-weights', '--port', '0'])\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout + out.stderr[-2000:]
 
