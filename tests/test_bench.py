@@ -10,6 +10,7 @@ import pytest
 from lipstream.bench.run import run
 
 
+@pytest.mark.slow
 def test_bench_smoke(tiny_models, tmp_path):
     report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("legacy", "fast", "ablation"))
     rows = {(r["scenario"], r["mode"]): r for r in report["rows"]}
@@ -43,6 +44,7 @@ def test_bench_smoke(tiny_models, tmp_path):
         assert f"({picture})" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_oneshot_rows_run_the_command_a_user_types(tiny_models, tmp_path):
     """Each one-shot row is a fresh `lipstream broadcast` process: same frames as the scenario, its own wall clock."""
     report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("oneshot",))

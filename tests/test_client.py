@@ -68,6 +68,7 @@ def _rms(audio: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(audio, dtype=np.float64)))) if audio.size else 0.0
 
 
+@pytest.mark.slow
 def test_a_remote_session_plays_speaks_is_interrupted_and_frees_its_place(server):
     from lipstream.client import RemoteSession, connect
 

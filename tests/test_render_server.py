@@ -28,6 +28,8 @@ from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
 from serve_process import free_port, serve_process
 
+pytestmark = pytest.mark.slow  # a `lipstream serve` in a process of its own: `make test` only
+
 KEY = "render-server-key-0123456789"
 OTHER_KEY = "render-server-key-other-0123"  # a second caller: its jobs count against its own cap
 SRC = str(Path(__file__).resolve().parents[1] / "src")
