@@ -213,4 +213,7 @@ def test_the_arena_kept_is_the_last_released_so_a_prepare_for_a_new_size_is_not_
         assert taken.prefaulted.wait(30) and taken.shape == (width, H, arena_slots(2))
         taken.release()
         assert pool._idle == [taken]
+    deadline = time.monotonic() + 30
+    while _arena_files() and time.monotonic() < deadline:  # each file goes once every worker has mapped it
+        time.sleep(0.01)
     assert _arena_files() == []
