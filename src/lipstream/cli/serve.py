@@ -82,6 +82,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         options.check()
         fleet = fleet_size(replicas, ray_address, min_replicas, max_replicas)
         check_ingress(ingress, fleet is not None, ray_address)
+        if fleet is not None:  # after the options' values: a wrong one is said first, Ray or not
+            require("ray", "--replicas")
         if ray_address is None:  # a cluster's proxies may hold the port already, for an earlier Serve
             check_port(options.host, options.port)
             if ingress == "haproxy":
@@ -123,7 +125,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
 def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
                max_replicas: int | None) -> tuple[int | None, int, int | None] | None:
     """--replicas as (fixed count or None for autoscaling, min, max); None: one process, no Ray. Checked
-    before anything loads, Ray's presence included."""
+    before anything loads (whether Ray is installed: serve_cmd, once every option's value is)."""
     if replicas is None:
         if ray_address is not None:
             raise ValueError("--ray-address: only with --replicas N or --replicas auto")
@@ -140,7 +142,6 @@ def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
             count = 0
         if not 1 <= count <= 1024:
             raise ValueError(f"--replicas {replicas!r}: a number from 1 to 1024, or auto, is allowed")
-    require("ray", "--replicas")
     return count, min_replicas, max_replicas
 
 
