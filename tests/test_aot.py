@@ -31,6 +31,8 @@ from lipstream.models import model_config
 from lipstream.engine.options import EngineOptions
 from serve_process import serve_process
 
+pytestmark = pytest.mark.slow  # the AOT packages built once, by a `lipstream serve --compile`: `make test` only
+
 CPU = torch.device("cpu")
 SOURCE = aot.random_source("tiny", 0, CPU)  # what conftest's tiny_models are
 

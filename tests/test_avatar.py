@@ -110,6 +110,7 @@ def test_masked_latent_sees_only_the_upper_half(tiny_models):
     assert not torch.equal(a[:, 4:], b[:, 4:])  # the reference half sees the whole crop
 
 
+@pytest.mark.slow
 def test_unchanged_input_is_skipped(compiled, loop_video, tiny_models, backend):
     result, _, out = compiled
     path, _ = loop_video

@@ -10,6 +10,7 @@ import pytest
 from lipstream.bench.run import run
 
 
+@pytest.mark.slow
 def test_bench_smoke(tiny_models, tmp_path):
     report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("legacy", "fast", "ablation"))
     rows = {(r["scenario"], r["mode"]): r for r in report["rows"]}
@@ -43,6 +44,7 @@ def test_bench_smoke(tiny_models, tmp_path):
         assert f"({picture})" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_oneshot_rows_run_the_command_a_user_types(tiny_models, tmp_path):
     """Each one-shot row is a fresh `lipstream broadcast` process: same frames as the scenario, its own wall clock."""
     report = run(tiny_models, tmp_path, width=480, height=270, scale=0.05, modes=("oneshot",))
@@ -55,3 +57,17 @@ def test_bench_oneshot_rows_run_the_command_a_user_types(tiny_models, tmp_path):
         assert "start-up and render" in row["timings_table"]
         assert row["psnr_db"] > 30
     assert "One-shot rows" in (tmp_path / "bench.md").read_text()
+
+
+def test_without_matplotlib_the_charts_are_left_out_with_a_note(tmp_path, monkeypatch):
+    """matplotlib is not in the core install: the reports are written without their charts, and say so."""
+    import sys
+
+    from lipstream.bench import figures, live
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    report = {"rows": [{"scenario": "A", "mode": "fast", "fps": 10.0}], "device": "cpu", "size": "480x270"}
+    assert figures.fps_chart(report, tmp_path / "bench_fps.png") is None
+    assert live.chart({"rows": []}, tmp_path / "live_bench.png") is False
+    assert list(tmp_path.iterdir()) == []
+    assert "pip install matplotlib" in figures.NO_CHART

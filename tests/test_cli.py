@@ -78,6 +78,7 @@ def test_verify_reports_each_component(tiny_checkpoint):
     assert "conv_in.weight [32, 8, 3, 3]" in r.stdout
 
 
+@pytest.mark.slow
 def test_verify_fails_on_a_corrupt_file(tmp_path, tiny_checkpoint):
     root = tmp_path / "m"
     shutil.copytree(tiny_checkpoint, root)
@@ -149,6 +150,7 @@ def test_cuda_requested_without_a_gpu(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.face_model
 def test_compile_command(tmp_path):
     from lipstream.fixtures.avatar import action_loop, still_image

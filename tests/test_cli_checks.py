@@ -154,19 +154,21 @@ def test_old_spellings_still_work_and_say_they_are_deprecated(desk):
 
 def test_serve_database_errors_are_one_line_before_anything_loads(desk, tmp_path):
     """--database: an unknown scheme, or a PostgreSQL that cannot be reached (no password shown); without
-    psycopg installed, the PostgreSQL address says what to install instead."""
+    psycopg installed, the PostgreSQL address says which extra to install instead (tests/test_extras.py)."""
     import importlib.util
 
     avatars = tmp_path / "avatars"
     avatars.mkdir()
-    unreachable = "cannot connect to PostgreSQL" if importlib.util.find_spec("psycopg") else "pip install 'psycopg'"
-    for database, why in (("mysql://u:secret@h/db", "not a job store address"),
-                          ("postgresql://u:secret@127.0.0.1:1/db", unreachable)):
+    postgres = ((2, "error: --database", "cannot connect to PostgreSQL") if importlib.util.find_spec("psycopg") else
+                (1, "error: the PostgreSQL job store", "pip install 'lipstream[postgres]'"))
+    for database, (expected, start, why) in (("mysql://u:secret@h/db", (2, "error: --database", "not a job store "
+                                                                                                 "address")),
+                                             ("postgresql://u:secret@127.0.0.1:1/db", postgres)):
         code, stdout, stderr = run_cli(["serve", "--avatars", str(avatars), "--data", str(tmp_path / "data"),
-                                        "--database", database, "--random-weights"], desk)
+                                        "--database", database, "--random-weights", "--port", "0"], desk)
         lines = stderr.strip().splitlines()
-        assert code == 2 and len(lines) == 1, stderr
-        assert lines[0].startswith("error: --database") and why in lines[0] and "secret" not in lines[0]
+        assert code == expected and len(lines) == 1, stderr
+        assert lines[0].startswith(start) and why in lines[0] and "secret" not in lines[0]
         assert "torch-not-imported" in stdout
 
 

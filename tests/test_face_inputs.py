@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import av
 import cv2
@@ -13,15 +14,13 @@ from lipstream.avatar import compile_avatar, compile_many, load_avatar
 from lipstream.avatar.face import DlibBackend, Detection, _candidates
 from lipstream.cli import main
 from lipstream.errors import InputError
-from lipstream.fixtures.avatar import ASTRONAUT_POINTS, FACE_CENTER, render_frame, still_image
+from lipstream.fixtures.avatar import ASTRONAUT_POINTS, FACE_CENTER, astronaut_photo, render_frame, still_image
 
 pytestmark = pytest.mark.face_model  # dlib's 68-point model tracks the faces here
 
 
-def _photo() -> np.ndarray:
-    from skimage import data
-
-    return data.astronaut()  # RGB 512x512
+# scikit-image's brick wall (skimage.data.brick(), from CC0Textures, CC0), pixel for pixel
+BRICK = Path(__file__).parent / "data" / "brick.png"
 
 
 # The astronaut's face in the 512x512 photo (x1, y1, x2, y2): a PNG compile's landmarks span
@@ -83,7 +82,7 @@ def test_jpeg_portrait_finds_the_face(tmp_path, tiny_models, backend, quality):
     """The astronaut as a JPEG: dlib also 'finds' a weak face in her suit (score ~0.01-0.05), at
     quality 85 and 95 a larger one than hers (score ~1.4)."""
     path = tmp_path / f"astronaut_q{quality}.jpg"
-    assert cv2.imwrite(str(path), cv2.cvtColor(_photo(), cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    assert cv2.imwrite(str(path), cv2.cvtColor(astronaut_photo(), cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
     result = _compile(path, tmp_path / "avatars", tiny_models, backend)
     assert result.status == "compiled" and result.message == ""
     avatar = load_avatar(result.path, with_frames=False)
@@ -92,10 +91,8 @@ def test_jpeg_portrait_finds_the_face(tmp_path, tiny_models, backend, quality):
 
 def _cluttered_wall(width: int, height: int, seed: int) -> np.ndarray:
     """RGB: a brick wall with posters, stickers and cables (rectangles, ellipses, lines) and camera noise."""
-    from skimage import data
-
     rng = np.random.default_rng(seed)
-    wall = cv2.resize(data.brick(), (width, height)).astype(np.float32)
+    wall = cv2.resize(cv2.imread(str(BRICK), cv2.IMREAD_GRAYSCALE), (width, height)).astype(np.float32)
     rgb = np.stack([wall * 0.8, wall * 0.9, wall], axis=2).astype(np.uint8)
     for _ in range(40):
         x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
@@ -119,7 +116,7 @@ def test_cluttered_still_finds_the_face(tmp_path, tiny_models, backend, suffix, 
     gives a weak false positive larger than the face."""
     rgb = _cluttered_wall(640, 640, seed=1)
     ox, oy = 0, 128
-    rgb[oy:oy + 512, ox:ox + 512] = _photo()
+    rgb[oy:oy + 512, ox:ox + 512] = astronaut_photo()
     path = tmp_path / f"cluttered.{suffix}"
     assert cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR),
                        [cv2.IMWRITE_JPEG_QUALITY, quality] if quality else [])
@@ -131,7 +128,7 @@ def test_cluttered_still_finds_the_face(tmp_path, tiny_models, backend, suffix, 
 
 def _moving_photo(frames: int, fps: int = 10) -> tuple[list[np.ndarray], np.ndarray]:
     """The 512x512 photo with a gentle sway and roll (suit in view); the per-frame transforms."""
-    out, transforms, photo = [], [], _photo()
+    out, transforms, photo = [], [], astronaut_photo()
     for i in range(frames):
         t = 2 * np.pi * i / fps
         m = cv2.getRotationMatrix2D(FACE_CENTER, 2.0 * np.sin(0.3 * t), 1 + 0.02 * np.sin(0.4 * t))

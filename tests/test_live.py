@@ -183,6 +183,7 @@ def test_traced_whisper_calls_equal_the_eager_ops(tiny_models, device):
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_three_sessions_of_three_sizes_at_once(streaming):
     """Different avatars and frame sizes in the same steps; speech on one, idle on the others.
 
@@ -250,6 +251,7 @@ class _Capture:
         pass
 
 
+@pytest.mark.slow
 def test_session_equals_offline_render_where_features_agree(exact, avatars, tiny_models, tmp_path):
     """Whole-utterance features are the offline ones: the same frames, the same audio, one timeline."""
     speech = speech_like(2.0, 16_000, seed=5)
@@ -308,6 +310,7 @@ def test_idle_frames_leave_everything_outside_the_face_untouched(streaming):
         assert not np.array_equal(f.i420, source)  # the face was repainted
 
 
+@pytest.mark.slow
 def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models, avatars):
     """Idle loops rendered once at start: silent sessions take no step, and show the same pictures."""
     async def idle(live):
@@ -332,6 +335,7 @@ def test_kept_idle_loop_equals_idle_frames_rendered_live(streaming, tiny_models,
         assert np.abs(g.i420.astype(int) - w.i420.astype(int)).max() <= 1
 
 
+@pytest.mark.slow
 def test_with_a_kept_idle_loop_speech_starts_at_the_next_frame_boundary(tiny_models, avatars):
     """Kept idle frames are taken at their media time, not a frame early: speech pushed at T starts at the
     first frame whose media time is not before T, so a client waits at most one frame past the playout
@@ -372,6 +376,7 @@ def test_with_a_kept_idle_loop_speech_starts_at_the_next_frame_boundary(tiny_mod
     assert len(leads) == 4 and all(0 <= x < 1 / fps for x in leads), leads
 
 
+@pytest.mark.slow
 def test_an_end_that_comes_after_the_speech_ran_dry_still_finishes(streaming):
     """The client's `end` arrives after the utterance's last frame played (its audio ran out first, and
     the frames after it played as silence of the same utterance): "finished" is sent then, once."""
@@ -397,6 +402,7 @@ def test_an_end_that_comes_after_the_speech_ran_dry_still_finishes(streaming):
     assert events == [("started", 0), ("finished", 0)], events
 
 
+@pytest.mark.slow
 def test_clear_returns_to_idle_within_a_frame(streaming):
     speech = speech_like(6.0, 16_000, seed=7)
 
@@ -474,6 +480,7 @@ def test_a_slow_consumer_keeps_the_audio_of_given_up_frames_one_that_stopped_rea
     assert playout._carry == ["audio of 3"] and sorted(playout._ready) == [4] and keyframes
 
 
+@pytest.mark.slow
 def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_models, avatars):
     """The core stalls (here: its lock held for 2 s) while the reader plays on: the frames it never
     planned are given up in order, their audio still encoded, and the session goes on."""
@@ -504,6 +511,7 @@ def test_frames_played_before_the_core_reached_them_keep_the_stream_whole(tiny_m
     assert len(audio) >= 8 * AUDIO_RATE // 2 // 960
 
 
+@pytest.mark.slow
 def test_speech_frames_ready_after_their_utterance_played_keep_their_account(tiny_models, avatars):
     """A speech frame that comes back from the steps after its whole utterance has played (and left the
     session's timeline) is late, and still has its push times: the per-stage account that GET
@@ -574,6 +582,7 @@ def test_admission_refuses_a_session_that_would_overload(streaming):
     streaming.close_session(s)
 
 
+@pytest.mark.slow
 def test_a_session_that_stops_reading_stalls_no_other(streaming):
     async def run():
         reader, idle = streaming.open_session(0, fps=FPS), streaming.open_session(1, fps=FPS)
@@ -605,6 +614,7 @@ def test_offline_frames_share_the_steps_and_equal_the_engine(streaming):
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
 
+@pytest.mark.slow
 def test_the_offline_lane_queues_ahead_and_gives_each_batch_in_order(streaming):
     """A render's hinted batches are queued on the live engine at once and come back in order, each equal
     to an unhinted one; two avatars in one batch land in their rows; a wrong hint is dropped, not served;
@@ -659,6 +669,7 @@ def test_the_offline_lane_queues_ahead_and_gives_each_batch_in_order(streaming):
     assert all(job.cancelled() or job.done() for job in queued) and not cancelled._queued
 
 
+@pytest.mark.slow
 def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streaming):
     """Per-session encode: one H.264 packet per rendered frame (pts = frame index), Opus as it plays."""
     import av
@@ -689,6 +700,7 @@ def test_encoded_sessions_give_h264_and_opus_packets_on_the_frame_clock(streamin
     assert [p.pts for p in audio] == [960 * k for k in range(len(audio))]
 
 
+@pytest.mark.slow
 def test_many_sessions_share_full_batches(tiny_models, avatars):
     """The big-machine path on 2 cores: 6 sessions whose frames fall due together run as batches
     of the largest bucket, and none is late.
@@ -721,6 +733,7 @@ def test_many_sessions_share_full_batches(tiny_models, avatars):
     assert max(live.stats.batch_sizes) >= 4, live.stats.batch_sizes
 
 
+@pytest.mark.slow
 def test_out_of_phase_pushes_share_whisper_runs(tiny_models, avatars):
     """The many-clients path on 2 cores: 4 sessions pushing 20 ms chunks out of phase (as clients over a
     network do) get their windows encoded together, at most one encoder call a feature tick, not
@@ -785,6 +798,7 @@ def test_a_step_with_room_waits_while_its_frames_have_slack():
     assert not Scheduler(max_batch=4).plan([_Frames([0.5])], now=0.0).deferred  # 0: never held
 
 
+@pytest.mark.slow
 def test_live_bench_rows_on_two_cores(streaming, tmp_path):
     """live-bench's row (feeders, readers, the figures) on the CPU, and its report files."""
     from lipstream.bench.live import largest, run_sessions, write

@@ -59,6 +59,7 @@ def test_rgb_pictures_match_the_torch_conversion(matrix):
         i420_to_rgb(i420, "bt2020")
 
 
+@pytest.mark.slow
 def test_a_session_by_name_speaks_stereo_pcm16_bytes(engine):
     """24 kHz stereo PCM16 in 20 ms chunks, as a TTS hands it over: the frames' audio is that speech."""
     speech = speech_like(1.0, 24_000, seed=3)

@@ -42,6 +42,8 @@ from lipstream.integrations.livekit import (  # noqa: E402
     AvatarError, AvatarSession, AvatarWorker, route_audio_to_worker, start_in_process)
 from lipstream.live import LiveEngine, LiveFrame, LiveOptions  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the LiveKit stack (its extra) and sessions run in real time: `make test` only
+
 FPS = Fraction(4)
 RATE = 48_000
 PER_FRAME = RATE // 4  # 48 kHz samples a frame plays

@@ -91,6 +91,7 @@ def test_checkpoint_round_trip_is_exact(tiny_checkpoint, tiny_models):
         assert torch.equal(want[k], got[k]), k
 
 
+@pytest.mark.slow
 def test_safetensors_layout_round_trips(tmp_path, tiny_models):
     root = write_random_checkpoint(tmp_path, size="tiny", seed=0, binary=False)
     assert (root / "musetalkV15/unet.safetensors").is_file()
@@ -103,6 +104,7 @@ def test_safetensors_layout_round_trips(tmp_path, tiny_models):
     torch.testing.assert_close(run_all(loaded)["unet"], run_all(tiny_models)["unet"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_files_load_with_the_libraries_upstream_uses(tiny_checkpoint, tiny_models):
     """The folder is a genuine diffusers / transformers folder, unet.pth loads as upstream does, and the
     libraries' modules compute what LipStream's own compute from the same files."""

@@ -198,3 +198,22 @@ def test_a_prepared_arena_is_taken_by_the_writer_and_kept_for_the_next(tmp_path)
             raise KeyboardInterrupt
     assert pool._idle == [] and prepared.frames is None  # closed, not kept
     assert _arena_files() == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "b.mp4"]
+
+
+def test_the_arena_kept_is_the_last_released_so_a_prepare_for_a_new_size_is_not_thrown_away():
+    """A process that rendered one frame size (a server's jobs, the tests) and prepares the arena of another for
+    its next render keeps the new one: the idle arena of the old size is closed instead."""
+    from lipstream.media.mp4 import arena_slots
+    from lipstream.media.segment_pool import segment_pool
+
+    pool = segment_pool(2)
+    for width in (W, W + 64, W):
+        pool.prepare(width, H, arena_slots(2))
+        taken = pool.arena(width, H, arena_slots(2))  # waits for the prepare(), and takes what it made
+        assert taken.prefaulted.wait(30) and taken.shape == (width, H, arena_slots(2))
+        taken.release()
+        assert pool._idle == [taken]
+    deadline = time.monotonic() + 30
+    while _arena_files() and time.monotonic() < deadline:  # each file goes once every worker has mapped it
+        time.sleep(0.01)
+    assert _arena_files() == []

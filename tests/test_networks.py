@@ -89,11 +89,13 @@ def compare(size: str, batch: int, dtype=torch.float32) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow
 def test_tiny_networks_equal_the_reference_modules():
     errors = compare("tiny", batch=3)
     assert all(e <= 1e-5 for e in errors.values()), errors
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("LIPSTREAM_SKIP_FULL") == "1", reason="LIPSTREAM_SKIP_FULL=1")
 def test_full_size_networks_equal_the_reference_modules():
     """The published architectures (850 M + 84 M + 8 M parameters), one sample each on the CPU."""
@@ -101,6 +103,7 @@ def test_full_size_networks_equal_the_reference_modules():
     assert all(e <= 1e-5 for e in errors.values()), errors
 
 
+@pytest.mark.slow
 def test_half_precision_stays_as_close_to_fp32_as_the_reference_does():
     """fp16 (what the GPU runs): ours is as far from the fp32 answer as the reference's fp16 is, no further."""
     if not torch.cuda.is_available():

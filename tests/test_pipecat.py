@@ -42,6 +42,8 @@ from lipstream.live import SessionRefused, LiveEngine, LiveOptions  # noqa: E402
 from lipstream.media.pixels import mono_pcm  # noqa: E402
 from lipstream.media.rates import AUDIO_RATE  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Pipecat pipelines (its extra) run in real time: `make test` only
+
 FPS = Fraction(4)
 DELAY_S = 2.0
 PER_FRAME = AUDIO_RATE // 4  # 48 kHz samples a frame at 4 fps

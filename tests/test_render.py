@@ -66,7 +66,7 @@ def outside_box(frame: np.ndarray, boxes: list) -> np.ndarray:
     return untouched(H, W, boxes)
 
 
-@pytest.mark.parametrize("encoders, processes", [(1, False), (3, False), (2, True)],
+@pytest.mark.parametrize("encoders, processes", [(1, False), pytest.param(3, False, marks=pytest.mark.slow), (2, True)],
                          ids=["one-encoder", "3-segment-threads", "2-segment-processes"])
 def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path, encoders, processes):
     out = tmp_path / "talk.mp4"
@@ -95,6 +95,7 @@ def test_render_frames_audio_and_untouched_pixels(studio, tiny_models, tmp_path,
     assert data.find(b"moov") < data.find(b"mdat")  # +faststart: the index comes first
 
 
+@pytest.mark.slow
 def test_loops_at_another_fps_step_by_time(studio, tiny_models, tmp_path):
     from fractions import Fraction
 
@@ -168,6 +169,7 @@ def graph_device(request):
     return "cpu"
 
 
+@pytest.mark.slow
 def test_the_first_batch_renders_before_the_other_buckets_are_captured(studio, tmp_path, graph_device, monkeypatch):
     """A one-shot render captures the first batch's bucket before the first frame and the others while
     that batch encodes: the same frames as an engine with every bucket captured first, each bucket once."""
@@ -214,6 +216,7 @@ def same_frames_as_every_bucket_captured(lazy, eager, models, program, options, 
     assert diff == 0 if graph_device == "cpu" else diff <= 1
 
 
+@pytest.mark.slow
 def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp_path, graph_device, monkeypatch):
     """The capture in the render loop holds the GIL the first segment's reply and mux need: it waits for the
     first packet (first-bucket batches meanwhile), unless EARLY_BATCHES of them went first; the frames are
@@ -229,6 +232,7 @@ def test_the_other_buckets_are_captured_once_the_first_packet_is_out(studio, tmp
     same_frames_as_every_bucket_captured(lazy, eager, models, program, options, tmp_path, graph_device)
 
 
+@pytest.mark.slow
 def test_a_short_render_never_captures_the_other_buckets(studio, tmp_path, graph_device, monkeypatch):
     """Too few frames left for the full bucket to repay its capture at the first bucket's measured rate: the
     first renders them all, the same frames as every bucket captured."""
@@ -260,6 +264,7 @@ def test_the_first_bucket_is_16_on_a_gpu_and_8_on_a_cpu_unless_asked():
         EngineOptions(first_batch=0).check()
 
 
+@pytest.mark.slow
 def test_capture_later_runs_the_first_batch_uncaptured(studio, tmp_path, graph_device, monkeypatch):
     """EngineOptions.capture "later": nothing is captured before the first frame, the first batch runs
     uncaptured and every bucket is captured in the render loop; the frames are the default capture's."""
@@ -302,6 +307,7 @@ def which_avatar(frame: np.ndarray, avatars: dict, step: int) -> str:
     return hits[0]
 
 
+@pytest.mark.slow
 def test_broadcast_three_scenes_cuts_on_the_right_frames(studio, tiny_models, tmp_path):
     script = write_script(studio, """
 avatars: avatars
@@ -321,6 +327,7 @@ scenes:
         assert which_avatar(frame, avatars, j - starts[expected]) == expected, j
 
 
+@pytest.mark.slow
 def test_crossfade_blends_the_right_frames(studio, tiny_models, tmp_path):
     script = write_script(studio, """
 avatars: avatars
@@ -416,6 +423,7 @@ def _cli(args, cwd, env_extra=None):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_render_writes_nothing_but_its_output(studio, tmp_path):
     work, scratch = tmp_path / "cwd", tmp_path / "tmp"
     work.mkdir()
@@ -431,6 +439,7 @@ def test_render_writes_nothing_but_its_output(studio, tmp_path):
     assert sorted(p.name for p in studio.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly(studio, tmp_path):
     audio = write_audio(tmp_path / "speech.wav", speech_like(40.0), 16000)
     p = _cli(["render", "--avatar", "anna", "--avatars", studio / "avatars", "--audio", audio, "-o", "out.mp4",
@@ -471,6 +480,7 @@ def test_models_must_match_the_avatar_vae(studio, tmp_path):
 
 # ---- resident avatars: loaded once per process, reloaded when recompiled ----
 
+@pytest.mark.slow
 def test_a_second_render_reuses_the_resident_avatar(studio, tiny_models, tmp_path):
     from lipstream.avatar import resident
 

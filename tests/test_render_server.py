@@ -28,6 +28,8 @@ from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
 from serve_process import free_port, serve_process
 
+pytestmark = pytest.mark.slow  # a `lipstream serve` in a process of its own: `make test` only
+
 KEY = "render-server-key-0123456789"
 OTHER_KEY = "render-server-key-other-0123"  # a second caller: its jobs count against its own cap
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -172,9 +174,11 @@ ERRORS = [
      ["notes.wav: not a readable audio or video file"], True),
     ("no-such-output-folder", RENDER + ["-o", "no/such/dir/out.mp4"], {"LIPSTREAM_API_KEY": KEY}, 1,
      ["output folder no/such/dir does not exist"], True),
-    ("no-key", RENDER, {}, 1, ["the server at {url} needs an API key (401)", "LIPSTREAM_API_KEY"], True),
+    ("no-key", RENDER, {}, 1,
+     ["error: {url} answered 401: it wants an API key: pass --api-key KEY (or set LIPSTREAM_API_KEY)"], True),
     ("wrong-key", RENDER, {"LIPSTREAM_API_KEY": "not-the-key-0123456789"}, 1,
-     ["the server at {url} refused the API key (401)"], True),
+     ["error: {url} answered 401: it refused the API key given (not one of its keys): pass --api-key KEY (or set "
+      "LIPSTREAM_API_KEY)"], True),
     ("job-fails-on-the-server", ["--avatar", "p", "--audio", "damaged.wav"], {"LIPSTREAM_API_KEY": KEY}, 1,
      ["the job failed on the server at {url}", "NaN or infinite samples"], False),
     ("bad-server-address", RENDER + ["--server", "127.0.0.1:8000"], {}, 2,
@@ -218,6 +222,27 @@ def test_an_unreachable_server_is_one_line(desk, tmp_path):
     assert code == 1 and len(lines) == 1, stderr
     assert lines[0].startswith(f"error: cannot reach the server at {url}: ") and "refused" in lines[0], lines[0]
     assert os.listdir(tmp_path) == [] and "torch-not-imported" in stdout
+
+
+@pytest.mark.parametrize("key", [None, "not-the-key-0123456789"])
+def test_broadcast_and_serve_bench_without_the_key_say_how_to_give_it_in_one_line(server, desk, tmp_path, key):
+    """A server with keys answers 401 to a caller without one (or with another): `broadcast --server` and
+    `serve-bench` say so in one line naming where the key goes, and leave no output, no job, no report."""
+    (tmp_path / "show.yaml").write_text(f"scenes:\n  - audio: {desk / 'hello.wav'}\n    cameras:\n"
+                                        "      - {at: 0, avatar: p}\n")
+    given = "it refused the API key given (not one of its keys)" if key else "it wants an API key"
+    before = len(_jobs(server))
+    code, stdout, stderr = cli(["broadcast", tmp_path / "show.yaml", "-o", tmp_path / "out.mp4", "--server", server],
+                               desk, {"LIPSTREAM_API_KEY": key} if key else {})
+    assert code == 1 and stderr.strip().splitlines() == [
+        f"error: {server} answered 401: {given}: pass --api-key KEY (or set LIPSTREAM_API_KEY)"], stderr
+    code, stdout, stderr = cli(["serve-bench", "--url", server, "--sessions", "1", "-o", tmp_path / "report"], desk,
+                               {"LIPSTREAM_API_KEYS": key} if key else {})
+    assert code == 1 and stderr.strip().splitlines() == [
+        f"error: {server} answered 401: {given}: set LIPSTREAM_API_KEYS=KEY (serve-bench sends the first key "
+        "listed)"], stderr
+    assert "torch-not-imported" in stdout
+    assert sorted(os.listdir(tmp_path)) == ["show.yaml"] and len(_jobs(server)) == before
 
 
 def test_the_server_and_key_variables_and_the_flag_over_them(server, desk, tmp_path):

@@ -107,6 +107,7 @@ def _gc_full_collections(text: str) -> float:
     return float(re.search(r'^lipstream_gc_pause_seconds_count\{generation="2"\} (\S+)$', text, re.M).group(1))
 
 
+@pytest.mark.slow
 def test_health_ready_metrics_and_keys(server):
     client, _ = server
     assert client.get("/healthz").json() == {"status": "ok"}
@@ -127,6 +128,7 @@ def test_health_ready_metrics_and_keys(server):
     assert sys.getswitchinterval() == pytest.approx(0.0005)
 
 
+@pytest.mark.slow
 def test_bad_uploads_are_refused_before_any_job(server, root, tmp_path):
     client, service = server
     before = len(service.store.list())
@@ -144,6 +146,7 @@ def test_bad_uploads_are_refused_before_any_job(server, root, tmp_path):
     assert not [p for p in (root / "data" / "uploads").iterdir() if any(p.iterdir())]  # nothing kept
 
 
+@pytest.mark.slow
 def test_a_render_job_equals_the_cli_render(server, root, tmp_path):
     """Upload, progress over SSE, the MP4 with Range; its frames are the CLI's for the same inputs."""
     client, _ = server
@@ -171,6 +174,7 @@ def test_a_render_job_equals_the_cli_render(server, root, tmp_path):
     assert client.get("/v1/jobs", headers=AUTH).json()[0]["id"] == job["id"]
 
 
+@pytest.mark.slow
 def test_a_broadcast_job_equals_the_cli_broadcast(server, root, tmp_path):
     """A script and the audio files it names; its MP4 is `lipstream broadcast`'s for the same inputs."""
     client, _ = server
@@ -202,6 +206,7 @@ def test_a_broadcast_job_equals_the_cli_broadcast(server, root, tmp_path):
     assert min(_psnr(x, y) for x, y in zip(a, b)) > 40
 
 
+@pytest.mark.slow
 @pytest.mark.face_model  # the job tracks the loop's face with dlib's 68-point model
 def test_a_compile_job_makes_a_resident_avatar(server, tmp_path):
     """An uploaded action loop becomes an avatar the next job can use, without a restart."""
@@ -230,6 +235,7 @@ def test_a_compile_job_makes_a_resident_avatar(server, tmp_path):
     assert _events(client, job["id"])[-1]["status"] == "done"
 
 
+@pytest.mark.slow
 def test_cancel_and_the_per_key_cap(server, root):
     client, service = server
     first = _submit(client, root / "talk.wav").json()
@@ -274,6 +280,7 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: flo
     raise AssertionError("the server did not get ready")
 
 
+@pytest.mark.slow
 def test_sigterm_mid_job_loses_nothing_and_a_restart_runs_it(root, tmp_path):
     data, port, log = tmp_path / "data", _free_port(), tmp_path / "server.log"
     proc = _start(root, data, port, log)
@@ -371,6 +378,7 @@ def _port(server) -> int:
     return int(str(server[0].base_url).rsplit(":", 1)[1].strip("/"))
 
 
+@pytest.mark.slow
 def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
     """Both tracks arrive in sync (offset <= 40 ms at the client); speech over the WebSocket plays, with its
     events; an interrupt returns to idle; DELETE ends the session.
@@ -446,6 +454,7 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
     assert abs(offset) <= 0.040, f"audio-video offset at the client {offset * 1000:.0f} ms"
 
 
+@pytest.mark.slow
 def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
     """The offer sends the client's microphone (a WAV here): what it says plays, reported over the socket."""
     import websockets
@@ -478,6 +487,7 @@ def test_a_live_session_speaks_from_the_clients_own_audio_track(server, root):
     assert len(video) >= 5 and video[0][3].shape == (270, 320), len(video)  # 10 fps VP8, decoded
 
 
+@pytest.mark.slow
 def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
     """Admission: the fourth 10 fps session would overload the engine; it is refused with Retry-After. The
     three admitted are spread over both WebRTC workers."""
@@ -513,6 +523,7 @@ def test_a_full_engine_answers_503_and_the_sessions_it_has_play_on(server):
     assert len(listed) == 3
 
 
+@pytest.mark.slow
 def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_next(server):
     """aiortc runs in worker processes (serve/rtc.py). Killing one ends the sessions it carried (gone from the
     list, not stalled); the server keeps serving, and the next session gets a fresh worker and plays."""
@@ -550,6 +561,7 @@ def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_n
 # --- serve-bench: the load test's clients, each in a process of its own -----------------------------------
 
 
+@pytest.mark.slow
 def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server, root, tmp_path, monkeypatch):
     """Two client processes against the real server, with a render job beside them: every client connects,
     speaks, and matches frames to its audio (the A/V offset would be whole frames off if the match were);

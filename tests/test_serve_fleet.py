@@ -27,6 +27,8 @@ from lipstream.fixtures import speech_like, write_audio  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from serve_process import free_port, listen, processes, speaks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a local Ray with two replicas: `make test` only
+
 KEY = "fleet-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LEASE_S = 2.0  # short: a killed replica's job is taken over within seconds

@@ -29,6 +29,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
 from serve_process import descendants, free_port, listener, speaks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray started by `lipstream serve --replicas` as typed: `make test` only
+
 HAPROXY_DEFAULT_PORTS = (8404, 9101)  # stats, metrics: Ray's
 
 

@@ -18,6 +18,8 @@ from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.live import preset
 
+pytestmark = pytest.mark.slow  # two services on one store, jobs run to the end: `make test` only
+
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LEASE_S = 1.0  # short, so that a dead runner's job is taken over within seconds

@@ -25,6 +25,8 @@ import pytest
 from lipstream.fixtures import speech_like, write_audio
 from lipstream.fixtures.avatar import tracked_avatar
 
+pytestmark = pytest.mark.slow  # a real Chromium: `make test` only
+
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:

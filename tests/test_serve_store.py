@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lipstream.errors import MissingExtra
 from lipstream.serve.store.database import open_store
 from lipstream.serve.store.base import SCHEMA_VERSION, Job, JobStore, JobStoreError
 from postgres_server import PostgresServer, missing_reason
@@ -455,11 +456,12 @@ def test_open_store_addresses(tmp_path: Path):
     assert {p.name for p in tmp_path.iterdir()} >= {"a.db", "b.db", "c.db"}
     import importlib.util
 
-    unreachable = "cannot connect to PostgreSQL" if importlib.util.find_spec("psycopg") else "pip install 'psycopg"
-    for bad, match in (("mysql://u:secret@host/db", "not a job store address"),
-                       ("sqlite://relative.db", "sqlite:///PATH"),
-                       ("postgresql://u:secret@127.0.0.1:1/db", unreachable)):
-        with pytest.raises(JobStoreError, match=match) as raised:
+    unreachable = ((JobStoreError, "cannot connect to PostgreSQL") if importlib.util.find_spec("psycopg") else
+                   (MissingExtra, r"pip install 'lipstream\[postgres\]'"))
+    for bad, (error, match) in (("mysql://u:secret@host/db", (JobStoreError, "not a job store address")),
+                                ("sqlite://relative.db", (JobStoreError, "sqlite:///PATH")),
+                                ("postgresql://u:secret@127.0.0.1:1/db", unreachable)):
+        with pytest.raises(error, match=match) as raised:
             open_store(bad)
         assert "\n" not in str(raised.value) and "secret" not in str(raised.value)
 

@@ -286,6 +286,7 @@ def test_pip_video_frames_follow_the_show_clock_and_hold(tmp_path):
             assert torch.equal(out[i], src[i]), t
 
 
+@pytest.mark.slow
 def test_pip_video_loops_and_uploads_each_frame_once(tmp_path):
     video = write_video(tmp_path / "clip.mp4", 8, 10)
     pip = Picture(video, (0, 0, 128, 96), Span(0.0, None, fade=0.0), loop=True)
@@ -511,6 +512,7 @@ def test_video_decoder_starts_a_scene_ahead_and_stops_after(tmp_path):
         assert not source.started
 
 
+@pytest.mark.slow
 def test_graphed_whole_batches_give_the_eager_bits(tmp_path, monkeypatch):
     """On CUDA a batch is painted whole by a captured graph (every layer over every frame, opacity 0 where it
     hides): here played by the CPU stand-in, batch after batch of 8, 16 and 32 frames and a short tail, as

@@ -19,8 +19,9 @@ from lipstream.render.program import render_program
 from lipstream.render.script import load_script
 from lipstream.show.spec import SceneLayers, Show
 
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None,
-                                reason="espeak-ng is not installed (make espeak installs Debian's package)")
+pytestmark = [pytest.mark.slow,  # whole shows rendered: `make test` only
+              pytest.mark.skipif(shutil.which("espeak-ng") is None,
+                                 reason="espeak-ng is not installed (make espeak installs Debian's package)")]
 
 PIP = (360, 80, 540, 200)  # clear of the logo (top right) and the lower third (bottom left)
 

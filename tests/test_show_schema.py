@@ -329,6 +329,7 @@ font: fonts/news.ttf
 """
 
 
+@pytest.mark.slow
 def test_a_broadcast_job_uploads_the_shows_files_and_the_server_program_points_at_them(server, desk, tmp_path):
     """`--server` mode's client (remote_jobs: prepare_upload, run_job) against the real server: the show's
     files go up with the audio under the names the script sent names them by; the program the server
@@ -372,6 +373,7 @@ def test_a_broadcast_job_uploads_the_shows_files_and_the_server_program_points_a
     assert there.show.scenes[0].lower_third == LowerThird("Anna Berg", "Berlin", Span(0.2, 1.0, 0.1))
 
 
+@pytest.mark.slow
 def test_the_server_refuses_a_show_that_is_not_sent_or_cannot_be_shown(server, desk):
     """Each refusal is a 422 with one line that names the key and never the server's folders; nothing is kept."""
     url, service = server

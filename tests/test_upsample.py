@@ -64,6 +64,7 @@ def test_fused_decoder_matches_and_does_fewer_flops(tiny_models, mode):
     assert counts[1] < counts[0]
 
 
+@pytest.mark.slow
 def test_engine_with_fused_upsamplers_renders_the_same_frames(tiny_models, presenter):
     avatar = load_avatar(presenter)
     windows = torch.randn(6, 50, 384, generator=torch.Generator().manual_seed(3))

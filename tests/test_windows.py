@@ -205,7 +205,8 @@ def centred_loop(features: torch.Tensor, fps, frames: int) -> torch.Tensor:
                         for s in (math.floor(i * 50 / rate) for i in range(frames))])
 
 
-@pytest.fixture(scope="module", params=[0.1, 7.0, 30.0, 61.0], ids=lambda d: f"{d}s")
+@pytest.fixture(scope="module", params=[0.1, *(pytest.param(s, marks=pytest.mark.slow) for s in (7.0, 30.0, 61.0))],
+                ids=lambda d: f"{d}s")
 def speech(request, tiny_models):
     seconds = request.param
     n = int(round(seconds * 16000))

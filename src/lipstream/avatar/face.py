@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import cv2
 import numpy as np
 
-from lipstream.errors import LipStreamError
+from lipstream.errors import require
 
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 DETECT_WIDTH = 640  # detection runs on frames scaled down to this width
@@ -65,15 +65,10 @@ class DlibBackend:
     new_face_score = 0.15
 
     def __init__(self) -> None:
-        try:
-            import dlib
-        except ImportError:
-            raise LipStreamError("face tracking needs dlib: pip install dlib-bin face-recognition-models "
-                                 "(or pass --track FILE with precomputed boxes or landmarks)") from None
+        require("dlib", "face tracking", otherwise="pass --track FILE with precomputed landmarks or boxes")
+        import dlib
+
         spec = importlib.util.find_spec("face_recognition_models")  # its __init__ needs pkg_resources: don't import
-        if spec is None or not spec.submodule_search_locations:
-            raise LipStreamError("face tracking needs the 68-point model: pip install face-recognition-models "
-                                 "(or pass --track FILE)")
         model = Path(spec.submodule_search_locations[0]) / "models" / "shape_predictor_68_face_landmarks.dat"
         self._dlib = dlib
         self._detector = dlib.get_frontal_face_detector()

@@ -9,8 +9,15 @@ import cv2
 import numpy as np
 
 
-def fps_chart(report: dict, path: Path) -> Path:
-    import matplotlib
+NO_CHART = "no chart: matplotlib is not installed (pip install matplotlib)"
+
+
+def fps_chart(report: dict, path: Path) -> Path | None:
+    """The fps of every row as bars, written to `path`; None (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lipstream.bench.figures import NO_CHART
 from lipstream.bench.proc import process_cpu_s
 from lipstream.fixtures import speech_like
 from lipstream.live import LiveEngine, LiveFrame, LiveOptions, preset
@@ -225,19 +226,20 @@ def write(report: dict, out: Path) -> None:
     for size in sorted({r["size"] for r in report["rows"]}):
         lines.append(f"- {size}: largest N with p99 <= {TARGET_P99_MS:.0f} ms and no frame late: "
                      f"**{largest(report, size)}**")
+    if not chart(report, out / "live_bench.png"):
+        lines += ["", f"({NO_CHART})"]
     (out / "live_bench.md").write_text("\n".join(lines) + "\n")
-    chart(report, out / "live_bench.png")
 
 
-def chart(report: dict, path: Path) -> None:
-    """Latency (p50, p99) against N, one line pair per frame size (skipped without matplotlib)."""
+def chart(report: dict, path: Path) -> bool:
+    """Latency (p50, p99) against N, one line pair per frame size; False (nothing written) without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for size in sorted({r["size"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["size"] == size and r["latency_ms"]]
@@ -255,6 +257,7 @@ def chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:

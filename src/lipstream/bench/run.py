@@ -155,7 +155,10 @@ def run(models: MuseTalk, out: Path, *, width: int, height: int, scale: float = 
     for row in report["rows"]:
         base = next((r for r in report["rows"] if r["scenario"] == row["scenario"] and r["mode"] == "legacy"), None)
         row["speedup"] = base["wall_s"] / row["wall_s"] if base else None
-    report["chart"] = figures.fps_chart(report, out / "bench_fps.png").name
+    chart = figures.fps_chart(report, out / "bench_fps.png")
+    report["chart"] = chart.name if chart else None
+    if chart is None:
+        print(f"bench: {figures.NO_CHART}", flush=True)
     if "legacy" in modes and "fast" in modes:
         for scenario in built:
             avatar = load_avatar(resolve_avatar(scenario.program.scenes[0].shots[0].avatar,
@@ -343,6 +346,6 @@ def markdown(report: dict) -> str:
     for call, engines in report["startup"].items():
         if isinstance(engines, dict):
             lines += [f"| {call} | {k} | {v:.1f} |" for k, v in engines.items()]
-    lines += ["", f"![fps]({report['chart']})", ""]
+    lines += ["", f"![fps]({report['chart']})" if report.get("chart") else f"({figures.NO_CHART})", ""]
     lines += [f"![freeze frame, legacy vs fast, with a close-up of the blend seam]({p})" for p in report["freeze_frames"]]
     return "\n".join(lines) + "\n"

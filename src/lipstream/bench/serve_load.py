@@ -23,11 +23,15 @@ import httpx
 import numpy as np
 
 from lipstream.bench.proc import children_cpu_s, host_busy_s, process_cpu_s
+from lipstream.client.jobs import key_refusal
+from lipstream.errors import LipStreamError
 
 TARGET_P99_MS = 250.0
 CONNECT_S = 6.0  # clients start (imports, offer, answer) before the common start
 WARMUP_S = 4.0
 CLIENT_NICE = 10  # clients share the server's machine: they yield to it when cores are short
+# serve-bench reads the key where the server it usually runs beside reads its keys
+KEY_VARIABLE = "set LIPSTREAM_API_KEYS=KEY (serve-bench sends the first key listed)"
 
 
 def submit_render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
@@ -159,6 +163,8 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         if ready.status_code != 200:
             raise RuntimeError(f"{url}/readyz answered {ready.status_code}: the server is not ready")
         listed = http.get("/v1/avatars")
+        if listed.status_code in (401, 403):
+            raise LipStreamError(key_refusal(url, listed.status_code, bool(key), KEY_VARIABLE))
         listed.raise_for_status()
         known = {a["name"]: a for a in listed.json()}
     chosen = avatars or sorted(known)

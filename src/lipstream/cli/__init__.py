@@ -12,6 +12,7 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
 # each registers its commands on `app`, in the order `lipstream --help` lists them
 from lipstream.cli import render  # isort: skip
@@ -42,20 +43,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except click.exceptions.UsageError as e:
         command = e.ctx.command_path if e.ctx else "lipstream"
-        err.print(f"[bold red]error:[/] {e.format_message()} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(e.format_message())} (see `{command} --help`)", highlight=False, soft_wrap=True)
         return 2
     except UsageError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except LipStreamError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 1
     except (KeyboardInterrupt, typer.Abort):
         code = 130
     except Exception as e:  # noqa: BLE001 - a bug, not a user's mistake: one line, the traceback on request
         log.debug("unexpected error", exc_info=True)
         text = str(e).strip().splitlines()
-        err.print(f"[bold red]error:[/] unexpected {type(e).__name__}" + (f": {text[0]}" if text else "")
+        err.print(f"[bold red]error:[/] unexpected {type(e).__name__}" + (f": {escape(text[0])}" if text else "")
                   + " (a bug in LipStream: LIPSTREAM_LOG=DEBUG shows the traceback)", highlight=False, soft_wrap=True)
         return 1
     if code == 130:

@@ -9,7 +9,7 @@ import typer
 from lipstream.cli.common import (
     AvatarsOpt, CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, RandomOpt, RandomSizeOpt, app, avatars_dir,
     compile_choice, err, load_models)
-from lipstream.errors import UsageError
+from lipstream.errors import UsageError, require
 from lipstream.cli.checks import check_models, fps_option, in_range, machine_options
 from lipstream.avatar.folders import resolve_avatar
 
@@ -49,6 +49,7 @@ def livekit_worker_cmd(
         models: ModelsOpt = None, random_weights: RandomOpt = False,
         random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """Hold one engine; join the LiveKit room an agent names and speak its replies there, in many rooms at once."""
+    require("livekit", "lipstream livekit-worker")
     if not url.startswith(("ws://", "wss://", "http://", "https://")):
         raise UsageError(f"--url {url!r}: expected the LiveKit server, ws://HOST:7880 or wss://... (or $LIVEKIT_URL)")
     if not api_key or not api_secret:

@@ -17,7 +17,7 @@ from lipstream.cli.common import (
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
     avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, start_without_collections,
     warn_random_weights)
-from lipstream.errors import InputError, LipStreamError
+from lipstream.errors import InputError, LipStreamError, require
 from lipstream.files import check_file
 from lipstream.render.options import RenderOptions
 from lipstream.cli.checks import check_models, fps_option, in_range, machine_options, render_options
@@ -52,6 +52,9 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise InputError(output, "is a file, expected the avatars folder")
     if track is not None and not track.exists():
         raise InputError(track, "no such track file or folder")
+    if track is None:
+        require("dlib", "lipstream compile (its face tracker)", otherwise="pass --track FILE with precomputed "
+                "landmarks or boxes")
     check_models(models, random_weights)
 
     from rich.table import Table
@@ -271,6 +274,7 @@ def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: Re
                encoder_processes, compile, decode_rows, models, random_weights, random_size, device, timings) -> None:
     """--server: the address checked, every flag only a local render takes refused (one line naming it),
     then the job handed over (cli/remote.py). Never a local render instead."""
+    require("serve", f"lipstream {kind} --server", "httpx")
     from lipstream.cli.remote import refuse_local_options, render_on_server
     from lipstream.client.jobs import server_url
 

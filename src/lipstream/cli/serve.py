@@ -12,7 +12,7 @@ import typer
 from lipstream.cli.common import (
     CompileOpt, DeviceOpt, LivePresetOpt, ModelsOpt, OldPresetOpt, RandomOpt, RandomSizeOpt, app, compile_choice,
     err, out, renamed, warn_random_weights)
-from lipstream.errors import InputError, LipStreamError
+from lipstream.errors import InputError, LipStreamError, require
 from lipstream.files import check_file
 from lipstream.errors import UsageError
 from lipstream.cli.checks import check_models, in_range, machine_options
@@ -67,6 +67,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               models: ModelsOpt = None, random_weights: RandomOpt = False,
               random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
     """Keep the networks, the compiled steps and the avatars resident; serve jobs and live sessions."""
+    require("serve", "lipstream serve")
     from lipstream.serve.options import ServeOptions
 
     live_preset = renamed("--preset", "--live-preset", preset, live_preset, "realtime")
@@ -81,6 +82,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
         options.check()
         fleet = fleet_size(replicas, ray_address, min_replicas, max_replicas)
         check_ingress(ingress, fleet is not None, ray_address)
+        if fleet is not None:  # after the options' values: a wrong one is said first, Ray or not
+            require("ray", "--replicas")
         if ray_address is None:  # a cluster's proxies may hold the port already, for an earlier Serve
             check_port(options.host, options.port)
             if ingress == "haproxy":
@@ -122,7 +125,7 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
 def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
                max_replicas: int | None) -> tuple[int | None, int, int | None] | None:
     """--replicas as (fixed count or None for autoscaling, min, max); None: one process, no Ray. Checked
-    before anything loads, Ray's presence included."""
+    before anything loads (whether Ray is installed: serve_cmd, once every option's value is)."""
     if replicas is None:
         if ray_address is not None:
             raise ValueError("--ray-address: only with --replicas N or --replicas auto")
@@ -139,10 +142,6 @@ def fleet_size(replicas: str | None, ray_address: str | None, min_replicas: int,
             count = 0
         if not 1 <= count <= 1024:
             raise ValueError(f"--replicas {replicas!r}: a number from 1 to 1024, or auto, is allowed")
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-        raise ValueError("--replicas: Ray Serve is not installed; pip install 'lipstream[ray]'")
     return count, min_replicas, max_replicas
 
 
@@ -187,6 +186,7 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                              "(default: the server's).")] = None,
                     ) -> None:
     """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
+    require("serve", "lipstream serve-bench", "httpx", "aiortc", "websockets")
     try:
         counts = [int(v) for v in sessions.split(",") if v.strip()]
     except ValueError:

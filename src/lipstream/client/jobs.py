@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-import httpx
-
-from lipstream.errors import LipStreamError
-from lipstream.files import atomic_path
-from lipstream.errors import UsageError
 from lipstream.client.upload import Upload, check_avatars
+from lipstream.errors import LipStreamError, UsageError, require
+from lipstream.files import atomic_path
+
+require("serve", "lipstream.client", "httpx")
+
+import httpx  # noqa: E402  (after the one-line hint that names the extra)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,20 @@ CANCEL_TIMEOUT_S = 5.0
 # a job's output options as the jobs API names them -> the flag a user typed
 FLAGS = {"fps": "--fps", "crf": "--crf", "x264_preset": "--x264-preset", "start_frame": "--start-frame"}
 DEFAULT_CRF = 18
+# how a user of `lipstream render | broadcast --server` gives the server's key
+KEY_OPTION = "pass --api-key KEY (or set LIPSTREAM_API_KEY)"
 
 
 class RemoteError(LipStreamError):
     """The server refused or failed the job, or could not be reached."""
+
+
+def key_refusal(url: str, status: int, key_given: bool, how: str = KEY_OPTION) -> str:
+    """The one line for a 401 or 403: the server wants a key, or refused the one given. `how`: how this
+    caller gives a key (a flag and a variable, a keyword argument)."""
+    if key_given:
+        return f"{url} answered {status}: it refused the API key given (not one of its keys): {how}"
+    return f"{url} answered {status}: it wants an API key: {how}"
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class JobServer:
 
     url: str
     api_key: str | None = None
+    key_how: str = KEY_OPTION  # how its user gives the key, for the line a 401 or 403 ends in
     http: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -228,10 +240,7 @@ class JobServer:
         detail = _detail(r)
         status = r.status_code
         if status in (401, 403):
-            if not self.api_key:
-                return RemoteError(f"the server at {self.url} needs an API key ({status}): set LIPSTREAM_API_KEY "
-                                   "or pass --api-key")
-            return RemoteError(f"the server at {self.url} refused the API key ({status}): {detail}")
+            return RemoteError(key_refusal(self.url, status, bool(self.api_key), self.key_how))
         if status in (429, 503):
             after = r.headers.get("retry-after")
             when = f"try again in {after} s" if after else "try again later"

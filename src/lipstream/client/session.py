@@ -26,14 +26,18 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
-import httpx
 import numpy as np
 
-from lipstream.errors import LipStreamError
+from lipstream.client.jobs import key_refusal
+from lipstream.errors import LipStreamError, require
 from lipstream.live.interface import SessionRefused
 from lipstream.live.items import LiveFrame, SessionClock, SessionStats, SpeechEvent
 from lipstream.media.pixels import i420_to_rgb, mono_pcm, pcm16
 from lipstream.media.rates import AUDIO_RATE, as_fps
+
+require("serve", "lipstream.client", "httpx", "aiortc", "websockets")
+
+import httpx  # noqa: E402  (after the one-line hint that names the extra)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,8 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
     pc = None
     try:
         r = await http.get("/v1/avatars")
+        if r.status_code in (401, 403):
+            raise SessionRefused(r.status_code, key_refusal(url, r.status_code, bool(api_key), "pass api_key=KEY"))
         if r.status_code != 200:
             raise SessionRefused(r.status_code, f"{url}: GET /v1/avatars answered {r.status_code}: {_reason(r)}")
         info = next((a for a in r.json() if a["name"] == avatar), None)

@@ -38,7 +38,16 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pipecat.frames.frames import (
+
+from lipstream.errors import require
+from lipstream.live.interface import SpeakingSession
+from lipstream.live.items import LiveFrame, SpeechEvent
+from lipstream.media.pixels import pcm16
+from lipstream.media.rates import AUDIO_RATE
+
+require("pipecat", "lipstream.integrations.pipecat")
+
+from pipecat.frames.frames import (  # noqa: E402  (after the one-line hint that names the extra)
     CancelFrame,
     EndFrame,
     Frame,
@@ -49,12 +58,7 @@ from pipecat.frames.frames import (
     TTSStartedFrame,
     TTSStoppedFrame,
 )
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-
-from lipstream.live.interface import SpeakingSession
-from lipstream.live.items import LiveFrame, SpeechEvent
-from lipstream.media.pixels import pcm16
-from lipstream.media.rates import AUDIO_RATE
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine  # in-process mode only: URL mode runs without torch

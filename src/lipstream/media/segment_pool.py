@@ -243,12 +243,19 @@ class SegmentPool:
         return job.future
 
     def _keep(self, arena: Arena) -> None:
-        """A released arena: kept for the next writer if it is sound and there is room, else closed."""
+        """A released arena: kept for the next writer if it is sound, else closed. The last released is the
+        one kept (a prepare()'s is what the coming writer asks for); an older idle arena beyond IDLE_ARENAS
+        is closed (it was the new one, and a prepare() for another frame size than the last render's was
+        thrown away at once)."""
+        if arena.failure is not None or arena.frames is None:
+            arena.close()
+            return
         with self._lock:
-            if arena.failure is None and arena.frames is not None and len(self._idle) < IDLE_ARENAS:
-                self._idle.append(arena)
-                return
-        arena.close()
+            self._idle.append(arena)
+            gone = self._idle[:len(self._idle) - IDLE_ARENAS]
+            del self._idle[:len(gone)]
+        for old in gone:
+            old.close()
 
     def _replace_dead(self) -> None:
         """A dead worker's segments have failed; a new arena gets a fresh worker in its place (the idle

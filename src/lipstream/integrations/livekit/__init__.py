@@ -18,7 +18,11 @@ PyTorch's destructors run there (livekit/cuda.py).
 import atexit
 import threading
 
-from lipstream.integrations.livekit.cuda import restore_torch_cuda_context
+from lipstream.errors import require
+
+require("livekit", "lipstream.integrations.livekit")
+
+from lipstream.integrations.livekit.cuda import restore_torch_cuda_context  # noqa: E402
 
 atexit.register(restore_torch_cuda_context)  # before the FFI's own handler: runs after it (atexit is LIFO)
 

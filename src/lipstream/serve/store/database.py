@@ -13,7 +13,8 @@ from lipstream.serve.store.sqlite import SqliteJobStore
 
 def open_store(database: str | Path, *, runner_id: str | None = None, lease_s: float = LEASE_S) -> JobStore:
     """A path or sqlite:///PATH: the SQLite store; postgresql://...: the PostgreSQL store.
-    JobStoreError (one line, no password) for anything else or a database that cannot be used."""
+    JobStoreError (one line, no password) for anything else or a database that cannot be used; MissingExtra
+    for a PostgreSQL address without psycopg (the postgres extra)."""
     runner_id = runner_id or default_runner_id()
     if not lease_s > 0:
         raise ValueError(f"lease_s must be > 0, not {lease_s}")

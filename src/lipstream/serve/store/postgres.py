@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from lipstream.errors import require
 from lipstream.serve.store.base import (ACTIVE_STATUSES, LEASE_S, SCHEMA_VERSION, STATUSES, Job, JobStoreError,
     check_result, checked_progress, crashed_error, default_runner_id, job_from_row, one_line, params_json, redact,
     require_held)
@@ -68,12 +69,10 @@ class PostgresJobStore:
             raise
 
     def _connect(self):
-        try:
-            import psycopg
-            from psycopg.rows import dict_row
-        except ImportError:
-            raise JobStoreError(f"{redact(self.url)}: the PostgreSQL store needs psycopg 3 "
-                                "(pip install 'psycopg[binary]')") from None
+        require("postgres", "the PostgreSQL job store", "psycopg")
+        import psycopg
+        from psycopg.rows import dict_row
+
         try:
             return psycopg.connect(self.url, autocommit=True, row_factory=dict_row,
                                    connect_timeout=CONNECT_TIMEOUT_S)
