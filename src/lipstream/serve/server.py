@@ -12,6 +12,11 @@ from contextlib import contextmanager
 
 from lipstream.models import MuseTalk
 from lipstream.serve.options import ServeOptions, is_loopback
+from lipstream.serve.speech_socket import MAX_PCM_BYTES
+
+# what uvicorn reads of one WebSocket message at most (its default: 16 MiB), closing with 1009 past it;
+# the speech socket refuses a message over MAX_PCM_BYTES itself, with an error message that says why
+WS_MAX_BYTES = 2 * MAX_PCM_BYTES
 
 
 def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", compiled=None, pending=None,
@@ -38,7 +43,7 @@ def serve(options: ServeOptions, models: MuseTalk, *, inductor: str = "off", com
                                 "can use this server (allowed on a loopback address only)"}))
     assert options.api_keys or is_loopback(options.host)
     config = uvicorn.Config(create_app(service), host=options.host, port=options.port, log_config=None,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, ws_max_size=WS_MAX_BYTES)
     # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: a
     # no-op one here, so a graceful stop ends with status 0 (not killed by the signal)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -54,7 +59,8 @@ def in_thread(service, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
 
     from lipstream.serve.app import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_config=None))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_config=None,
+                                           ws_max_size=WS_MAX_BYTES))
     thread = threading.Thread(target=server.run, daemon=True, name="lipstream-uvicorn")
     thread.start()
     while not server.started:

@@ -5,7 +5,6 @@ and the WebSocket that streams a session's speech in. The sessions are the serve
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import APIRouter, Depends, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
@@ -15,8 +14,11 @@ from lipstream.media.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
 from lipstream.live.interface import SessionRefused
 from lipstream.serve.interface import ServerHost, SessionGone
+from lipstream.serve.offers import offer_problem
 from lipstream.serve.options import RETRY_AFTER_S
 from lipstream.serve.routes.avatars import known_avatar
+from lipstream.serve.speech_socket import (DEFAULT_RATE, ENDED, NO_KEY, NO_SESSION, Audio, BadMessage, Start,
+                                           close_reason, speech_message)
 from lipstream.serve.state import get_service
 
 router = APIRouter()
@@ -44,9 +46,11 @@ async def open_session(request: Request, avatar: str, playout_delay_ms: float | 
     if await sessions.owned(who.owner) >= service.o.sessions_per_key:
         raise HTTPException(429, f"this key has {service.o.sessions_per_key} live sessions open already",
                             headers={"Retry-After": str(RETRY_AFTER_S)})
-    offer = (await request.body()).decode("utf-8", "replace")
-    if "v=0" not in offer:
-        raise HTTPException(422, "the body must be an SDP offer (Content-Type: application/sdp)")
+    offer = (await request.body()).decode("utf-8", "replace")  # bounded: 64 KiB (serve/bodies.py)
+    problem = offer_problem(offer)
+    if problem is not None:
+        raise HTTPException(422, f"offer: not a valid SDP offer ({problem}); the body must be one "
+                                 "(Content-Type: application/sdp)")
     try:
         sid, answer = await sessions.open_for(who.owner, avatar, offer,
                                               None if playout_delay_ms is None else playout_delay_ms / 1000, rate)
@@ -86,14 +90,17 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
                  service: ServerHost = Depends(get_service)) -> None:
     """Binary messages: PCM16 mono at `rate` (a first {"type": "start", "rate": 16000}; 16 kHz if
     none); {"type": "end"} ends an utterance, {"type": "interrupt"} cuts it off; speech events
-    (started / finished / interrupted, at playout) come back as JSON."""
+    (started / finished / interrupted, at playout) come back as JSON. A refused socket (4401, 4404) or a
+    malformed message (1003, 1007, 1009: serve/speech_socket.py) gets {"type": "error"} and a close
+    with that code and a reason."""
     who = keys.caller(ws.headers.get("authorization", ""), token)
     link = None if who is None else await service.sessions.speech(sid, who)
+    await ws.accept()  # then refused by a close code: closed before accept, a client sees only a bare 403
     if link is None:
-        await ws.close(code=4401 if who is None else 4404)
+        await _refuse(ws, BadMessage(NO_KEY, "a valid API key is needed: ?token=KEY or Authorization: Bearer KEY")
+                      if who is None else BadMessage(NO_SESSION, f"no live session {sid} for this key"))
         return
-    await ws.accept()
-    rate = 16_000
+    rate = DEFAULT_RATE
 
     async def send_events() -> None:
         async for event in link.events():
@@ -107,23 +114,17 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 break
-            if message.get("bytes") is not None:
-                await link.push(message["bytes"], rate)
-                continue
             try:
-                command = json.loads(message.get("text") or "{}")
-            except json.JSONDecodeError:
-                command = {}
-            kind = command.get("type")
-            if kind == "start":
-                rate = int(command.get("rate", 16_000))
-                if not 8000 <= rate <= 192_000:
-                    await ws.send_json({"type": "error", "message": f"rate {rate}: 8000 to 192000 Hz"})
-                    rate = 16_000
-            elif kind in ("end", "interrupt"):
-                await link.command(kind)
+                said = speech_message(message)
+            except BadMessage as e:
+                await _refuse(ws, e)
+                break
+            if isinstance(said, Audio):
+                await link.push(said.pcm16, rate)
+            elif isinstance(said, Start):
+                rate = said.rate
             else:
-                await ws.send_json({"type": "error", "message": "expected start, end or interrupt"})
+                await link.command(said.kind)
     except SessionGone:  # the session ended under the socket (its client left, its replica died)
         await _ended(ws)
     except WebSocketDisconnect:
@@ -132,10 +133,19 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
         sender.cancel()
 
 
+async def _refuse(ws: WebSocket, why: BadMessage) -> None:
+    """{"type": "error", "message": ...}, then a close with `why`'s code and reason."""
+    try:
+        await ws.send_json({"type": "error", "code": why.code, "message": why.message})
+        await ws.close(code=why.code, reason=why.reason)
+    except (RuntimeError, WebSocketDisconnect):  # the client left first
+        pass
+
+
 async def _ended(ws: WebSocket) -> None:
     """Close the socket with 4410 unless it is closed already (its events and its reader both see the end)."""
     if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
         try:
-            await ws.close(code=4410, reason="the session has ended")
+            await ws.close(code=ENDED, reason=close_reason("the session has ended"))
         except (RuntimeError, WebSocketDisconnect):
             pass
