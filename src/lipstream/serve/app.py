@@ -4,8 +4,8 @@ build step).
 
 Every /v1 route takes a bearer key when the server has keys (serve/auth.py); the routers reach the
 server behind them through app.state (serve/state.py): a ServerHost (serve/interface.py), this
-process's Service or a fleet's front. Uploads are refused by their Content-Length here,
-before any route reads them (serve/uploads.py).
+process's Service or a fleet's front. Every body is bounded here, before any route reads it: uploads by
+--max-upload-mb, anything else (a session's offer) by 64 KiB (serve/bodies.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lipstream.serve.routes import avatars, jobs, sessions
 from lipstream.serve.auth import use_keys
+from lipstream.serve.bodies import BodyLimits
 from lipstream.serve.interface import ServerHost
 from lipstream.serve.options import RETRY_AFTER_S
 from lipstream.serve.state import get_service, use_service
-from lipstream.serve.uploads import refused_by_length
 
 log = logging.getLogger("lipstream.serve")
 STATIC = Path(__file__).with_name("static")
@@ -41,7 +41,8 @@ def create_app(service: ServerHost) -> FastAPI:
                   description="MuseTalk lip-sync as a service: render jobs and live presenter sessions.")
     use_service(app, service)
     use_keys(app, service.o.api_keys)
-    app.middleware("http")(count)
+    app.add_middleware(BodyLimits, max_upload_mb=service.o.max_upload_mb)
+    app.middleware("http")(count)  # added last: outermost, it logs and counts what BodyLimits refuses too
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.include_router(probes)
     for router in ROUTERS:
@@ -61,7 +62,7 @@ async def count(request: Request, call_next):
     """Every request logged (its path, never its query: a ?token= stays out) and counted by route."""
     service = get_service(request)
     t = time.perf_counter()
-    response = refused_by_length(request, service.o.max_upload_mb) or await call_next(request)
+    response = await call_next(request)
     if request.url.path == "/" or request.url.path.startswith("/static/"):
         response.headers["Cache-Control"] = "no-cache"  # revalidated: an upgraded server's page shows at once
     route = request.scope.get("route")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -217,8 +218,9 @@ class LiveSessions:
             live, answer = await self.start(owner, avatar, offer, playout_delay_s, fps)
         except SessionRefused:  # the engine is full
             raise
-        except ValueError as e:
-            raise SessionRefused(422, f"offer: {str(e).splitlines()[0]}") from None
+        except ValueError as e:  # the WebRTC stack's own words (such as "None is not in list") stay in the log
+            log.info(json.dumps({"event": "offer_refused", "error": str(e).splitlines()[0][:200]}))
+            raise SessionRefused(422, "offer: not a valid SDP offer (WebRTC could not answer it)") from None
         except RuntimeError as e:  # its WebRTC worker died under it: a new one takes the next session
             raise SessionRefused(503, str(e)) from None
         return live.id, answer

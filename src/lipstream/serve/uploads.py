@@ -1,29 +1,16 @@
-"""Uploads, bounded: refused by Content-Length before a byte is read, cut off past the limit while
-copied, audio measured once stored. Each upload gets a folder of its own under the data folder."""
+"""Uploads, bounded: refused by Content-Length before a byte is read (serve/bodies.py), cut off past
+the limit while copied, audio measured once stored. Each upload gets a folder of its own under the data folder."""
 
 from __future__ import annotations
 
 import secrets
 from pathlib import Path
 
-from fastapi import HTTPException, Request, UploadFile
-from fastapi.responses import JSONResponse, Response
+from fastapi import HTTPException, UploadFile
 
 from lipstream.render.checks import AUDIO_SUFFIXES, VIDEO_SUFFIXES
 
-__all__ = ["AUDIO_SUFFIXES", "VIDEO_SUFFIXES", "audio_seconds", "new_upload_folder", "refused_by_length", "save_upload"]
-
-
-def refused_by_length(request: Request, max_mb: float) -> Response | None:
-    """Uploads are refused by their Content-Length, before a byte of the body is read."""
-    if request.method != "POST" or not request.url.path.startswith("/v1/jobs"):
-        return None
-    length = request.headers.get("content-length")
-    if length is None:
-        return JSONResponse({"detail": "uploads need a Content-Length"}, 411)
-    if not length.isdigit() or int(length) > max_mb * 2**20 + 64 * 1024:  # the form's own bytes
-        return JSONResponse({"detail": f"upload over {max_mb:g} MB; at most that is allowed"}, 413)
-    return None
+__all__ = ["AUDIO_SUFFIXES", "VIDEO_SUFFIXES", "audio_seconds", "new_upload_folder", "save_upload"]
 
 
 def new_upload_folder(uploads_dir: Path) -> Path:
