@@ -201,6 +201,7 @@ class RemoteSession:
         self._closed = False
         self._closing: asyncio.Task | None = None
         self.error: str | None = None  # the last error the server sent on the WebSocket
+        self._refused: SessionRefused | None = None  # why the server closed the speech socket, once it has
         pc.on("track", self._on_track)
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -213,7 +214,12 @@ class RemoteSession:
         import websockets
 
         ws_url = "ws" + self.url[4:] + f"/v1/sessions/{self.id}/speech"
-        self._ws = await websockets.connect(ws_url, additional_headers=headers, max_size=None)
+        try:
+            self._ws = await websockets.connect(ws_url, additional_headers=headers, max_size=None)
+        except websockets.InvalidStatus as e:  # a server before close codes: a bare 403 at the handshake
+            status = e.response.status_code
+            raise SessionRefused(status, f"{self.url}: session {self.id}: the server refused its speech socket "
+                                         f"({status}): a wrong key, or no such session") from None
         self._tasks += [asyncio.ensure_future(self._send_speech()), asyncio.ensure_future(self._read_events())]
 
     # --- the caller's side -----------------------------------------------------------------------
@@ -223,6 +229,7 @@ class RemoteSession:
         8 to 192 kHz, `channels` interleaved (mixed down). Sent in order, from the event loop."""
         if not 8000 <= int(rate) <= 192_000:
             raise ValueError(f"rate: {rate} Hz; 8000 to 192000 are allowed")
+        self._check_socket()
         x = mono_pcm(pcm, channels)
         if x.ndim > 1 and 1 not in x.shape:
             raise ValueError(f"pcm: shape {tuple(np.shape(pcm))}; one channel, or interleaved channels with channels=N, is allowed")
@@ -241,12 +248,14 @@ class RemoteSession:
 
     def end_utterance(self) -> None:
         """The utterance is complete: its last frames need no more audio."""
+        self._check_socket()
         if not self._closed:
             self._send(json.dumps({"type": "end"}))
 
     def clear(self) -> None:
         """Interrupt: the server drops the queued speech; frames it plays from now on are idle (those
         already on their way still arrive, as they played)."""
+        self._check_socket()
         if not self._closed:
             self._send(json.dumps({"type": "interrupt"}))
 
@@ -300,6 +309,25 @@ class RemoteSession:
             await self._pc.close()
             await self._http.aclose()
 
+    def _check_socket(self) -> None:
+        """SessionRefused, saying the server's reason, once the server has closed the speech socket (the
+        session ended, 4410; a refused key, 4401; no such session, 4404; a message it refused, 1003/1007/1009):
+        speech pushed after that would go nowhere."""
+        if self._refused is not None and not self._closed:
+            raise self._refused
+
+    def _socket_closed(self, e) -> None:
+        """The speech socket has closed (websockets' ConnectionClosed `e`): by the server with a code, why."""
+        close = e.rcvd
+        if close is None or close.code == 1000 or self._closed or self._refused is not None:
+            return
+        code = close.code
+        reason = self.error if self.error else close.reason or "no reason given"
+        status = code - 4000 if 4000 <= code < 5000 else 422 if code in (1003, 1007, 1009) else None
+        self._refused = SessionRefused(status, f"{self.url}: session {self.id}: the server closed its speech "
+                                               f"socket ({code}): {reason}")
+        log.warning("%s", self._refused)
+
     def _send(self, message: bytes | str) -> None:
         if threading.get_ident() == self._loop_thread:
             self._outbox.put_nowait(message)
@@ -314,7 +342,8 @@ class RemoteSession:
         try:
             while True:
                 await self._ws.send(await self._outbox.get())
-        except websockets.ConnectionClosed:
+        except websockets.ConnectionClosed as e:
+            self._socket_closed(e)
             self._ended("the speech WebSocket closed")
 
     async def _read_events(self) -> None:
@@ -329,8 +358,8 @@ class RemoteSession:
                 elif m.get("type") == "error":
                     self.error = m.get("message")
                     log.warning("%s: session %s: %s", self.url, self.id, self.error)
-        except websockets.ConnectionClosed:
-            pass
+        except websockets.ConnectionClosed as e:
+            self._socket_closed(e)
         self._ended("the speech WebSocket closed")
 
     def _event(self, e: SpeechEvent) -> None:

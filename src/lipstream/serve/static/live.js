@@ -112,9 +112,19 @@ function openSocket(id) {
     ws.addEventListener("close", () => reject(new Error("the speech socket closed")));
   });
   socketOpen.catch(() => {}); // awaited by speak(); not an error when nothing is spoken
-  ws.addEventListener("message", (message) => note(JSON.parse(message.data)));
+  let refusal = null; // the error message the server sends before it closes the socket
+  const mine = sessionUrl; // Stop sets it to null first: the close that follows is no error
+  ws.addEventListener("message", (message) => {
+    const event = JSON.parse(message.data);
+    if (event.type === "error") refusal = event.message;
+    note(event);
+  });
   ws.addEventListener("close", (event) => {
-    if (event.code >= 4000) showError(`the speech socket was refused (${event.code === 4401 ? "API key" : "no such session"})`);
+    // 4401 the key, 4404 no such session, 4410 it ended; 1003, 1007, 1009 a message the server refused
+    if (sessionUrl !== mine) return;
+    if (event.code >= 4000 || [1003, 1007, 1009].includes(event.code)) {
+      showError(`the speech socket was closed (${event.code}): ${refusal || event.reason || "no reason given"}`);
+    }
   });
 }
 
