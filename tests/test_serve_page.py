@@ -157,6 +157,8 @@ def _stop(page, server: str) -> None:
                            "=== 'Start'")
     assert httpx.get(server + "/v1/sessions", headers=AUTH).json() == []  # DELETEd, not left to time out
     assert page.is_hidden("#error"), page.text_content("#error")
+    page.wait_for_timeout(300)  # the speech socket's close (4410, the session ended) comes after: no error
+    assert page.evaluate("() => window.lipstream.errors") == []
 
 
 def _snapshots(page, n: int, every_ms: int = 250) -> tuple[np.ndarray, int]:
