@@ -208,7 +208,7 @@ def _raw_post(url: str, head: dict[str, str], body: bytes, wait_s: float = 10.0)
     """POST /v1/sessions over a raw socket with `head` as its headers and `body` (perhaps less than it
     announces): the status the server answered with within `wait_s`, None if it answered nothing."""
     host, port = url.rsplit("/", 1)[1].split(":")
-    lines = [f"POST /v1/sessions?avatar=anna HTTP/1.1", f"Host: {host}", f"Authorization: Bearer {KEY}",
+    lines = ["POST /v1/sessions?avatar=anna HTTP/1.1", f"Host: {host}", f"Authorization: Bearer {KEY}",
              "Content-Type: application/sdp", *(f"{k}: {v}" for k, v in head.items())]
     with socket.create_connection((host, int(port)), timeout=wait_s) as s:
         s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
