@@ -259,13 +259,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(root: Path, data: Path, port: int, log: Path) -> subprocess.Popen:
+def _start(root: Path, data: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
                LIPSTREAM_API_KEYS=KEY)
     with open(log, "ab") as f:  # a file, not a pipe: a pipe nobody reads would stall the server's logging
         return subprocess.Popen([sys.executable, "-m", "lipstream", "serve", "--avatars", str(root / "avatars"),
                                  "--data", str(data), "--port", str(port), "--random-weights", "--random-size",
-                                 "tiny", "--device", "cpu"], env=env, stdout=subprocess.DEVNULL, stderr=f)
+                                 "tiny", "--device", "cpu", *args], env=env, stdout=subprocess.DEVNULL, stderr=f)
 
 
 def _ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
@@ -309,6 +309,45 @@ def test_sigterm_mid_job_loses_nothing_and_a_restart_runs_it(root, tmp_path):
                 assert _events(client, job["id"])[-1]["status"] == "done"
             frames = _frames_from(client, running["id"], tmp_path)
             assert len(frames) == 40  # 4 s at 10 fps, whole
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.slow
+def test_segment_encoders_killed_mid_job_cost_the_job_nothing(root, tmp_path):
+    """`lipstream serve --job-encoders 2`: a render job's x264 segment encoders are worker processes. SIGKILL
+    of both mid-job: their segments are encoded again (here, none being left) and the job finishes whole;
+    the next job gets fresh workers; nothing partial is left in the results."""
+    from serve_process import descendants
+
+    data, port, log = tmp_path / "data", _free_port(), tmp_path / "server.log"
+    proc = _start(root, data, port, log, "--job-encoders", "2")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            _ready(client, proc, log)
+            job = _submit(client, root / "talk.wav").json()
+            t, workers = time.monotonic(), {}
+            # past the first two segments (10 of 40 frames): the workers have mapped the frames and encoded some
+            while len(workers) < 2 or client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()["progress"] < 0.3:
+                assert time.monotonic() - t < 60, (workers, log.read_text()[-1500:])
+                workers = {pid: cmd for pid, cmd in descendants(proc.pid).items()
+                           if "lipstream.media.encode_worker" in cmd}  # no live session: the segment encoders
+                time.sleep(0.02)
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            status = _events(client, job["id"])[-1]
+            assert status["status"] == "done", status
+            assert len(_frames_from(client, job["id"], tmp_path)) == 40  # 4 s at 10 fps, whole
+            text = log.read_text()
+            assert "exited with code -9" in text and "encoded in this process" in text, text[-3000:]
+            assert "before it mapped" not in text, text[-3000:]  # killed mid-job, not while starting
+            again = _submit(client, root / "hello.wav").json()
+            assert _events(client, again["id"])[-1]["status"] == "done"
+            fresh = {pid for pid, cmd in descendants(proc.pid).items() if "lipstream.media.encode_worker" in cmd}
+            assert len(fresh) == 2 and not fresh & set(workers), (fresh, workers)
+            assert sorted(p.name for p in (data / "results").iterdir()) == sorted(
+                f"{j['id']}.mp4" for j in (job, again))
     finally:
         proc.terminate()
         proc.wait(60)

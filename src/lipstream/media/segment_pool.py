@@ -87,6 +87,8 @@ class _Mapping(_Job):
         self.arena._mapped_one()
 
     def _fail(self, why: str, report: bool) -> None:
+        if report:
+            log.warning("%s before it mapped a render's frames: its segments go elsewhere", why)
         self.arena._unmapped(self.worker)  # its segments go to the others (or are encoded here)
         self.arena._mapped_one()
 
