@@ -82,9 +82,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
                            jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
                            playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000,
-                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers, encode_workers=encode_workers,
-                           job_encoders=job_encoders,
-                           database=database,
+                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers,
+                           encode_workers=encode_workers, job_encoders=job_encoders, database=database,
                            **({} if runner_id is None else {"runner_id": runner_id}))
     try:
         options.check()
