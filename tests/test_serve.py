@@ -782,6 +782,26 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
     assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio
 
 
+def test_a_webrtc_worker_killed_a_moment_ago_is_not_picked_for_the_next_session():
+    """A worker killed just now (its reader has not seen the end yet: the event loop has not run since) is
+    replaced when the next session picks one, not handed the session to fail it with a 503."""
+    from lipstream.serve.rtc import RtcGateway
+
+    async def run():
+        gateway = await RtcGateway(1).start()
+        try:
+            dead = gateway.workers[0]
+            os.kill(dead.proc.pid, signal.SIGKILL)
+            time.sleep(0.5)  # blocking: it has exited, and the loop (its reader) has not run
+            picked = await gateway.pick()
+            return dead.proc.pid, picked.proc.pid, picked.alive, gateway.pids()
+        finally:
+            await gateway.close()
+
+    dead, picked, alive, pids = asyncio.run(run())
+    assert picked != dead and alive and pids == [picked]
+
+
 def test_the_webrtc_workers_start_together_and_one_that_fails_takes_the_others_down(monkeypatch):
     """A server's WebRTC workers start at once (each imports aiortc and PyAV before it answers). If one does
     not start, the start fails with its reason and none of the others is left running."""
