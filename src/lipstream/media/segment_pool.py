@@ -170,7 +170,7 @@ class Arena:
             return
         self.prefaulted.wait()  # its thread reads the map
         self._unlink()
-        for worker in self.pool.workers:
+        for worker in self.workers:  # those that map it (a fresh worker in a dead one's place does not)
             try:
                 worker.send({"type": "unmap", "arena": self.aid})
             except RuntimeError:
