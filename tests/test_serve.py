@@ -52,9 +52,10 @@ def server(root, tiny_models):
 
     # capacity given, not measured (a loaded 2-core machine measures ~6 frames/s and would refuse a 10 fps
     # session): 35 frames/s at 95% admit three 10 fps sessions, and refuse a fourth. Two WebRTC workers, as
-    # a big machine has (one a 2-core one would get)
+    # a big machine has (one a 2-core one would get), and two encode workers
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), max_upload_mb=0.5, max_audio_s=5.0,
-                           jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0, rtc_workers=2)
+                           jobs_per_key=2, sessions_per_key=4, live_capacity_fps=35.0, rtc_workers=2,
+                           encode_workers=2)
     service = Service(options, tiny_models).start()
     with in_thread(service) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, service
@@ -258,13 +259,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(root: Path, data: Path, port: int, log: Path) -> subprocess.Popen:
+def _start(root: Path, data: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
                LIPSTREAM_API_KEYS=KEY)
     with open(log, "ab") as f:  # a file, not a pipe: a pipe nobody reads would stall the server's logging
         return subprocess.Popen([sys.executable, "-m", "lipstream", "serve", "--avatars", str(root / "avatars"),
                                  "--data", str(data), "--port", str(port), "--random-weights", "--random-size",
-                                 "tiny", "--device", "cpu"], env=env, stdout=subprocess.DEVNULL, stderr=f)
+                                 "tiny", "--device", "cpu", *args], env=env, stdout=subprocess.DEVNULL, stderr=f)
 
 
 def _ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
@@ -308,6 +309,45 @@ def test_sigterm_mid_job_loses_nothing_and_a_restart_runs_it(root, tmp_path):
                 assert _events(client, job["id"])[-1]["status"] == "done"
             frames = _frames_from(client, running["id"], tmp_path)
             assert len(frames) == 40  # 4 s at 10 fps, whole
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.slow
+def test_segment_encoders_killed_mid_job_cost_the_job_nothing(root, tmp_path):
+    """`lipstream serve --job-encoders 2`: a render job's x264 segment encoders are worker processes. SIGKILL
+    of both mid-job: their segments are encoded again (here, none being left) and the job finishes whole;
+    the next job gets fresh workers; nothing partial is left in the results."""
+    from serve_process import descendants
+
+    data, port, log = tmp_path / "data", _free_port(), tmp_path / "server.log"
+    proc = _start(root, data, port, log, "--job-encoders", "2")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            _ready(client, proc, log)
+            job = _submit(client, root / "talk.wav").json()
+            t, workers = time.monotonic(), {}
+            # past the first two segments (10 of 40 frames): the workers have mapped the frames and encoded some
+            while len(workers) < 2 or client.get(f"/v1/jobs/{job['id']}", headers=AUTH).json()["progress"] < 0.3:
+                assert time.monotonic() - t < 60, (workers, log.read_text()[-1500:])
+                workers = {pid: cmd for pid, cmd in descendants(proc.pid).items()
+                           if "lipstream.media.encode_worker" in cmd}  # no live session: the segment encoders
+                time.sleep(0.02)
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            status = _events(client, job["id"])[-1]
+            assert status["status"] == "done", status
+            assert len(_frames_from(client, job["id"], tmp_path)) == 40  # 4 s at 10 fps, whole
+            text = log.read_text()
+            assert "exited with code -9" in text and "encoded in this process" in text, text[-3000:]
+            assert "before it mapped" not in text, text[-3000:]  # killed mid-job, not while starting
+            again = _submit(client, root / "hello.wav").json()
+            assert _events(client, again["id"])[-1]["status"] == "done"
+            fresh = {pid for pid, cmd in descendants(proc.pid).items() if "lipstream.media.encode_worker" in cmd}
+            assert len(fresh) == 2 and not fresh & set(workers), (fresh, workers)
+            assert sorted(p.name for p in (data / "results").iterdir()) == sorted(
+                f"{j['id']}.mp4" for j in (job, again))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -561,6 +601,118 @@ def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_n
     assert len(video) >= 10, len(video)
 
 
+async def _speech_socket(port: int, sid: str):
+    import websockets
+
+    return await websockets.connect(f"ws://127.0.0.1:{port}/v1/sessions/{sid}/speech?token={KEY}")
+
+
+async def _until_closed(ws, timeout: float) -> list[dict]:
+    """The events a speech socket sends until the server closes it (TimeoutError if it does not)."""
+    import websockets
+
+    events = []
+
+    async def read():
+        try:
+            async for message in ws:
+                events.append(json.loads(message))
+        except websockets.ConnectionClosed:
+            pass
+
+    await asyncio.wait_for(read(), timeout)
+    return events
+
+
+async def _kill_under_one_of_two(server, kill) -> dict:
+    """Two H.264 sessions on different workers of each kind, each with its speech socket; `kill(live)` kills a
+    worker of the first. What the first's socket saw, the second's frames over the 4 s after the kill, and a
+    third session opened after it (its frames, its workers)."""
+    port, service = _port(server), server[1]
+    a, b = await _open_live(port, codec="h264"), await _open_live(port, codec="h264")
+    la, lb = service.sessions.open[a[1]], service.sessions.open[b[1]]
+    assert la.encoded and lb.encoded
+    assert la.peer.worker is not lb.peer.worker and \
+        la.session.handoff.encoder.worker_pid != lb.session.handoff.encoder.worker_pid
+    ws_a, ws_b = await _speech_socket(port, a[1]), await _speech_socket(port, b[1])
+    t = time.monotonic()
+    while "video" not in b[2] and time.monotonic() - t < 20:
+        await asyncio.sleep(0.05)
+    warm: list = []
+    await _record(b[2]["video"], warm, time.monotonic() + 1.0)  # it plays before the kill
+    killed = kill(la)
+    played0, t0 = lb.session.stats.played, time.monotonic()
+    video: list = []
+    recorder = asyncio.ensure_future(_record(b[2]["video"], video, t0 + 4.0))
+    events = await _until_closed(ws_a, 10.0)
+    await recorder
+    out = {"killed": killed, "events": events, "code": ws_a.close_code, "reason": ws_a.close_reason,
+           "fps": float(lb.session.fps), "warm": len(warm), "video": len(video),
+           "played": lb.session.stats.played - played0, "window": time.monotonic() - t0,
+           "b_open": b[1] in service.sessions.open, "a_open": a[1] in service.sessions.open}
+    c = await _open_live(port, codec="h264")
+    lc = service.sessions.open[c[1]]
+    out["c_pids"] = (lc.session.handoff.encoder.worker_pid, lc.peer.worker.proc.pid)
+    t = time.monotonic()
+    while "video" not in c[2] and time.monotonic() - t < 20:
+        await asyncio.sleep(0.05)
+    third: list = []
+    await _record(c[2]["video"], third, time.monotonic() + 3.0)
+    out["third"] = len(third)
+    await ws_b.close()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for sid in (b[1], c[1]):
+            assert (await client.delete(f"/v1/sessions/{sid}", headers=AUTH)).status_code == 204
+    for pc, *_ in (a, b, c):
+        await pc.close()
+    return out
+
+
+def _assert_one_ended_and_the_others_played(out: dict, worker: str) -> None:
+    print(out)
+    ended = [e for e in out["events"] if e.get("type") == "ended"]
+    assert out["code"] == 4410 and worker in out["reason"] and "exited with code -9" in out["reason"], out
+    assert len(ended) == 1 and worker in ended[0]["reason"] and "\n" not in ended[0]["reason"], out["events"]
+    assert not out["a_open"] and out["b_open"], out
+    # the other session played on at its rate (server side), and its video kept arriving (a loaded 2-core
+    # machine leaves late frames out: a generous floor)
+    expected = out["fps"] * out["window"]
+    assert out["played"] >= 0.8 * expected and out["video"] >= 0.4 * out["fps"] * 4.0, out
+    assert out["third"] >= 0.4 * out["fps"] * 3.0, out  # a session opened after the kill plays
+
+
+@pytest.mark.slow
+def test_an_encode_worker_killed_ends_its_sessions_with_the_reason_and_the_others_play_on(server):
+    """SIGKILL of the encode worker (x264) under one of two sessions: that session ends, its speech socket
+    closes with 4410 and the reason (after an 'ended' event with it); the session on the other encode worker
+    plays on at its rate; the next session gets a fresh worker in place of the dead one."""
+    def kill(live) -> int:
+        pid = live.session.handoff.encoder.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    out = asyncio.run(_kill_under_one_of_two(server, kill))
+    _assert_one_ended_and_the_others_played(out, "encode worker")
+    pool = server[1].live.encode_pool
+    assert out["killed"] not in pool.pids and out["c_pids"][0] in pool.pids and len(pool.pids) == 2
+
+
+@pytest.mark.slow
+def test_a_webrtc_worker_killed_tells_its_sessions_speech_socket_why_and_the_others_play_on(server):
+    """SIGKILL of the WebRTC worker under one of two sessions: that session ends, its speech socket (which
+    sends nothing) closes with 4410 and the reason; the session on the other worker plays on; the next
+    session gets a fresh worker."""
+    def kill(live) -> int:
+        pid = live.peer.worker.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    out = asyncio.run(_kill_under_one_of_two(server, kill))
+    _assert_one_ended_and_the_others_played(out, "rtc worker")
+    pids = server[1].sessions.gateway.pids()
+    assert out["killed"] not in pids and out["c_pids"][1] in pids and len(pids) == 2
+
+
 # --- serve-bench: the load test's clients, each in a process of its own -----------------------------------
 
 
@@ -628,6 +780,26 @@ def test_serve_bench_matches_frames_to_the_audio_sent_at_their_start():
     lat = latencies(sent, events, video, clock, fps)
     assert len(lat) == 25 and np.allclose(lat, 0.3)
     assert latencies(sent, events[:1], video, clock, fps) == lat  # not finished yet: its length from the audio
+
+
+def test_a_webrtc_worker_killed_a_moment_ago_is_not_picked_for_the_next_session():
+    """A worker killed just now (its reader has not seen the end yet: the event loop has not run since) is
+    replaced when the next session picks one, not handed the session to fail it with a 503."""
+    from lipstream.serve.rtc import RtcGateway
+
+    async def run():
+        gateway = await RtcGateway(1).start()
+        try:
+            dead = gateway.workers[0]
+            os.kill(dead.proc.pid, signal.SIGKILL)
+            time.sleep(0.5)  # blocking: it has exited, and the loop (its reader) has not run
+            picked = await gateway.pick()
+            return dead.proc.pid, picked.proc.pid, picked.alive, gateway.pids()
+        finally:
+            await gateway.close()
+
+    dead, picked, alive, pids = asyncio.run(run())
+    assert picked != dead and alive and pids == [picked]
 
 
 def test_the_webrtc_workers_start_together_and_one_that_fails_takes_the_others_down(monkeypatch):

@@ -44,6 +44,12 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
               rtc_workers: Annotated[Optional[int], typer.Option(
                   help="Processes the sessions' WebRTC (aiortc) runs in, off the engine's GIL (default: one per "
                        "4 cores, 1 to 8).")] = None,
+              encode_workers: Annotated[Optional[int], typer.Option(
+                  help="Processes the live sessions' H.264 (x264) is encoded in (default: the cores less 2, at "
+                       "least 1).")] = None,
+              job_encoders: Annotated[Optional[int], typer.Option(
+                  help="Render jobs' parallel x264 segment encoders; 2 or more run as worker processes (default: "
+                       "chosen for the machine).")] = None,
               database: Annotated[Optional[str], typer.Option(
                   help="The job store: a SQLite file (default: jobs.sqlite3 under --data; one machine) or "
                        "postgresql://USER@HOST/DB, shared by servers on several machines.")] = None,
@@ -76,7 +82,8 @@ def serve_cmd(avatars: Annotated[Path, typer.Option(help="Folder of compiled ava
     options = ServeOptions(avatars.expanduser(), data.expanduser(), host, port, keys, max_upload_mb, max_audio_s,
                            jobs_per_key, sessions_per_key, live_preset=live_preset, live_capacity_fps=capacity_fps,
                            playout_delay_s=None if playout_delay_ms is None else playout_delay_ms / 1000,
-                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers, database=database,
+                           switch_interval_ms=switch_interval_ms, rtc_workers=rtc_workers,
+                           encode_workers=encode_workers, job_encoders=job_encoders, database=database,
                            **({} if runner_id is None else {"runner_id": runner_id}))
     try:
         options.check()

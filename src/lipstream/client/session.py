@@ -200,7 +200,7 @@ class RemoteSession:
         self._tracks_ended = 0
         self._closed = False
         self._closing: asyncio.Task | None = None
-        self.error: str | None = None  # the last error the server sent on the WebSocket
+        self.error: str | None = None  # the last error the server sent on the WebSocket, or why it ended the session
         self._refused: SessionRefused | None = None  # why the server closed the speech socket, once it has
         pc.on("track", self._on_track)
 
@@ -357,6 +357,9 @@ class RemoteSession:
                                             float(m["position_s"]), time.monotonic()))
                 elif m.get("type") == "error":
                     self.error = m.get("message")
+                    log.warning("%s: session %s: %s", self.url, self.id, self.error)
+                elif m.get("type") == "ended":  # the server ended it (a worker process died, say): why
+                    self.error = f"the server ended the session: {m.get('reason')}"
                     log.warning("%s: session %s: %s", self.url, self.id, self.error)
         except websockets.ConnectionClosed as e:
             self._socket_closed(e)

@@ -51,6 +51,7 @@ class FrameHandoff:
         self._submit, self._now = submit, now
         self._lock = threading.Lock()
         self.encoder: PooledEncoder | None = None  # attach_encoder(): H.264 + audio in an encode process
+        self.encoder_lost: str | None = None  # why the encoder stopped for good (its process died): no packets
         self.generation = 0  # frames of an older generation (planned before an interrupt) are dropped
         # frames rendered (with their host buffer's release) or given up (None), copied out and encoded
         # strictly in frame order from _out_next, so the encoders see every frame once, in order
@@ -201,7 +202,7 @@ class FrameHandoff:
                 log.warning("session %d: %s (a frame goes out without packets)", self.id, why)
                 return
             log.error("session %d: encoding stopped: %s; frames go on without packets", self.id, why)
-            self.encoder = None
+            self.encoder, self.encoder_lost = None, why
             waiting, self._encoding = list(self._encoding), deque()
         for c, frame in waiting:
             if frame is not None:

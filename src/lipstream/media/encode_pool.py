@@ -391,9 +391,11 @@ class EncodePool:
         return session
 
     def _least_busy(self) -> EncodeWorkerProcess:
-        """The worker with the fewest sessions; a dead one is replaced first (its sessions have failed)."""
+        """The worker with the fewest sessions; a dead one is replaced first (its sessions have failed, or
+        will as soon as its reader sees its end: a worker killed a moment ago has exited, not said so yet)."""
         for i, w in enumerate(self._workers):
-            if w.failure is not None:
+            if w.failure is not None or w.proc.poll() is not None:
+                log.warning("%s; starting another", w.failure or f"{w.name} exited with code {w.proc.returncode}")
                 self._retired.append(w)
                 self._workers[i] = EncodeWorkerProcess(i)
         return min(self._workers, key=lambda w: len(w.sessions))

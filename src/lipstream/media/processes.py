@@ -76,6 +76,10 @@ class AsyncWorker:
         look, since RtcWorkerProcess.alive asks before every frame it sends."""
         return self._proc.returncode
 
+    def poll(self) -> int | None:
+        """Its exit code if it has exited (a syscall: for rare looks, such as picking a worker)."""
+        return self._proc.poll()
+
     async def wait(self) -> int:
         while self._proc.poll() is None:  # a worker's exit is rare: polled rather than a thread blocked on it
             await asyncio.sleep(0.02)

@@ -22,13 +22,14 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from fractions import Fraction
 
 import numpy as np
 
 from lipstream.media.encode_pool import EncodeWorkerProcess, SHM_PREFIX, slot_dir
-from lipstream.media.segments import Encoded
+from lipstream.media.segments import Encoded, encode_segment
+from lipstream.media.wire import one_line
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,14 @@ _POOLS_LOCK = threading.Lock()
 
 
 class _Job:
-    """One segment in flight: the reader thread's side (EncodeWorkerProcess calls _reply and _fail)."""
+    """One segment in flight: the reader thread's side (EncodeWorkerProcess calls _reply and _fail). A worker
+    that dies under it (killed, crashed) does not fail it: the pool encodes it again (SegmentPool._retry)."""
 
-    def __init__(self, worker: EncodeWorkerProcess, jid: int):
+    def __init__(self, worker: EncodeWorkerProcess, jid: int, pool: SegmentPool | None = None,
+                 arena: Arena | None = None, header: dict | None = None, future: Future | None = None):
         self.worker, self.jid = worker, jid
-        self.future: Future[list[Encoded]] = Future()
+        self.pool, self.arena, self.header = pool, arena, header
+        self.future: Future[list[Encoded]] = Future() if future is None else future
 
     def _reply(self, h: dict, payload: memoryview) -> None:
         self.worker.sessions.pop(self.jid, None)
@@ -60,8 +64,12 @@ class _Job:
             self.future.set_exception(RuntimeError(f"x264 segment encoder: {h.get('message', h['type'])}"))
 
     def _fail(self, why: str, report: bool) -> None:
-        if not self.future.done():
+        if self.future.done():
+            return
+        if self.pool is None or not report:  # the pool is closing: nothing waits for it
             self.future.set_exception(RuntimeError(why))
+        else:
+            self.pool._retry(self, why)
 
 
 class _Mapping(_Job):
@@ -74,11 +82,14 @@ class _Mapping(_Job):
     def _reply(self, h: dict, payload: memoryview) -> None:
         self.worker.sessions.pop(self.jid, None)
         if h["type"] != "mapped":
-            self.arena.failure = f"x264 segment encoder: {h.get('message', h['type'])}"
+            log.warning("%s could not map a frame arena: %s", self.worker.name, h.get("message", h["type"]))
+            self.arena._unmapped(self.worker)
         self.arena._mapped_one()
 
     def _fail(self, why: str, report: bool) -> None:
-        self.arena.failure = why
+        if report:
+            log.warning("%s before it mapped a render's frames: its segments go elsewhere", why)
+        self.arena._unmapped(self.worker)  # its segments go to the others (or are encoded here)
         self.arena._mapped_one()
 
 
@@ -105,6 +116,7 @@ class Arena:
             os.close(fd)
         self.frames: np.ndarray | None = np.frombuffer(self._map, np.uint8).reshape(slots, height * 3 // 2, width)
         self._waiting = len(pool.workers)
+        self.workers: list[EncodeWorkerProcess] = list(pool.workers)  # those that map it (sent the map)
         self._lock = threading.Lock()
         self.prefaulted = threading.Event()
         threading.Thread(target=self._prefault, name="lipstream-arena-prefault", daemon=True).start()
@@ -138,6 +150,10 @@ class Arena:
             if self._waiting == 0:
                 self._unlink()
 
+    def _unmapped(self, worker: EncodeWorkerProcess) -> None:
+        with self._lock:
+            self.workers = [w for w in self.workers if w is not worker]
+
     def _unlink(self) -> None:
         try:
             os.unlink(self.path)
@@ -154,7 +170,7 @@ class Arena:
             return
         self.prefaulted.wait()  # its thread reads the map
         self._unlink()
-        for worker in self.pool.workers:
+        for worker in self.workers:  # those that map it (a fresh worker in a dead one's place does not)
             try:
                 worker.send({"type": "unmap", "arena": self.aid})
             except RuntimeError:
@@ -218,29 +234,82 @@ class SegmentPool:
                 try:
                     worker.send({"type": "map", "sid": jid, "arena": arena.aid, "path": arena.path, "slots": slots,
                                  "width": width, "height": height})
-                except RuntimeError as e:
+                except RuntimeError:  # it died: it takes no segment of this arena
                     worker.sessions.pop(jid, None)
-                    arena.failure = str(e)
+                    arena._unmapped(worker)
                     arena._mapped_one()
         return arena
 
     def submit(self, arena: Arena, slots: list[int], start: int, width: int, height: int, fps: Fraction,
                options: dict[str, str], colorspace: int, threads: int) -> Future[list[Encoded]]:
-        """encode_segment of arena.frames[slots] on the worker with the fewest segments in flight."""
+        """encode_segment of arena.frames[slots] on the worker with the fewest segments in flight (of those
+        that map the arena); encoded again elsewhere if that worker dies before it answers."""
         if arena.failure is not None:
             raise RuntimeError(arena.failure)
+        header = {"type": "segment", "sid": -1, "arena": arena.aid, "slots": slots, "start": start,
+                  "width": width, "height": height, "fps": [fps.numerator, fps.denominator],
+                  "options": options, "colorspace": colorspace, "threads": threads}
+        workers = arena.workers
+        if not workers:  # every worker that mapped it has died: here, as a retry would
+            job = _Job(self.workers[0], -1, self, arena, header)
+            self._retry(job, "no segment encoder process holds this render's frames")
+            return job.future
         with self._lock:
-            worker = min(self.workers, key=lambda w: (w.failure is not None, len(w.sessions)))
+            worker = min(workers, key=lambda w: (w.failure is not None, len(w.sessions)))
             jid = next(self._ids)
-            job = worker.sessions[jid] = _Job(worker, jid)
+            job = worker.sessions[jid] = _Job(worker, jid, self, arena, header)
         try:
-            worker.send({"type": "segment", "sid": jid, "arena": arena.aid, "slots": slots, "start": start,
-                         "width": width, "height": height, "fps": [fps.numerator, fps.denominator],
-                         "options": options, "colorspace": colorspace, "threads": threads})
-        except RuntimeError as e:
+            worker.send({**header, "sid": jid})
+        except RuntimeError as e:  # it died a moment ago (its reader has not said so yet)
             worker.sessions.pop(jid, None)
-            job.future.set_exception(e)
+            self._retry(job, str(e))
         return job.future
+
+    def _retry(self, job: _Job, why: str) -> None:
+        """A segment whose worker died (killed, crashed, out of memory): sent again to another live worker that
+        maps its arena, else encoded in this process on a thread. The writer waits on the same future; the
+        frames are still in the arena (their slots come back only with the result)."""
+        arena, start = job.arena, job.header["start"]
+        arena._unmapped(job.worker)
+        with self._lock:
+            live = [w for w in arena.workers if w.failure is None and w.proc.poll() is None]
+            worker = min(live, key=lambda w: len(w.sessions)) if live else None
+            if worker is not None:
+                jid = next(self._ids)
+                again = worker.sessions[jid] = _Job(worker, jid, self, arena, {**job.header, "sid": jid},
+                                                    job.future)
+        if worker is not None:
+            log.warning("segment from frame %d: %s; sent again to %s", start, why, worker.name)
+            try:
+                worker.send(again.header)
+                return
+            except RuntimeError as e:  # that one is going too: its reader fails the job again, or we do
+                if worker.sessions.pop(jid, None) is None:
+                    return
+                why = str(e)
+        log.warning("segment from frame %d: %s; encoded in this process", start, why)
+        threading.Thread(target=self._encode_here, args=(job, why), name="lipstream-segment-retry",
+                         daemon=True).start()
+
+    @staticmethod
+    def _encode_here(job: _Job, why: str) -> None:
+        h, frames = job.header, job.arena.frames
+        try:
+            if frames is None:  # the write was aborted meanwhile: nothing waits for it
+                raise RuntimeError(why)
+            encoded = encode_segment([frames[slot] for slot in h["slots"]], h["start"], h["width"], h["height"],
+                                     Fraction(*h["fps"]), h["options"], h["colorspace"], h["threads"])
+        except Exception as e:  # noqa: BLE001 - the writer gets it, in one line
+            outcome: list[Encoded] | BaseException = RuntimeError(f"x264 segment encoder: {one_line(e)}")
+        else:
+            outcome = encoded
+        try:
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
+        except InvalidStateError:  # cancelled (an aborted write), or a worker's answer came first
+            pass
 
     def _keep(self, arena: Arena) -> None:
         """A released arena: kept for the next writer if it is sound, else closed. The last released is the

@@ -227,9 +227,11 @@ class JobRunner:
             program = single_scene(params["avatar"], self.s.o.data_dir / params["audio"], params.get("start_frame", 0))
         # the batches are the live engine's: its largest step; x264 and encoders chosen for the machine
         # unless the job says otherwise
+        encoders = self.s.o.job_encoders  # --job-encoders: so many, in processes from 2
         options = RenderOptions(avatars_dir=self.s.o.avatars_dir, progress=False,
                                 fps=Fraction(params["fps"]) if "fps" in params else None, crf=params.get("crf", 18),
-                                x264_preset=params.get("x264_preset"))
+                                x264_preset=params.get("x264_preset"), encoders=encoders,
+                                encoder_processes=None if encoders is None else encoders > 1)
         render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
 

@@ -81,6 +81,8 @@ class LiveSession:
     tasks: list[asyncio.Task] = field(default_factory=list)
     encoded: bool = False  # the session's own H.264 packets go out (else raw frames, aiortc encodes VP8)
     observe_latency: Callable[[float], None] = lambda seconds: None  # audio pushed -> frame ready
+    failed: Callable[[str], None] = lambda why: None  # the session cannot go on (the server closes it)
+    ended: str | None = None  # why the server ended it (a worker died...); None: its client closed it
 
     async def pump(self) -> None:
         """Read the session at its playout pace: media to the peer, speech events to the socket."""
@@ -92,6 +94,10 @@ class LiveSession:
                     if item.latency_s is not None:
                         self.observe_latency(item.latency_s)
                     if self.encoded:
+                        lost = self.session.handoff.encoder_lost
+                        if lost is not None:  # its video can never go out again: the session ends, said why
+                            self.failed(f"its video encoder stopped: {lost}")
+                            return
                         self._put_packets(item)
                     else:
                         peer.frame(item.i420, int(item.frame * VIDEO_CLOCK / fps))
@@ -148,8 +154,9 @@ class LocalSpeech:
             session.clear()
 
     async def events(self):
-        while True:
-            yield await self.live.events.get()
+        """Speech events until the session ends; then, if the server ended it, an 'ended' event with why."""
+        while (event := await self.live.events.get()) is not None:
+            yield event
 
 
 class LiveSessions:
@@ -180,8 +187,8 @@ class LiveSessions:
         live = LiveSession(self.id_prefix + secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
-        handlers = PeerHandlers(keyframe=session.request_keyframe, mic=session.push_audio,
-                                failed=lambda why: self._failed(live.id, why))
+        live.failed = lambda why: self._failed(live.id, why)
+        handlers = PeerHandlers(keyframe=session.request_keyframe, mic=session.push_audio, failed=live.failed)
         try:
             worker = await self.gateway.pick()
             live.peer, answer = await worker.open_peer(live.id, h264_offer or offer_sdp, encoded,
@@ -193,14 +200,23 @@ class LiveSessions:
         return live, answer
 
     def _failed(self, sid: str, why: str) -> None:
-        if sid in self.open:
-            log.info('{"event": "session_failed", "id": "%s", "why": "%s"}', sid, why.replace('"', "'"))
+        """The session cannot go on (its WebRTC worker or its encoder died, its connection failed): closed,
+        and its speech socket told why."""
+        live = self.open.get(sid)
+        if live is not None and live.ended is None:
+            live.ended = why
+            log.warning('{"event": "session_failed", "id": "%s", "why": "%s"}', sid, why.replace('"', "'"))
             asyncio.ensure_future(self.close(sid))
 
     async def close(self, sid: str) -> bool:
         live = self.open.pop(sid, None)
         if live is None:
             return False
+        # its speech socket's events end (the socket closes), after why if the server ended it
+        for last in ([{"type": "ended", "reason": live.ended}] if live.ended is not None else []) + [None]:
+            if live.events.full():
+                live.events.get_nowait()
+            live.events.put_nowait(last)
         self.s.closed_late += live.session.stats.late
         self.s.live.close_session(live.session)
         for task in live.tasks:

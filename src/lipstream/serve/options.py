@@ -60,6 +60,8 @@ class ServeOptions:
     playout_delay_s: float | None = None  # None: the preset's (realtime: 0.25 s)
     switch_interval_ms: float = 0.5
     rtc_workers: int | None = None  # WebRTC worker processes (None: one per 4 cores, 1 to 8)
+    encode_workers: int | None = None  # live sessions' x264 worker processes (None: the cores less 2, at least 1)
+    job_encoders: int | None = None  # render jobs' x264 segment encoders, processes from 2 (None: for the machine)
     database: str | None = None  # None: data_dir / "jobs.sqlite3"
     runner_id: str = field(default_factory=default_runner_id)
     lease_s: float = LEASE_S
@@ -101,6 +103,10 @@ class ServeOptions:
             raise ValueError(f"--switch-interval-ms {self.switch_interval_ms:g}: 0.1 to 10 is allowed")
         if self.rtc_workers is not None and not 1 <= self.rtc_workers <= 64:
             raise ValueError(f"--rtc-workers {self.rtc_workers}: 1 to 64 is allowed")
+        if self.encode_workers is not None and not 1 <= self.encode_workers <= 64:
+            raise ValueError(f"--encode-workers {self.encode_workers}: 1 to 64 is allowed")
+        if self.job_encoders is not None and not 1 <= self.job_encoders <= 64:
+            raise ValueError(f"--job-encoders {self.job_encoders}: 1 to 64 is allowed")
         if not self.runner_id or len(self.runner_id) > 200:
             raise ValueError(f"--runner-id {self.runner_id!r}: a name of 1 to 200 characters is allowed")
         if not 0.1 <= self.lease_s <= 3600:

@@ -235,8 +235,12 @@ class RtcGateway:
         return self
 
     async def pick(self) -> RtcWorkerProcess:
-        """The live worker with the fewest sessions; a dead one is replaced first."""
+        """The live worker with the fewest sessions; a dead one is replaced first (one killed a moment ago,
+        whose reader has not seen its end yet, is passed over)."""
         async with self._lock:
+            for w in self.workers:
+                if w.proc is not None:
+                    w.proc.poll()  # its returncode, which `alive` reads, set if it has exited
             for i, w in enumerate(self.workers):
                 if not w.alive and not w.peers:
                     await w.close()

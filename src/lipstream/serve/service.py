@@ -56,7 +56,8 @@ class Service:
                                                            capacity_fps=options.live_capacity_fps)
         if options.playout_delay_s is not None:
             live_options = live_options.replace(playout_delay_s=options.playout_delay_s)
-        self.live = LiveEngine(models, live_options, inductor=inductor, compiled=compiled)
+        self.live = LiveEngine(models, live_options, inductor=inductor, compiled=compiled,
+                               encode_processes=options.encode_workers)
         self.avatars: dict[str, int] = {}
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)

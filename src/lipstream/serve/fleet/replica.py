@@ -173,9 +173,12 @@ class EngineReplica:
         live = sessions.open.get(sid)
         while live is not None and sessions.open.get(sid) is live:
             try:
-                yield await asyncio.wait_for(live.events.get(), EVENT_POLL_S)
+                event = await asyncio.wait_for(live.events.get(), EVENT_POLL_S)
             except asyncio.TimeoutError:
                 continue
+            if event is None:  # the session's last (LiveSessions.close)
+                return
+            yield event
 
     # --- the rest of ServerHost, per replica --------------------------------------------------------
 

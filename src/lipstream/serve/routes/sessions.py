@@ -103,10 +103,13 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
     rate = DEFAULT_RATE
 
     async def send_events() -> None:
+        reason = "the session has ended"
         async for event in link.events():
             await ws.send_json(event)
+            if event.get("type") == "ended":  # the server ended it (a worker process died, say): why
+                reason = f"the session has ended: {event.get('reason', '')}"
         # the events end with the session (a fleet's replica that died, say): the socket with them
-        await _ended(ws)
+        await _ended(ws, reason)
 
     sender = asyncio.ensure_future(send_events())
     try:
@@ -142,10 +145,10 @@ async def _refuse(ws: WebSocket, why: BadMessage) -> None:
         pass
 
 
-async def _ended(ws: WebSocket) -> None:
+async def _ended(ws: WebSocket, reason: str = "the session has ended") -> None:
     """Close the socket with 4410 unless it is closed already (its events and its reader both see the end)."""
     if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
         try:
-            await ws.close(code=ENDED, reason=close_reason("the session has ended"))
+            await ws.close(code=ENDED, reason=close_reason(reason))
         except (RuntimeError, WebSocketDisconnect):
             pass
