@@ -20,6 +20,7 @@ from lipstream.serve.interface import ServerHost
 from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
 from lipstream.serve.store.base import Job
+from lipstream.yaml_input import MAX_YAML_BYTES
 from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
                                      save_upload)
 
@@ -154,7 +155,8 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
         raise HTTPException(422, "audio, files: distinct file names (and none named script.yaml) are allowed")
     folder = new_upload_folder(service.uploads_dir)
     try:
-        await save_upload(script, folder / "script.yaml", service.o.max_upload_mb, "script")
+        await save_upload(script, folder / "script.yaml", min(service.o.max_upload_mb, MAX_YAML_BYTES / 2**20),
+                          "script")
         seconds: dict[str, float] = {}
         for upload, name in zip(audio, names):
             await save_upload(upload, folder / name, service.o.max_upload_mb)
@@ -163,9 +165,11 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
             await save_upload(upload, folder / name, service.o.max_upload_mb, "files")
         total = sum(seconds.values())
         try:
-            program = load_script(folder / "script.yaml")
+            # off the event loop: a script is bounded (yaml_input.py), but parsing even a bounded one is CPU
+            program = await asyncio.to_thread(load_script, folder / "script.yaml")
         except InputError as e:  # named by the file sent, never by the server's folders
-            raise HTTPException(422, f"script: {e.path.name}: {e.problem.splitlines()[0]}") from None
+            sent = e.path.name if e.path != folder / "script.yaml" else Path(script.filename or "script.yaml").name
+            raise HTTPException(422, f"script: {sent[:255]}: {e.problem.splitlines()[0]}") from None
         except LipStreamError as e:
             raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
         if program.avatars_dir is not None:
