@@ -127,6 +127,12 @@ def test_a_script_over_one_mebibyte_is_refused_unread(tmp_path):
         _load(tmp_path, text)
 
 
+def test_a_script_of_too_many_scenes_is_refused(tmp_path):
+    scenes = "".join("  - {audio: a.wav, avatar: p}\n" for _ in range(501))
+    with pytest.raises(InputError, match="501 scenes; a script of at most 500 is allowed"):
+        _load(tmp_path, "scenes:\n" + scenes)
+
+
 # -- the server ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -255,3 +261,18 @@ def test_another_keys_jobs_and_uploads_are_not_there(server, desk):
                               ("audio", ("mine.wav", (desk / "hello.wav").read_bytes(), "audio/wav"))])
         assert r.status_code == 422 and "must be one of the files sent" in r.text, r.text
         assert str(data) not in r.text
+
+
+@pytest.mark.slow
+def test_text_scenes_count_against_the_audio_limit(server):
+    """A script of text alone is spoken on the server: ~11 minutes of words is past the default 600 s, refused
+    before it is queued, as the same length of audio would be."""
+    url, _ = server
+    words = "markets closed higher today " * 360  # 10,080 characters: ~670 s at 15 a second
+    script = f"scenes:\n  - avatar: p\n    text: {json.dumps(words)}\n".encode()
+    before = len(httpx.get(f"{url}/v1/jobs", headers=_auth(KEY_B)).json())
+    r = httpx.post(f"{url}/v1/jobs/broadcast", headers=_auth(KEY_B),
+                   files=[("script", ("show.yaml", script, "application/yaml"))])
+    assert r.status_code == 413, r.text
+    assert "of text scenes" in r.json()["detail"] and "at most 600 s" in r.json()["detail"], r.text
+    assert len(httpx.get(f"{url}/v1/jobs", headers=_auth(KEY_B)).json()) == before

@@ -34,6 +34,7 @@ from lipstream.show.spec import Show
 
 SCENE_KEYS = ("avatar", "audio", "text", "cameras", "start_frame", "transition", *SCENE_SHOW_KEYS)
 TOP_KEYS = ("fps", "avatars", "scenes", *TOP_SHOW_KEYS)
+MAX_SCENES = 500  # a long show has tens; each scene opens its audio and plans its cameras
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def load_script(path: str | Path) -> Program:
     if not isinstance(data, dict) or not isinstance(data.get("scenes"), list) or not data["scenes"]:
         raise InputError(path, "needs a non-empty 'scenes:' list")
     check_keys(path, "", data, TOP_KEYS)
+    if len(data["scenes"]) > MAX_SCENES:
+        raise InputError(path, f"{len(data['scenes'])} scenes; a script of at most {MAX_SCENES} is allowed")
     base = path.parent
     scenes = [_scene(path, base, i, s) for i, s in enumerate(data["scenes"])]
     show = parse_show(path, base, data, [parse_scene_layers(path, base, f"scene {i + 1}", s)

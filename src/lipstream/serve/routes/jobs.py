@@ -29,6 +29,7 @@ SSE_POLL_S = 0.1
 # what a render or broadcast job may be asked of its output, as `lipstream render` takes it (--fps, --crf,
 # --x264-preset, --start-frame); what is not given is the server's choice, as a local render's is the machine's
 OUTPUT_OPTIONS = ("fps", "crf", "x264_preset", "start_frame")
+TEXT_CHARACTERS_PER_S = 15  # a text scene's length as the --max-audio-s check estimates it (TTS speaks ~15/s)
 
 router = APIRouter()
 
@@ -184,8 +185,13 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
             if path.resolve().parent != folder.resolve() or not path.is_file():
                 raise HTTPException(422, f"script: {path.name!r}: the show's files must be among the files sent: "
                                          f"{extra}")
-        if total > service.o.max_audio_s:
-            raise HTTPException(413, f"audio: {total:.0f} s in all; at most {service.o.max_audio_s:g} s is allowed")
+        # text scenes are spoken on the server: their length is estimated from their words, so a script of
+        # text alone cannot ask for hours of speech past --max-audio-s
+        spoken = sum(len(s.text) for s in program.scenes if s.text is not None) / TEXT_CHARACTERS_PER_S
+        if total + spoken > service.o.max_audio_s:
+            what = f"{total:.0f} s in all" + (f" and ~{spoken:.0f} s of text scenes (at {TEXT_CHARACTERS_PER_S} "
+                                              "characters a second)" if spoken else "")
+            raise HTTPException(413, f"audio: {what}; at most {service.o.max_audio_s:g} s is allowed")
         await asyncio.to_thread(check_show_here, program, folder,
                                 [None if s.audio is None else seconds.get(s.audio.name) for s in program.scenes],
                                 await service.avatar_list())
