@@ -8,7 +8,7 @@ import pytest
 
 from lipstream.errors import InputError
 from lipstream.fixtures.media import write_audio
-from lipstream.show.mix import duck_gain, load_music, mix_music
+from lipstream.show.mix import CEILING, duck_gain, load_music, mix_music
 from lipstream.show.spec import Music
 
 R = 48_000
@@ -58,16 +58,27 @@ def test_bed_is_duck_db_lower_under_speech_than_in_the_gaps(tmp_path):
 
 
 def test_loud_speech_and_loud_bed_never_pass_full_scale(tmp_path):
-    bed_file = write_audio(tmp_path / "bed.wav", tones(6.0, 0.99), R)
-    speech = speech_like(6.0, [(1.5, 4.5)], peak=0.98)
-    assert np.abs(speech).max() > 0.9
+    """Speech and bed each just under the -1 dBFS ceiling: the sum is held under it by the bed alone."""
+    bed_file = write_audio(tmp_path / "bed.wav", tones(6.0, 0.88), R)
+    speech = speech_like(6.0, [(1.5, 4.5)], peak=0.88)
     mixed = mix_music(speech, Music(file=bed_file, gain_db=0.0, duck_db=0.0))
-    assert np.abs(mixed).max() <= 1.0
+    assert np.abs(mixed).max() <= CEILING
     bed = mixed - speech
     # the limiter only touches the bed where the sum needed it: the gap before the speech keeps full level
-    assert abs(db(region(bed, 1.1, 1.4)) - db(tones(1.0, 0.99))) < 0.5
+    assert abs(db(region(bed, 1.1, 1.4)) - db(tones(1.0, 0.88))) < 0.5
     # and the bed is still there under the speech, only pulled down
-    assert db(region(bed, 2.0, 4.0)) > db(tones(1.0, 0.99)) - 20
+    assert db(region(bed, 2.0, 4.0)) > db(tones(1.0, 0.88)) - 20
+
+
+def test_speech_over_the_ceiling_is_limited_not_clipped(tmp_path):
+    """A float speech file peaking over full scale: the whole mix comes down under the ceiling, smoothly
+    (no sample is cut flat at +-1)."""
+    bed_file = write_audio(tmp_path / "bed.wav", tones(6.0, 0.3), R)
+    speech = speech_like(6.0, [(1.5, 4.5)], peak=1.5)
+    mixed = mix_music(speech, Music(file=bed_file, gain_db=0.0, duck_db=0.0))
+    assert np.abs(mixed).max() <= CEILING
+    flat = np.sum(np.abs(mixed) >= CEILING - 1e-6)
+    assert flat < np.sum(np.abs(speech) > CEILING) / 20  # a clip would flatten every one of those
 
 
 def test_gain_curve_has_no_clicks():
@@ -122,3 +133,30 @@ def test_missing_or_undecodable_bed_is_a_one_line_error(tmp_path):
     with pytest.raises(InputError) as e:
         mix_music(speech, Music(file=junk))
     assert "junk.mp3" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_loud_bed_at_a_large_gain_never_clips_the_delivered_aac_track(tmp_path, presenter, tiny_models):
+    """`music: {gain_db: 60}` over a dense bed: the limiter holds the samples under full scale, but AAC
+    overshoots such a track (it came back at +2.3 dBFS). The MP4's AAC track, decoded, stays under 1.0."""
+    import av
+
+    from lipstream.fixtures import speech_like as speech
+    from lipstream.render.options import RenderOptions
+    from lipstream.render.program import render_program
+    from lipstream.render.script import load_script
+
+    rng = np.random.default_rng(0)
+    t = np.arange(3 * R) / R
+    bed = np.clip(0.5 * np.sign(np.sin(2 * np.pi * 110 * t)) + 0.3 * rng.standard_normal(t.size), -1, 1)
+    write_audio(tmp_path / "bed.wav", bed.astype(np.float32), R)
+    write_audio(tmp_path / "story.wav", speech(2.0, 16_000, seed=3), 16_000)
+    (tmp_path / "show.yaml").write_text(f"avatars: {presenter.parent}\nscenes:\n  - {{avatar: p, audio: story.wav}}\n"
+                                        "music: {file: bed.wav, gain_db: 60, duck_db: -12}\n")
+    render_program(load_script(tmp_path / "show.yaml"), tmp_path / "show.mp4", tiny_models,
+                   RenderOptions(progress=False))
+    with av.open(str(tmp_path / "show.mp4")) as c:
+        audio = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    assert audio.size >= 1.9 * R
+    assert np.abs(audio).max() <= 1.0, f"peak {20 * np.log10(np.abs(audio).max()):+.2f} dBFS"
+    assert db(audio) > -20  # the bed is there, loud: only its overshoot was taken off

@@ -27,11 +27,14 @@ from pathlib import Path
 
 from lipstream.errors import InputError
 from lipstream.files import check_file
-from lipstream.show.schema import SCENE_SHOW_KEYS, TOP_SHOW_KEYS, check_keys, parse_scene_layers, parse_show
+from lipstream.show.schema import (SCENE_SHOW_KEYS, TOP_SHOW_KEYS, check_keys, file_name, parse_scene_layers,
+                                   parse_show, short)
+from lipstream.yaml_input import load_yaml_file
 from lipstream.show.spec import Show
 
 SCENE_KEYS = ("avatar", "audio", "text", "cameras", "start_frame", "transition", *SCENE_SHOW_KEYS)
 TOP_KEYS = ("fps", "avatars", "scenes", *TOP_SHOW_KEYS)
+MAX_SCENES = 500  # a long show has tens; each scene opens its audio and plans its cameras
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,15 @@ def single_scene(avatar: str, audio: Path, start_frame: int = 0) -> Program:
 
 
 def load_script(path: str | Path) -> Program:
-    import yaml
-
+    """The script in `path`, read within yaml_input's bounds (size, aliases, duplicate keys): every mistake
+    one line naming the file."""
     path = check_file(path, "broadcast script")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (UnicodeDecodeError, yaml.YAMLError) as e:
-        raise InputError(path, f"not valid YAML ({str(e).splitlines()[0]})") from None
+    data = load_yaml_file(path)
     if not isinstance(data, dict) or not isinstance(data.get("scenes"), list) or not data["scenes"]:
         raise InputError(path, "needs a non-empty 'scenes:' list")
     check_keys(path, "", data, TOP_KEYS)
+    if len(data["scenes"]) > MAX_SCENES:
+        raise InputError(path, f"{len(data['scenes'])} scenes; a script of at most {MAX_SCENES} is allowed")
     base = path.parent
     scenes = [_scene(path, base, i, s) for i, s in enumerate(data["scenes"])]
     show = parse_show(path, base, data, [parse_scene_layers(path, base, f"scene {i + 1}", s)
@@ -83,10 +85,11 @@ def load_script(path: str | Path) -> Program:
     try:
         fps = Fraction(str(fps)) if fps is not None else None
     except (ValueError, ZeroDivisionError):
-        raise InputError(path, f"fps: {fps!r} is not a frame rate") from None
+        raise InputError(path, f"fps: {short(fps)} is not a frame rate") from None
     if fps is not None and fps <= 0:
         raise InputError(path, "fps must be positive")
     avatars = data.get("avatars")
+    avatars = file_name(path, "", "avatars", avatars) if avatars is not None else None
     return Program(scenes, fps, (base / avatars) if avatars else None, path, show)
 
 
@@ -101,26 +104,27 @@ def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
         raise InputError(path, f"{where}: give either 'audio' or 'text', not both")
     audio = text = None
     if "audio" in s:
-        audio = Path(str(s["audio"]))
+        audio = file_name(path, f"{where}: ", "audio", s["audio"])
         audio = audio if audio.is_absolute() else base / audio
     else:
         text = s["text"]
         if isinstance(text, (int, float)) and not isinstance(text, bool):
             text = str(text)
         if not isinstance(text, str) or not text.strip():
-            raise InputError(path, f"{where}: text must be the words to speak, got {s['text']!r}")
+            raise InputError(path, f"{where}: text must be the words to speak, got {short(s['text'])}")
         text = text.strip()
     if ("avatar" in s) == ("cameras" in s):
         raise InputError(path, f"{where}: give either 'avatar' or 'cameras', not both or neither")
     if "avatar" in s:
-        shots = [Shot(0.0, str(s["avatar"]))]
+        shots = [Shot(0.0, avatar_name(path, f"{where}: ", s["avatar"]))]
     else:
         cams = s["cameras"]
         if not isinstance(cams, list) or not cams or not all(isinstance(c, dict) and {"at", "avatar"} <= set(c)
                                                                for c in cams):
             raise InputError(path, f"{where}: 'cameras' must be a list of {{at: seconds, avatar: name}}")
         try:
-            shots = sorted((Shot(float(c["at"]), str(c["avatar"])) for c in cams), key=lambda c: c.at)
+            shots = sorted((Shot(float(c["at"]), avatar_name(path, f"{where}: camera: ", c["avatar"]))
+                            for c in cams), key=lambda c: c.at)
         except (TypeError, ValueError):
             raise InputError(path, f"{where}: camera 'at' must be a number of seconds") from None
         if shots[0].at != 0:
@@ -132,9 +136,17 @@ def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
     return Scene(audio, shots, start, crossfade, text)
 
 
+def avatar_name(path: Path, where: str, value: object) -> str:
+    """An avatar's name (or folder) as the script gives it: text (a number is taken as text), short enough
+    to be a file name, so nothing else reaches the filesystem."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    return str(file_name(path, where, "avatar", value))
+
+
 def _transition(path: Path, where: str, t: object) -> int:
     if t in (None, "cut"):
         return 0
     if isinstance(t, dict) and set(t) == {"crossfade"} and isinstance(t["crossfade"], int) and t["crossfade"] > 0:
         return t["crossfade"]
-    raise InputError(path, f"{where}: transition must be 'cut' or {{crossfade: FRAMES}}, got {t!r}")
+    raise InputError(path, f"{where}: transition must be 'cut' or {{crossfade: FRAMES}}, got {short(t)}")

@@ -17,15 +17,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from lipstream.serve.routes import avatars, jobs, sessions
 from lipstream.serve.auth import use_keys
 from lipstream.serve.bodies import BodyLimits
 from lipstream.serve.interface import ServerHost
 from lipstream.serve.options import RETRY_AFTER_S
+from lipstream.serve.private_paths import server_folders, without_server_paths
 from lipstream.serve.state import get_service, use_service
 
 log = logging.getLogger("lipstream.serve")
@@ -43,6 +46,7 @@ def create_app(service: ServerHost) -> FastAPI:
     use_keys(app, service.o.api_keys)
     app.add_middleware(BodyLimits, max_upload_mb=service.o.max_upload_mb)
     app.middleware("http")(count)  # added last: outermost, it logs and counts what BodyLimits refuses too
+    app.exception_handler(HTTPException)(no_server_paths)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.include_router(probes)
     for router in ROUTERS:
@@ -56,6 +60,14 @@ async def lifespan(app: FastAPI):
     await service.start_serving()
     yield
     await service.stop_serving()  # SIGTERM: the running job requeued, sessions closed
+
+
+async def no_server_paths(request: Request, exc: HTTPException) -> Response:
+    """Every refusal's `detail` without the server's folders (serve/private_paths.py), whichever route
+    raised it."""
+    if isinstance(exc.detail, str):
+        exc.detail = without_server_paths(exc.detail, server_folders(get_service(request).o))
+    return await http_exception_handler(request, exc)
 
 
 async def count(request: Request, call_next):

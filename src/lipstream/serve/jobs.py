@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lipstream.live.offline import JobCancelled, OfflineLane
 from lipstream.render.script import single_scene
+from lipstream.serve.private_paths import server_folders, without_server_paths
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine
@@ -204,7 +205,9 @@ class JobRunner:
                 log.warning("job %s: stopped (%s); another runner has it", job.id, e)
                 return
             log.exception("job %s failed", job.id)
-            store.fail(job.id, f"{type(e).__name__}: {e}".splitlines()[0])
+            # what the client reads: one line, none of the server's folders (a file by the name it was sent)
+            why = without_server_paths(f"{type(e).__name__}: {e}".splitlines()[0], server_folders(self.s.o))
+            store.fail(job.id, why)
             return
         store.finish(job.id, os.path.relpath(result, self.s.o.data_dir) if job.kind != "compile"
                      else f"avatars/{job.params['name']}")

@@ -48,4 +48,5 @@ def audio_seconds(path: Path) -> float:
                 return container.duration / 1_000_000
             return sum(f.samples for f in container.decode(stream)) / (stream.rate or 1)
     except av.FFmpegError as e:
-        raise HTTPException(422, f"audio: not a readable audio file ({str(e).splitlines()[0]})") from None
+        # FFmpeg's message ends in the file's path, a server's: its reason alone
+        raise HTTPException(422, f"audio: not a readable audio file ({e.strerror or type(e).__name__})") from None

@@ -1,9 +1,14 @@
 """Music under the speech: the bed looped (or padded) to the show, faded at its ends, ducked by a side chain
-that follows the presenters' speech, and kept below full scale.
+that follows the presenters' speech, and kept below full scale in the delivered file.
 
 Everything is numpy over the whole show at 48 kHz (a minute is ~3 M samples, a few tens of ms of work):
 the show's audio is known in full before the render encodes it, so the ducker can look ahead and the
 limiter needs no latency tricks.
+
+Below full scale as samples is not enough: AAC's quantisation overshoots a dense, loud track (a bed at a
+large `gain_db`, pulled to the ceiling by the limiter, came back at +2.3 dBFS, clipped by every player).
+So the mix is limited to -1 dBFS, then encoded once as the MP4 writer will encode it and decoded: where
+that copy passes AAC_PEAK, the whole track is scaled down by the overshoot and tried again.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from lipstream.show.spec import Music
 
 SHOW_FADE_S = 1.0  # the bed fades in at the show's start and out at its end
 LOOP_CROSSFADE_S = 0.02  # each loop of the bed crossfades into the next: a bare seam clicks
-CEILING = 0.99  # the bed is pulled down where speech + bed would pass this (-0.09 dBFS)
+CEILING = 0.891  # -1 dBFS: the bed is pulled down where speech + bed would pass this
+AAC_PEAK = 0.97  # the most the AAC track may decode to (a little under full scale: encoders differ slightly)
+AAC_BITRATE = 128_000  # the MP4 writer's (media/mp4.py)
+AAC_TRIES = 4
 LIMIT_WINDOW_S = 0.005  # the bed limiter's look-ahead and smoothing
 
 
@@ -65,16 +73,59 @@ def duck_gain(speech: np.ndarray, rate: int, duck_db: float, attack_s: float = 0
 
 
 def mix_music(speech: np.ndarray, music: Music, rate: int = AUDIO_RATE) -> np.ndarray:
-    """speech + the ducked bed, float32 mono, as long as `speech`, never above full scale.
+    """speech + the ducked bed, float32 mono, as long as `speech`, never above full scale once AAC-encoded.
 
-    Clipping is prevented on the bed only: where |speech| + |bed| would pass CEILING, the bed's gain is
-    pulled down (a look-ahead limiter, smoothed over ~5 ms so it does not click) and the speech is left
-    untouched. Only a speech track that itself passes full scale (a float file) is hard-clipped at +-1.
+    Where |speech| + |bed| would pass CEILING, the bed's gain is pulled down (a look-ahead limiter, smoothed
+    over ~5 ms so it does not click) and the speech is left untouched; a speech track that itself passes
+    the ceiling (a float file) is limited the same way as a whole. Then fit_for_aac: the track scaled down
+    by AAC's overshoot, if it has one.
     """
     s = np.asarray(speech, np.float32).reshape(-1)
+    window = max(1, round(LIMIT_WINDOW_S * rate))
     bed = load_music(music, s.size, rate) * duck_gain(s, rate, music.duck_db)
-    bed *= _bed_limit(s, bed, max(1, round(LIMIT_WINDOW_S * rate)))
-    return np.clip(s + bed, -1.0, 1.0).astype(np.float32)
+    bed *= _bed_limit(s, bed, window)
+    mixed = (s + bed).astype(np.float32)
+    if np.abs(mixed).max() > CEILING:  # the speech alone passes the ceiling: the whole bus comes down there
+        mixed *= _bed_limit(np.zeros_like(mixed), mixed, window)
+    return fit_for_aac(mixed, rate)
+
+
+def fit_for_aac(track: np.ndarray, rate: int = AUDIO_RATE) -> np.ndarray:
+    """`track` scaled so that its AAC encoding (as the MP4 writer makes it) decodes to at most AAC_PEAK:
+    limited samples are not enough, AAC overshoots a dense loud track by up to ~6 dB."""
+    out = np.asarray(track, np.float32)
+    for _ in range(AAC_TRIES):
+        peak = _aac_peak(out, rate)
+        if peak <= AAC_PEAK:
+            return out
+        out = out * np.float32(AAC_PEAK / peak * 0.98)
+    return out
+
+
+def _aac_peak(track: np.ndarray, rate: int) -> float:
+    """The largest sample of `track` encoded to AAC (mono, AAC_BITRATE) and decoded again, in memory."""
+    import io
+
+    import av
+
+    if track.size == 0:
+        return 0.0
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="adts") as container:
+        stream = container.add_stream("aac", rate=rate, layout="mono")
+        stream.bit_rate = AAC_BITRATE
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(track[None, :]), format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    buffer.seek(0)
+    peak = 0.0
+    with av.open(buffer, "r", format="adts") as container:
+        for decoded in container.decode(audio=0):
+            peak = max(peak, float(np.abs(decoded.to_ndarray()).max(initial=0.0)))
+    return peak
 
 
 def _rise(n: int) -> np.ndarray:

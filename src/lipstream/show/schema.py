@@ -29,6 +29,8 @@ OVERLAY_KEYS = ("logo", "ticker")
 LOGO_KEYS = ("image", "corner", "margin", "height")
 TICKER_KEYS = ("text", "speed")
 MUSIC_KEYS = ("file", "gain_db", "duck_db", "loop")
+MAX_NAME = 255  # characters in one part of a file name a script gives (the filesystems' own limit)
+MAX_PATH = 4096
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+.-]{0,63}")  # espeak-ng: en, en-us, en+f3, mb-en1
 
 
@@ -37,7 +39,7 @@ def unknown_key(key: object, allowed: Iterable[str]) -> str:
     allowed = list(allowed)
     near = difflib.get_close_matches(str(key), allowed, n=1)
     hint = f"did you mean {near[0]!r}?" if near else f"it takes: {', '.join(allowed)}"
-    return f"unknown key {str(key)!r} ({hint})"
+    return f"unknown key {short(str(key))} ({hint})"
 
 
 def check_keys(path: Path, where: str, mapping: Mapping, allowed: Iterable[str]) -> None:
@@ -102,7 +104,7 @@ def _logo(path: Path, base: Path, where: str, value: object) -> Logo:
     if corner not in CORNERS:
         near = difflib.get_close_matches(str(corner), CORNERS, n=1)
         hint = f"did you mean {near[0]!r}?" if near else f"one of {', '.join(CORNERS)}"
-        raise InputError(path, f"{where}corner {corner!r} is not a corner ({hint})")
+        raise InputError(path, f"{where}corner {short(corner)} is not a corner ({hint})")
     margin = _whole(path, where, "margin", m.get("margin", 32), low=0)
     height = _whole(path, where, "height", m["height"], low=1) if m.get("height") is not None else None
     return Logo(image, corner, margin, height)
@@ -129,13 +131,13 @@ def _music(path: Path, base: Path, where: str, value: object) -> Music:
 def _voice(path: Path, base: Path, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InputError(path, "voice must be an espeak-ng voice name (en, en-us) or a Piper .onnx file, "
-                               f"got {value!r}")
+                               f"got {short(value)}")
     value = value.strip()
     if value.lower().endswith(".onnx"):
         return str(_path(path, base, "", "voice", value))
     if not VOICE_NAME.fullmatch(value):
-        raise InputError(path, f"voice {value!r} is neither an espeak-ng voice name (en, en-us, de) nor a Piper "
-                               ".onnx file")
+        raise InputError(path, f"voice {short(value)} is neither an espeak-ng voice name (en, en-us, de) nor a "
+                               "Piper .onnx file")
     return value
 
 
@@ -154,7 +156,7 @@ def _span(path: Path, where: str, m: Mapping) -> Span:
 
 def _box(path: Path, where: str, value: object) -> tuple[int, int, int, int]:
     if not (isinstance(value, list) and len(value) == 4 and all(_is_int(v) for v in value)):
-        raise InputError(path, f"{where}box must be [x1, y1, x2, y2] in whole pixels, got {value!r}")
+        raise InputError(path, f"{where}box must be [x1, y1, x2, y2] in whole pixels, got {short(value)}")
     x1, y1, x2, y2 = value
     if min(value) < 0:
         raise InputError(path, f"{where}box {value} starts outside the frame (a negative coordinate)")
@@ -167,7 +169,8 @@ def _box(path: Path, where: str, value: object) -> tuple[int, int, int, int]:
 
 def _mapping(path: Path, where: str, value: object, keys: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
     if not isinstance(value, dict):
-        raise InputError(path, f"{where.removesuffix(': ')} must be a mapping of {', '.join(keys)}, got {value!r}")
+        raise InputError(path, f"{where.removesuffix(': ')} must be a mapping of {', '.join(keys)}, "
+                               f"got {short(value)}")
     check_keys(path, where, value, keys)
     for key in required:
         if value.get(key) is None:
@@ -181,19 +184,19 @@ def _is_int(v: object) -> bool:
 
 def _number(path: Path, where: str, key: str, value: object, unit: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(path, f"{where}{key} must be a number ({unit}), got {value!r}")
+        raise InputError(path, f"{where}{key} must be a number ({unit}), got {short(value)}")
     return float(value)
 
 
 def _whole(path: Path, where: str, key: str, value: object, low: int) -> int:
     if not _is_int(value) or value < low:
-        raise InputError(path, f"{where}{key} must be a whole number of pixels >= {low}, got {value!r}")
+        raise InputError(path, f"{where}{key} must be a whole number of pixels >= {low}, got {short(value)}")
     return int(value)
 
 
 def _bool(path: Path, where: str, key: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise InputError(path, f"{where}{key} must be true or false, got {value!r}")
+        raise InputError(path, f"{where}{key} must be true or false, got {short(value)}")
     return value
 
 
@@ -201,7 +204,7 @@ def _text(path: Path, where: str, key: str, value: object, empty: bool = False) 
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `title: 2024`
     if not isinstance(value, str):
-        raise InputError(path, f"{where}{key} must be text, got {value!r}")
+        raise InputError(path, f"{where}{key} must be text, got {short(value)}")
     if "\n" in value.strip() or "\r" in value:
         raise InputError(path, f"{where}{key} must be one line of text")
     if not value.strip() and not empty:
@@ -209,10 +212,28 @@ def _text(path: Path, where: str, key: str, value: object, empty: bool = False) 
     return value.strip()
 
 
-def _path(path: Path, base: Path, where: str, key: str, value: object) -> Path:
+def file_name(path: Path, where: str, key: str, value: object) -> Path:
+    """A file or folder name as a script gives it: one line of text, each part of it at most MAX_NAME
+    characters and the whole at most MAX_PATH, so a huge value is one line of error, not a system call."""
     if not isinstance(value, str) or not value.strip():
-        raise InputError(path, f"{where}{key} must be a file name, got {value!r}")
-    p = Path(value.strip())
+        raise InputError(path, f"{where}{key} must be a file name, got {short(value)}")
+    value = value.strip()
+    if len(value) > MAX_PATH or any(len(part) > MAX_NAME for part in re.split(r"[/\\\\]", value)) or "\0" in value:
+        raise InputError(path, f"{where}{key}: a name of {len(value)} characters; a file name of at most "
+                               f"{MAX_NAME} characters (a path of at most {MAX_PATH}) is allowed")
+    if "\n" in value or "\r" in value:
+        raise InputError(path, f"{where}{key} must be a file name on one line")
+    return Path(value)
+
+
+def short(value: object) -> str:
+    """`value` for an error line: at most 80 characters of its repr (a script's value may be huge)."""
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 20 else f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _path(path: Path, base: Path, where: str, key: str, value: object) -> Path:
+    p = file_name(path, where, key, value)
     return p if p.is_absolute() else base / p
 
 

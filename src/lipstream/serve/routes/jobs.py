@@ -20,6 +20,7 @@ from lipstream.serve.interface import ServerHost
 from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.state import get_service
 from lipstream.serve.store.base import Job
+from lipstream.yaml_input import MAX_YAML_BYTES
 from lipstream.serve.uploads import (AUDIO_SUFFIXES, VIDEO_SUFFIXES, audio_seconds, new_upload_folder,
                                      save_upload)
 
@@ -28,6 +29,7 @@ SSE_POLL_S = 0.1
 # what a render or broadcast job may be asked of its output, as `lipstream render` takes it (--fps, --crf,
 # --x264-preset, --start-frame); what is not given is the server's choice, as a local render's is the machine's
 OUTPUT_OPTIONS = ("fps", "crf", "x264_preset", "start_frame")
+TEXT_CHARACTERS_PER_S = 15  # a text scene's length as the --max-audio-s check estimates it (TTS speaks ~15/s)
 
 router = APIRouter()
 
@@ -154,7 +156,8 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
         raise HTTPException(422, "audio, files: distinct file names (and none named script.yaml) are allowed")
     folder = new_upload_folder(service.uploads_dir)
     try:
-        await save_upload(script, folder / "script.yaml", service.o.max_upload_mb, "script")
+        await save_upload(script, folder / "script.yaml", min(service.o.max_upload_mb, MAX_YAML_BYTES / 2**20),
+                          "script")
         seconds: dict[str, float] = {}
         for upload, name in zip(audio, names):
             await save_upload(upload, folder / name, service.o.max_upload_mb)
@@ -163,9 +166,11 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
             await save_upload(upload, folder / name, service.o.max_upload_mb, "files")
         total = sum(seconds.values())
         try:
-            program = load_script(folder / "script.yaml")
+            # off the event loop: a script is bounded (yaml_input.py), but parsing even a bounded one is CPU
+            program = await asyncio.to_thread(load_script, folder / "script.yaml")
         except InputError as e:  # named by the file sent, never by the server's folders
-            raise HTTPException(422, f"script: {e.path.name}: {e.problem.splitlines()[0]}") from None
+            sent = e.path.name if e.path != folder / "script.yaml" else Path(script.filename or "script.yaml").name
+            raise HTTPException(422, f"script: {sent[:255]}: {e.problem.splitlines()[0]}") from None
         except LipStreamError as e:
             raise HTTPException(422, f"script: {str(e).splitlines()[0]}") from None
         if program.avatars_dir is not None:
@@ -180,8 +185,13 @@ async def submit_broadcast(request: Request, script: UploadFile = File(...),
             if path.resolve().parent != folder.resolve() or not path.is_file():
                 raise HTTPException(422, f"script: {path.name!r}: the show's files must be among the files sent: "
                                          f"{extra}")
-        if total > service.o.max_audio_s:
-            raise HTTPException(413, f"audio: {total:.0f} s in all; at most {service.o.max_audio_s:g} s is allowed")
+        # text scenes are spoken on the server: their length is estimated from their words, so a script of
+        # text alone cannot ask for hours of speech past --max-audio-s
+        spoken = sum(len(s.text) for s in program.scenes if s.text is not None) / TEXT_CHARACTERS_PER_S
+        if total + spoken > service.o.max_audio_s:
+            what = f"{total:.0f} s in all" + (f" and ~{spoken:.0f} s of text scenes (at {TEXT_CHARACTERS_PER_S} "
+                                              "characters a second)" if spoken else "")
+            raise HTTPException(413, f"audio: {what}; at most {service.o.max_audio_s:g} s is allowed")
         await asyncio.to_thread(check_show_here, program, folder,
                                 [None if s.audio is None else seconds.get(s.audio.name) for s in program.scenes],
                                 await service.avatar_list())
