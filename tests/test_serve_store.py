@@ -501,3 +501,36 @@ def test_a_version_1_file_is_migrated(tmp_path: Path):
     again = open_store(path, runner_id="new-runner")  # opening a migrated file changes nothing
     assert again.get("r").status == "running" and raw_sql(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
     again.close()
+
+
+def test_a_sqlite_store_on_a_full_disk_says_so_and_works_again_with_room(tmp_path: Path):
+    """A write that finds the disk full raises SQLite's own "database or disk is full" (not a failed rollback
+    hiding it), changes nothing, and the same store works once there is room (a small tmpfs, filled)."""
+    import os
+    import subprocess
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({mounted.stderr.strip()})")
+    try:
+        store = open_store(folder / "jobs.db")
+        job = running_job(store)
+        filler = folder / "filler"
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(bytes(4096))
+        with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+            store.submit("alice", "render", {"avatar": "anna", "pad": "x" * 8192})
+        with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+            store.fail(job.id, "y" * 400)
+        assert store.get(job.id).status == "running"
+        filler.unlink()
+        assert store.fail(job.id, "stopped").status == "failed"
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -10,10 +10,16 @@ Several runners (servers) may share one store: while a job runs, a heartbeat thr
 lease; a runner whose lease was lost (it stalled, or lost the database, and another requeued the
 job) stops the job at its next batch and leaves the store alone. An idle runner requeues jobs
 whose lease expired (their server died), so another server finishes them.
+
+A job out of memory (the GPU's or the host's) or out of disk space while its result is written fails
+with one line saying so; the runner goes on to the next job, and the live sessions, whose steps are
+sized at start, play on. A store that cannot be written for a moment (a full disk, a database away)
+does not end the runner: the job's lease runs out and it is run again.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -21,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from lipstream.faults import inject
 from lipstream.live.offline import JobCancelled, OfflineLane
 from lipstream.render.script import single_scene
 from lipstream.serve.private_paths import server_folders, without_server_paths
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 KINDS = ("render", "broadcast", "compile")
 PROGRESS_EVERY_S = 0.25  # progress is written to the store at most this often
 REQUEUE_EVERY_S = 5.0  # how often an idle runner looks for jobs whose runner died (expired leases)
+STORE_RETRY_S = 1.0  # how long the runner waits after the store refused a write (a full disk, a database away)
 
 
 class JobStopped(JobCancelled):
@@ -108,16 +116,21 @@ class JobRunner:
                 last_requeue = time.monotonic()
                 self._requeue_expired()
                 self._add_new_avatars()
-            job = self.s.store.claim_next(KINDS)
-            if job is None:
-                self._wake.wait(self.s.o.job_poll_s)  # a submit in this process wakes it at once
-                self._wake.clear()
-                continue
-            self.running = job.id
             try:
-                self._run(job)
-            finally:
-                self.running = None
+                job = self.s.store.claim_next(KINDS)
+                if job is None:
+                    self._wake.wait(self.s.o.job_poll_s)  # a submit in this process wakes it at once
+                    self._wake.clear()
+                    continue
+                self.running = job.id
+                try:
+                    self._run(job)
+                finally:
+                    self.running = None
+            except Exception:  # noqa: BLE001 (the store could not be written: a job it holds runs again once
+                # its lease runs out; the runner lives on)
+                log.exception("the job store refused a change; trying again")
+                self._stopping.wait(STORE_RETRY_S)
 
     def _requeue_expired(self) -> None:
         try:
@@ -168,7 +181,8 @@ class JobRunner:
         store, t0 = self.s.store, time.monotonic()
         last = [0.0]
 
-        def cancelled() -> bool:
+        def cancelled() -> bool:  # asked before each batch of the job's frames
+            inject("job")
             while self._killed.is_set() and not self._unfrozen.is_set() and not self._stopping.is_set():
                 self._unfrozen.wait(0.05)  # killed: halted here
             if self._stopping.is_set():
@@ -206,8 +220,7 @@ class JobRunner:
                 return
             log.exception("job %s failed", job.id)
             # what the client reads: one line, none of the server's folders (a file by the name it was sent)
-            why = without_server_paths(f"{type(e).__name__}: {e}".splitlines()[0], server_folders(self.s.o))
-            store.fail(job.id, why)
+            store.fail(job.id, without_server_paths(job_error(e), server_folders(self.s.o)))
             return
         store.finish(job.id, os.path.relpath(result, self.s.o.data_dir) if job.kind != "compile"
                      else f"avatars/{job.params['name']}")
@@ -248,3 +261,41 @@ class JobRunner:
                        vae_random=m.config.name if m.random_weights else None)
         self.s.add_avatar(params["name"])
         return self.s.o.avatars_dir / params["name"]
+
+
+def job_error(e: BaseException) -> str:
+    """A failed job's one line: out of memory and a full disk said as such (with what to do), and never
+    with the server's paths; anything else as its type and first line."""
+    if is_out_of_memory(e):
+        import torch
+
+        gpu = isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA" in str(e)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the failed job's blocks back to the GPU for the next job
+        detail = str(e).splitlines()[0].split(". ", 2)
+        return (f"out of {'GPU ' if gpu else ''}memory while rendering: {'. '.join(detail[:2])[:200]}; try a "
+                "shorter job, or again when fewer live sessions and jobs run")
+    if is_disk_full(e):
+        return "disk full writing the result (the server's data folder has no space left); try again once there is room"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def _chain(e: BaseException | None):
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError (a RuntimeError saying "out of memory" in older
+    torch) or the host's MemoryError, raised itself or on the way."""
+    return any(isinstance(x, MemoryError) or (isinstance(x, RuntimeError) and "out of memory" in str(x))
+               for x in _chain(e))
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """A write that found no space (ENOSPC) or no quota (EDQUOT) left, raised itself or on the way (PyAV's
+    and the encoders' errors carry the errno)."""
+    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in _chain(e))

@@ -85,7 +85,8 @@ class Service:
         self.start_phases.update(self.live.start_phases)
         requeued = self.store.requeue_running(max_attempts=self.o.max_attempts)
         if requeued:
-            log.info("requeued %d jobs that were running when the server stopped", len(requeued))
+            log.info("requeued after a restart: %d jobs that were running when this server stopped (or whose "
+                     "runner's lease expired): %s", len(requeued), ", ".join(requeued))
         self._sweep()
         # what start made (networks, avatars, the libraries' modules) lives as long as the server: frozen,
         # a full collection no longer walks it (78 ms holding the GIL on a 2-core VM, the core thread with

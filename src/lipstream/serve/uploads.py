@@ -3,34 +3,55 @@ the limit while copied, audio measured once stored. Each upload gets a folder of
 
 from __future__ import annotations
 
+import errno
 import secrets
 from pathlib import Path
 
 from fastapi import HTTPException, UploadFile
 
+from lipstream.faults import inject
 from lipstream.render.checks import AUDIO_SUFFIXES, VIDEO_SUFFIXES
+
+DISK_FULL = "the server's data folder is full: no room for the upload; try again later"
 
 __all__ = ["AUDIO_SUFFIXES", "VIDEO_SUFFIXES", "audio_seconds", "new_upload_folder", "save_upload"]
 
 
 def new_upload_folder(uploads_dir: Path) -> Path:
     folder = uploads_dir / secrets.token_hex(8)
-    folder.mkdir(parents=True)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as e:
+        if disk_full(e):
+            raise HTTPException(507, DISK_FULL) from None
+        raise
     return folder
 
 
 async def save_upload(upload: UploadFile, path: Path, max_mb: float, field: str = "audio") -> None:
-    """Copy the upload to `path` (a temporary name first), 413 past the limit (naming the form's `field`)."""
+    """Copy the upload to `path` (a temporary name first), 413 past the limit (naming the form's `field`),
+    507 when the data folder's disk is full (the half-copied file removed)."""
     limit = int(max_mb * 2**20)
     part = path.with_name(path.name + ".part")
     size = 0
-    with open(part, "wb") as f:
-        while chunk := await upload.read(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                raise HTTPException(413, f"{field}: over {max_mb:g} MB; at most that is allowed")
-            f.write(chunk)
-    part.rename(path)
+    try:
+        with open(part, "wb") as f:
+            inject("upload")
+            while chunk := await upload.read(1 << 20):
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPException(413, f"{field}: over {max_mb:g} MB; at most that is allowed")
+                f.write(chunk)
+        part.rename(path)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        if disk_full(e):  # 507 Insufficient Storage, one line without the server's paths
+            raise HTTPException(507, DISK_FULL) from None
+        raise
+
+
+def disk_full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def audio_seconds(path: Path) -> float:

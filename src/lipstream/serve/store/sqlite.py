@@ -309,7 +309,8 @@ class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception: the write lock is taken up front, so
     a read-then-write never races another writer (and never fails half-way with SQLITE_BUSY).
     Statements with RETURNING are read with fetchall: SQLite will not commit while one is still
-    being stepped."""
+    being stepped. Some errors (a full disk: SQLITE_FULL) roll the transaction back themselves: the
+    ROLLBACK is then left out, so the error raised is the one that happened, not "no transaction"."""
 
     def __init__(self, db: sqlite3.Connection):
         self._db = db
@@ -323,6 +324,10 @@ class _Transaction:
                 self._db.execute("COMMIT")
                 return
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
-        self._db.execute("ROLLBACK")
+        self._rollback()
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
