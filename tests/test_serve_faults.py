@@ -178,13 +178,15 @@ def test_a_server_killed_mid_job_runs_it_again_at_restart_and_serves_nothing_par
 
 
 @pytest.mark.slow
-def test_a_job_out_of_memory_fails_in_one_line_while_a_live_session_and_the_next_job_go_on(root, tmp_path):
-    """The first job's first batch runs out of GPU memory (the fault hook: a CPU has no GPU to fill): that job
-    fails with one line saying so, a live session open meanwhile speaks on, and the next job is done."""
+@pytest.mark.parametrize("point", ["job", "step"])
+def test_a_job_out_of_memory_fails_in_one_line_while_a_live_session_and_the_next_job_go_on(root, tmp_path, point):
+    """The first job runs out of GPU memory (the fault hook: a CPU has no GPU to fill), in its own work on the
+    job's thread (`job`) or in the engine's step that live sessions share (`step`): that job fails with one
+    line saying so, a live session open meanwhile speaks on, and the next job is done."""
     from lipstream.client import connect
 
     data, log = tmp_path / "data", tmp_path / "server.log"
-    with _server(root, data, log, fault="oom:job:1") as (client, proc):
+    with _server(root, data, log, fault=f"oom:{point}:1") as (client, proc):
         url = str(client.base_url).rstrip("/")
 
         async def run() -> tuple[dict, dict]:
@@ -208,6 +210,25 @@ def test_a_job_out_of_memory_fails_in_one_line_while_a_live_session_and_the_next
         assert client.get("/readyz").status_code == 200
     assert not [p.name for p in (data / "results").iterdir() if p.name != f"{second['id']}.mp4"]
     assert "the live engine's core stopped" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_an_engine_that_stopped_fails_its_jobs_at_once_and_says_so_at_readyz(root, tmp_path):
+    """A step that raises what is not out of memory (a bug, a GPU fault) stops the engine's core: the job in
+    it fails in one line, a job submitted after fails at once instead of waiting for ever, and /readyz answers
+    503 with the reason, so a balancer takes the server out and an orchestrator restarts it; /healthz (the
+    process) still answers."""
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    with _server(root, data, log, fault="crash:step:1") as (client, proc):
+        first = _final(client, _submit(client, root / "talk.wav").json()["id"], 60)
+        second = _final(client, _submit(client, root / "hello.wav").json()["id"], 60)
+        ready = client.get("/readyz")
+        health = client.get("/healthz")
+    for job in (first, second):
+        assert job["status"] == "failed" and job["error"] == "RuntimeError: the live engine's core stopped", job
+    assert ready.status_code == 503 and ready.json()["status"] == "failed", ready.text
+    assert "a crash injected" in ready.json()["error"], ready.text
+    assert health.status_code == 200
 
 
 # --- the data disk full ------------------------------------------------------------------------------------------

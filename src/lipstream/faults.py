@@ -6,11 +6,13 @@ Armed by one environment variable, read once when this module is imported:
 
     LIPSTREAM_FAULT=KIND:POINT[:TIMES][,KIND:POINT[:TIMES]...]
 
-KIND is `oom` (torch.cuda.OutOfMemoryError, what CUDA raises) or `enospc` (OSError ENOSPC, what a full
-disk raises). POINT is where it is raised: `job`, each batch of a render or broadcast job's frames (in the
-job runner, serve/jobs.py), or `upload`, each uploaded file saved (serve/uploads.py). It fires at the first
-TIMES passes through that point in the process (1 if left out), then never again. Unset, `inject` is one
-test of an empty tuple: the points are once per batch or per file, never per frame.
+KIND is `oom` (torch.cuda.OutOfMemoryError, what CUDA raises), `enospc` (OSError ENOSPC, what a full
+disk raises) or `crash` (RuntimeError: a bug, or a GPU fault that is not out of memory). POINT is where it is raised: `job`, each batch of a render or broadcast job's frames (in the
+job runner, serve/jobs.py), `step`, each step of the live engine's core that carries a job's frames (the
+GPU step live sessions share, live/core.py; not the idle loops it renders for itself), or `upload`, each
+uploaded file saved (serve/uploads.py). It fires at the first TIMES passes through that point in the
+process (1 if left out), then never again. Unset, `inject` is one test of an empty tuple: the points are
+once per batch, step or file, never per frame.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import errno
 import os
 import threading
 
-KINDS = ("oom", "enospc")
-POINTS = ("job", "upload")
+KINDS = ("oom", "enospc", "crash")
+POINTS = ("job", "step", "upload")
 ENV = "LIPSTREAM_FAULT"
 
 
@@ -61,4 +63,6 @@ def inject(point: str) -> None:
         import torch
 
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV} at {point})")
+    if armed.kind == "crash":
+        raise RuntimeError(f"a crash injected by {ENV} at {point}")
     raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV} at {point})")

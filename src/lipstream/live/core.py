@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from lipstream.audio.features import whisper_features
+from lipstream.faults import inject
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions
 from lipstream.live.runner import InFlight, StepRunner
@@ -46,6 +47,7 @@ class EngineStats:
     frames: int = 0  # live frames rendered
     offline_frames: int = 0
     idle_cached_frames: int = 0  # idle frames handed out from the kept idle loops (no step)
+    out_of_memory_steps: int = 0  # steps that ran out of GPU memory (their jobs failed, their frames given up)
     whisper_windows: int = 0
     whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
@@ -78,6 +80,7 @@ class LiveCore:
         self._thread: threading.Thread | None = None
         self._swap: tuple[StepEngine, dict[int, float], threading.Event] | None = None
         self._inflight: InFlight | None = None
+        self._planned: StepPlan | None = None  # planned and not yet launched
         self._features_at = 0.0
         self._last_turn = 0.0
 
@@ -138,10 +141,15 @@ class LiveCore:
                     self._inflight = None
         except BaseException as e:  # noqa: BLE001 (handed to every caller)
             log.exception("the live engine's core stopped")
-            self.error = e
+            stopped = RuntimeError("the live engine's core stopped")
+            with self.lock:  # render_offline adds jobs under it only while no error is set
+                self.error = e
+                self.scheduler.fail_offline(stopped)
+            for plan in (self._planned, self._inflight and self._inflight.plan):  # jobs taken off the queue
+                for job, _ in plan.offline if plan is not None else ():
+                    job._settle(stopped)
             for s in list(self.sessions.values()):
                 s.close()
-            self.scheduler.fail_offline(RuntimeError("the live engine's core stopped"))
 
     def step(self) -> float | None:
         """One turn: features -> schedule -> launch this step -> finish the previous one. Returns how long the
@@ -166,7 +174,12 @@ class LiveCore:
                 self._features_at = now
             now = time.monotonic()
             plan = self.scheduler.plan(sessions, now, self.idle_loops)
-            launched = self._launch(plan) if len(plan) else None
+            self._planned = plan  # until launched: what the core fails should it stop here
+            try:
+                launched = self._launch(plan) if len(plan) else None
+            except torch.cuda.OutOfMemoryError as e:
+                launched = self._out_of_memory(plan, e)
+            self._planned = None
         self.runner.hand_out_cached(plan, self.idle_loops, now)
         self.stats.idle_cached_frames += len(plan.cached)
         self._drain()
@@ -203,11 +216,33 @@ class LiveCore:
         return len(jobs) + whole
 
     def _launch(self, plan: StepPlan) -> InFlight:
+        if plan.offline and not all(job.idle_loop for job, _ in plan.offline):
+            inject("step")  # the fault hook (faults.py): a step carrying a caller's job
         inflight = self.runner.launch(plan)
         self.stats.steps += 1
         n = len(plan)
         self.stats.batch_sizes[n] = self.stats.batch_sizes.get(n, 0) + 1
         return inflight
+
+    def _out_of_memory(self, plan: StepPlan, error: BaseException) -> None:
+        """A step that ran out of GPU memory (it raises while launching, before any host buffer is taken):
+        the jobs with frames in it fail with the error, its live frames are given up (played as the picture
+        before, their audio goes on), the allocator's cache goes back to the GPU, and the core goes on. The
+        steps were sized at start: what pushed this one over is what runs beside them, a job's work most of
+        all, so the sessions play on and only the jobs pay."""
+        jobs = {id(job): job for job, _ in plan.offline}
+        log.warning("a step of %d live and %d job frames ran out of GPU memory; %d jobs fail, the sessions go on: %s",
+                    len(plan.live), len(plan.offline), len(jobs), str(error).splitlines()[0] if str(error) else "")
+        for job in jobs.values():
+            job.done = len(job.frames)  # nothing more of it is planned
+            job._settle(error)
+        for sid, session in plan.sessions.items():
+            mine = [c for c in plan.live if c.session == sid]
+            if mine:
+                session.handoff.skip(mine)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.stats.out_of_memory_steps += 1
 
     def _finish(self, f: InFlight) -> None:
         took = self.runner.finish(f)

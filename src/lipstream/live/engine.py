@@ -199,7 +199,8 @@ class LiveEngine:
         self._idle_bytes += size
         table = self.core.table
         window = table.table[table.idle].reshape(1, -1, table.table.shape[-1])
-        future = self.render_offline(avatar, list(range(a.num_frames)), window.expand(a.num_frames, -1, -1))
+        future = self.render_offline(avatar, list(range(a.num_frames)), window.expand(a.num_frames, -1, -1),
+                                     idle_loop=True)
 
         def keep(f: Future) -> None:
             if f.exception() is None:
@@ -333,7 +334,7 @@ class LiveEngine:
                 self._free_rings.append(session.request.ring)
 
     def render_offline(self, avatar: int, frames: list[int], windows: torch.Tensor, *, out: np.ndarray | None = None,
-                       rows: list[int] | None = None) -> Future:
+                       rows: list[int] | None = None, idle_loop: bool = False) -> Future:
         """Offline frames through the same steps at lower priority: loop frames of a resident avatar
         with their windows [n, 50, 384]. The future's result: [n, H*3/2, W] uint8 I420, or `out` (the
         caller's buffer, frame i at row `rows[i]`) with the frames in it. Cancel the future to drop the
@@ -348,11 +349,12 @@ class LiveEngine:
         rows = list(range(len(frames))) if rows is None else list(rows)
         if len(rows) != len(frames) or (rows and not 0 <= min(rows) <= max(rows) < len(out)):
             raise ValueError("one row of out per frame")
-        job = OfflineJob(avatar, list(frames), windows.to(self.device, self.m.dtype), out, rows)
+        job = OfflineJob(avatar, list(frames), windows.to(self.device, self.m.dtype), out, rows, idle_loop=idle_loop)
         if not frames:
             job.future.set_result(out)
             return job.future
-        with self.core.lock:
+        with self.core.lock:  # the core fails what it holds under this lock when it stops: nothing waits forever
+            self._raise_error()
             self.core.scheduler.add_offline(job)
         self.core.wake.set()
         return job.future

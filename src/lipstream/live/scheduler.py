@@ -45,6 +45,7 @@ class OfflineJob:
     out: np.ndarray  # [rows, H*3/2, W] uint8
     rows: list[int]  # where each frame goes in `out`
     future: Future = field(default_factory=Future)
+    idle_loop: bool = False  # the engine's own: an avatar's idle loop kept for idle sessions, not a caller's job
     done: int = 0  # frames handed to a step so far
     landed: int = 0  # frames copied into `out` so far
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -96,6 +96,9 @@ def healthz() -> dict:
 
 @probes.get("/readyz")
 async def readyz(service: ServerHost = Depends(get_service)) -> Response:
+    failure = service.failure()
+    if failure is not None:  # the engine stopped: a balancer takes this server out, an orchestrator restarts it
+        return JSONResponse({"status": "failed", "error": failure}, 503)
     if not service.is_ready():
         return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return JSONResponse({"status": "ready", "avatars": len(await service.avatar_list())})

@@ -63,6 +63,8 @@ class ServerHost(Protocol):
 
     def is_ready(self) -> bool: ...
 
+    def failure(self) -> str | None: ...  # why this server can serve nothing any more (its engine stopped), or None
+
     def has_avatar(self, name: str) -> bool: ...
 
     async def avatar_list(self) -> list[dict]: ...  # as GET /v1/avatars lists them

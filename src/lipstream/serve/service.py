@@ -168,6 +168,12 @@ class Service:
     def is_ready(self) -> bool:
         return self.ready
 
+    def failure(self) -> str | None:
+        error = self.live.core.error
+        if error is None:
+            return None
+        return f"the live engine's core stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
     def has_avatar(self, name: str) -> bool:
         return name in self.avatars
 

@@ -184,6 +184,9 @@ class FleetFront:
     def is_ready(self) -> bool:
         return any(stats.get("ready") for stats in self.replicas().values())
 
+    def failure(self) -> str | None:
+        return None  # a replica whose engine stopped reports not ready, and Ray Serve replaces it
+
     def has_avatar(self, name: str) -> bool:
         return any(name in stats.get("avatars", ()) for stats in self.replicas().values())
 

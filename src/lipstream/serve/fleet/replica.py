@@ -104,7 +104,7 @@ class EngineReplica:
         """What SessionAffineRouter and the front read (serve/fleet/router.py)."""
         s = self.service
         room, places = s.live.room()
-        return {"ready": s.ready, "room_fps": room, "places": places, "sessions": len(s.sessions.open),
+        return {"ready": s.ready and s.failure() is None, "room_fps": room, "places": places, "sessions": len(s.sessions.open),
                 "job": s.runner.running, "avatars": sorted(s.avatars), "runner_id": s.o.runner_id,
                 "speech_channel": self.channel}
 
