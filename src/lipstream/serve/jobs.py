@@ -116,6 +116,9 @@ class JobRunner:
                 last_requeue = time.monotonic()
                 self._requeue_expired()
                 self._add_new_avatars()
+            if self.s.live.failed():  # the engine stopped: the queue waits for a restart (or another server)
+                self._stopping.wait(self.s.o.job_poll_s)
+                continue
             try:
                 job = self.s.store.claim_next(KINDS)
                 if job is None:
