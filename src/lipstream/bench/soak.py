@@ -3,12 +3,13 @@
 A churn of live sessions (K at a time; each opens over WebRTC, speaks a few seconds, waits for its
 last frames and closes: `lipstream.client.connect`, all in this process's event loop, so a client
 costs little and closes cleanly) and render jobs arriving every N seconds, for MINUTES. Every
-`sample_s` the server is sampled, between sessions (new ones wait while the open ones close): from /proc (given its process id) its resident memory, open
-files and threads, and its child processes' (the WebRTC and encode workers) by kind; from its
-/metrics the GPU memory (allocated and reserved), frames played late so far, open sessions and jobs.
-The report cuts a warm-up (the first fifth of the samples), then gives each series' first value after
-it, its last, its max, the drift in % (last against first) and a least-squares slope per hour, each
-passing when the drift is within 5 %; late frames per minute over time; every job finished or not.
+`sample_s` the server is sampled between sessions and jobs (new ones wait while the open ones end):
+from /proc (given its process id) its resident memory, open files and threads, and its child
+processes' (the WebRTC and encode workers) by kind; from its /metrics the GPU memory (allocated and
+reserved), frames played late so far, open sessions and jobs. The report cuts a warm-up (the first
+fifth of the samples), then gives each series' first value after it, its last, its max, the drift in %
+(last against first) and a least-squares slope per hour, each passing when the drift is within 5 %;
+late frames per minute over time; every job finished or not.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lipstream.errors import LipStreamError
 FLAT_PCT = 5.0  # a series passes when its last sample is within this of its first after the warm-up
 WARMUP_SHARE = 0.2  # the first fifth of the samples is the warm-up
 LATE_SLACK_PER_MIN = 1.0  # late frames: the later half's rate may exceed the earlier's by 5 % and this
+QUIET_WAIT_S = 120.0  # the most a sample waits for the open sessions and running jobs to end (beyond the speech)
 SETTLE_S = 0.5  # after the last session closed, before a sample
 GAP_S = 1.0  # between a session's close and the next one of its slot
 JOB_TIMEOUT_S = 600.0  # a job not finished this long after the churn ended is counted as timed out
@@ -237,9 +239,10 @@ async def _jobs(http: httpx.AsyncClient, avatars: list[str], audio: Path, every_
     next_at = time.monotonic()
     while time.monotonic() < until:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        await tally.resume.wait()
         if time.monotonic() >= until:
             break
-        next_at += every_s
+        next_at = max(next_at + every_s, time.monotonic())
         try:
             r = await http.post("/v1/jobs/render", data={"avatar": avatars[k % len(avatars)]},
                                 files={"audio": (audio.name, audio.read_bytes(), "audio/wav")})
@@ -279,17 +282,23 @@ async def _poll_jobs(http: httpx.AsyncClient, tally: Tally) -> None:
 
 async def _quiet_sample(http: httpx.AsyncClient, server_pid: int | None, t0: float, tally: Tally,
                         wait_s: float) -> dict:
-    """A sample with no session open: new ones wait while the open ones finish and close (up to `wait_s`). Why:
-    each open session holds sockets and threads in the server and its workers, so a sample taken with 1 or 2
-    open would swing by more than the 5 % it is judged by; between sessions a leak is all that differs."""
+    """A sample with no session open and no job running: new ones wait while the open ones finish and close and
+    the jobs submitted finish (up to `wait_s`). Why: each open session holds sockets and threads in the server
+    and its workers, a running job threads and buffers, so a sample taken with some open would swing by more
+    than the 5 % it is judged by; between them a leak is all that differs."""
     tally.resume.clear()
     waited = time.monotonic()
     try:
         while tally.open and time.monotonic() - waited < wait_s:
             await asyncio.sleep(0.05)
+        while time.monotonic() - waited < wait_s:  # a running job holds its threads and buffers too
+            await _poll_jobs(http, tally)
+            if not tally.jobs_count()["unfinished"]:
+                break
+            await asyncio.sleep(0.2)
         await asyncio.sleep(SETTLE_S)  # the server's side of the last close (its WebRTC worker's peer) ends
         return {**await _sample(http, server_pid, t0, tally), "quiet_wait_s": round(time.monotonic() - waited, 1),
-                "open_at_sample": tally.open}
+                "open_at_sample": tally.open, "jobs_unfinished_at_sample": tally.jobs_count()["unfinished"]}
     finally:
         tally.resume.set()
 
@@ -333,7 +342,7 @@ async def soak(url: str, key: str, minutes: float, avatars: list[str], *, sessio
             next_at = t0 + sample_s
             while next_at <= until + 1e-6:
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-                samples.append(s := await _quiet_sample(http, server_pid, t0, tally, wait_s=speak_s + 40.0))
+                samples.append(s := await _quiet_sample(http, server_pid, t0, tally, wait_s=speak_s + QUIET_WAIT_S))
                 next_at += sample_s
                 progress(f"{s['at']} t={s['t_s']:.0f}s rss {s.get('rss_mib')} MiB (workers {s.get('workers_rss_mib')}), "
                          f"files {s.get('open_files')}+{s.get('workers_open_files')}, threads {s.get('threads')}+"
