@@ -77,3 +77,8 @@ def test_the_verdicts_cut_the_warm_up_and_judge_each_series_by_its_drift():
     assert not bad["series"]["rss_mib"]["pass"] and bad["series"]["rss_mib"]["slope_per_hour"] == pytest.approx(600)
     assert bad["series"]["open_files"]["pass"] and not bad["late_frames"]["pass"] and not bad["pass"]
     assert not summarise({**raw, "samples": flat, "jobs": {"submitted": 2, "done": 1}})["jobs_all_finished"]
+    # counts: one more thread (a pool's lazy one) is no leak; a thread each sample is
+    pool = [{**sample(60 * k, 500, 0), "threads": 6 + (k > 5)} for k in range(10)]
+    leak = [{**sample(60 * k, 500, 0), "threads": 6 + k} for k in range(10)]
+    assert summarise({**raw, "samples": pool})["series"]["threads"]["pass"]
+    assert not summarise({**raw, "samples": leak})["series"]["threads"]["pass"]
