@@ -39,6 +39,13 @@
 #               client in its own process, a 20 s render job beside each row (JOB=0: none), nvidia-smi samples,
 #               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), PROF_AT=S (py-spy of every
 #               server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
+# soak          (carry .whl; SOAK_MIN + ~3 min) plain `lipstream serve` on the serve stage's 4 avatars of 1280x720@25,
+#               then `lipstream serve-bench --soak SOAK_MIN` (60): SOAK_K (4) sessions at a time, each opening,
+#               speaking SOAK_SPEAK_S (4) s and closing; a render job of 20 s of speech every SOAK_JOB_S (60) s
+#               (the CPU check: 4 s); a sample every SOAK_SAMPLE_S (60) s of the server's and its workers' RSS,
+#               open files and threads (/proc), its GPU memory and late frames (/metrics); nvidia-smi every 10 s;
+#               SIGTERM exit. The call's limit must cover SOAK_MIN. Out: soak/ (soak.md, soak.json), soak.log,
+#               gpu_soak.csv.
 # core          (no wheels; ~60 s a variant) benchmarks/gpu_core.py: the frame step alone (network step and
 #               blend, no encode) in frames/s and its face-box PSNR against eager fp32, per engine variant.
 #               VARIANTS (transpose:auto,transpose:full), CORE_T (540 s). Out: core_variants.json/.md.
@@ -339,6 +346,23 @@ stage_serve() {
   rm -f "$W/idle.txt"
 }
 
+stage_soak() {
+  install_wheels
+  local A=$W/serve; four_avatars "$A"
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor
+  serve_start soak 600 "$A/avatars" --sessions-per-key 64 --jobs-per-key 64 || return 0
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 10 > "$OUT/gpu_soak.csv" 2>&1 &
+  local gpid=$! job=(--render-audio "$A/job.wav")
+  [ "$DEVICE" = cpu ] && job=()  # the CPU check: the soak's own 4 s of speech (20 s takes tiny networks minutes)
+  local min=${SOAK_MIN:-60}
+  timeout $($PY -c "print(int($min * 60 + 900))") $PY -m lipstream.cli serve-bench --soak "$min" \
+    --soak-sessions ${SOAK_K:-4} --speak-s ${SOAK_SPEAK_S:-4} --job-every-s ${SOAK_JOB_S:-60} \
+    --sample-s ${SOAK_SAMPLE_S:-60} "${job[@]}" --server-pid $SPID -o "$OUT/soak" 2>&1 | tail -5
+  kill $gpid 2>/dev/null
+  serve_stop
+  sed -n '5,/^Idle/p' "$OUT/soak/soak.md" 2>/dev/null
+}
+
 stage_core() {
   local smoke=(); [ "$DEVICE" = cpu ] && smoke=(--smoke)
   timeout ${CORE_T:-540} $PY benchmarks/gpu_core.py "${smoke[@]}" --variants ${VARIANTS:-transpose:auto,transpose:full} \
@@ -473,9 +497,9 @@ stage_suite() {
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
 for stage in "$@"; do
   case $stage in
-  wheels|render|show|bench|core|serve|live|fleet|integrations|suite) ;;
+  wheels|render|show|bench|core|serve|soak|live|fleet|integrations|suite) ;;
   serve-cold) stage=serve_cold ;;
-  *) echo "unknown stage '$stage': wheels render show bench core serve-cold serve live fleet integrations suite"; exit 2 ;;
+  *) echo "unknown stage '$stage': wheels render show bench core serve-cold serve soak live fleet integrations suite"; exit 2 ;;
   esac
   t_stage=$(date +%s.%N)
   echo "== $stage (commit ${COMMIT:-?})"

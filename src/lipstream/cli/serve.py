@@ -191,9 +191,23 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                     playout_delay_ms: Annotated[Optional[str], typer.Option(
                         help="Comma-separated playout delays the sessions ask for, each a set of rows "
                              "(default: the server's).")] = None,
+                    soak: Annotated[Optional[float], typer.Option(
+                        help="Instead of rows: a soak of this many minutes (sessions opening, speaking and closing, "
+                             "jobs arriving) sampling the server's memory, files, threads and late frames; "
+                             "report soak.md.")] = None,
+                    soak_sessions: Annotated[int, typer.Option(help="--soak: live sessions at a time.")] = 2,
+                    speak_s: Annotated[float, typer.Option(help="--soak: seconds of speech each session says.")] = 3.0,
+                    job_every_s: Annotated[float, typer.Option(help="--soak: a render job every this many seconds "
+                                                                    "(its audio: --render-audio, else 4 s made up).")] = 30.0,
+                    sample_s: Annotated[float, typer.Option(help="--soak: a sample of the server every this many "
+                                                                 "seconds.")] = 60.0,
                     ) -> None:
-    """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket."""
+    """Load-test a server with real clients: N aiortc viewers in their own processes speak over the socket
+    (or, with --soak, a churn of sessions and jobs for minutes: does anything grow)."""
     require("serve", "lipstream serve-bench", "httpx", "aiortc", "websockets")
+    if soak is not None:
+        return _soak(url, out_dir, soak, avatar, render_audio, server_pid, soak_sessions, speak_s, job_every_s,
+                     sample_s)
     try:
         counts = [int(v) for v in sessions.split(",") if v.strip()]
     except ValueError:
@@ -229,3 +243,33 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
     write(report, out_dir)
     out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
     out.print(f"report: {out_dir / 'serve_bench.md'}")
+
+
+def _soak(url: str, out_dir: Path, minutes: float, avatars: list[str] | None, render_audio: Path | None,
+          server_pid: int | None, sessions: int, speak_s: float, job_every_s: float, sample_s: float) -> None:
+    """serve-bench --soak: every flag checked, the soak run, soak.json and soak.md written."""
+    in_range("--soak", minutes, 0.25, 7 * 24 * 60, "minutes")
+    in_range("--soak-sessions", sessions, 1, 64, "sessions")
+    in_range("--speak-s", speak_s, 0.5, 60, "seconds")
+    in_range("--job-every-s", job_every_s, 1, 3600, "seconds")
+    in_range("--sample-s", sample_s, 1, 3600, "seconds")
+    if sample_s > minutes * 60:
+        raise UsageError(f"--sample-s {sample_s:g}: longer than the soak ({minutes:g} min); no sample would be taken")
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
+    if render_audio is not None:
+        check_file(render_audio, "audio file")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(out_dir, "is a file, expected the report folder")
+
+    from lipstream.bench.soak import run, write
+
+    key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
+    try:
+        report = run(url.rstrip("/"), key, minutes, avatars, sessions=sessions, speak_s=speak_s,
+                     job_every_s=job_every_s, job_audio=render_audio, sample_s=sample_s, server_pid=server_pid,
+                     command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+    except (RuntimeError, OSError) as e:
+        raise LipStreamError(f"--url {url}: {e}") from None
+    write(report, out_dir)
+    out.print(f"soak: {'PASS' if report['summary']['pass'] else 'FAIL'}; report: {out_dir / 'soak.md'}")

@@ -69,6 +69,9 @@ class _Live:
 
             yield GaugeMetricFamily("lipstream_gpu_memory_bytes", "GPU memory allocated",
                                     value=torch.cuda.memory_allocated(live.device))
+            # what the caching allocator holds: a leak of cached blocks shows here first (serve-bench --soak)
+            yield GaugeMetricFamily("lipstream_gpu_memory_reserved_bytes", "GPU memory reserved by torch's allocator",
+                                    value=torch.cuda.memory_reserved(live.device))
 
 
 class GcPauses:

@@ -1,0 +1,84 @@
+"""`lipstream serve-bench --soak`: a short soak of a real `lipstream serve` (tiny networks on the CPU) by the
+real CLI, its report read back: sessions opened and closed, jobs finished, the server sampled throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serve_process import descendants, serve_process
+
+KEY = "soak-key-0123456789abcdef"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    threads = {k: v for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "TMPDIR") if (v := os.environ.get(k))}
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "COLUMNS": "200",
+            "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "LIPSTREAM_API_KEYS": KEY, **threads}
+
+
+@pytest.mark.slow
+def test_a_short_soak_churns_sessions_and_jobs_and_samples_the_server(tmp_path, tiny_models):
+    from lipstream.fixtures.avatar import tracked_avatar
+
+    tracked_avatar(tmp_path, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320,
+                   height=180, seconds=0.6, fps=10, seed=0)
+    args = ["--avatars", tmp_path / "avatars", "--data", tmp_path / "data", "--random-weights", "--random-size", "tiny",
+            "--device", "cpu", "--live-preset", "cpu", "--capacity-fps", "100"]
+    with serve_process(args, _env(), tmp_path / "server.log") as url:
+        port = url.rsplit(":", 1)[1]
+        pid = next(p for p, cmd in descendants(os.getpid()).items() if " serve " in cmd and f"--port {port}" in cmd)
+        p = subprocess.run([sys.executable, "-m", "lipstream", "serve-bench", "--url", url, "--soak", "1",
+                            "--sample-s", "6", "--job-every-s", "20", "--speak-s", "2", "--server-pid", str(pid),
+                            "-o", tmp_path / "soak"], env=_env(), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    report = json.loads((tmp_path / "soak" / "soak.json").read_text())
+    md = (tmp_path / "soak" / "soak.md").read_text()
+    # every sample read the server's process, its workers and its /metrics
+    assert len(report["samples"]) >= 8, len(report["samples"])
+    for s in report["samples"]:
+        assert s["rss_mib"] > 0 and s["open_files"] > 0 and s["threads"] > 0, s
+        assert s["workers_processes"] >= 1 and s["workers_rss_mib"] > 0, s  # the WebRTC worker(s)
+        assert "rtc_worker" in s["workers"], s["workers"]
+        assert s["gpu_reserved_mib"] is None and "frames_late" in s  # no GPU here; the server's count
+    # the churn: sessions opened, spoke to the end and closed, one after another; every job finished
+    sessions, jobs = report["sessions"], report["jobs"]
+    assert sessions["opened"] >= 4 and sessions["closed"] == sessions["opened"], sessions
+    assert sessions["utterances_finished"] >= 3 and sessions["failed"] == 0, (sessions, report["errors"])
+    assert jobs["submitted"] >= 2 and jobs["done"] == jobs["submitted"], (jobs, report["errors"])
+    assert report["summary"]["jobs_all_finished"] and report["summary"]["sessions_ok"]
+    assert report["after"]["live_sessions"] == 0  # the server let every session go
+    s = report["summary"]
+    assert s["warmup_samples"] >= 1 and {"rss_mib", "open_files", "threads", "workers_rss_mib"} <= set(s["series"])
+    for v in s["series"].values():
+        assert {"first", "last", "max", "drift_pct", "slope_per_hour", "pass"} <= set(v)
+    assert len(s["late_frames"]["per_minute"]) == len(report["samples"]) - 1
+    assert "| rss_mib |" in md and "all finished **yes**" in md and "Sessions:" in md
+
+
+def test_the_verdicts_cut_the_warm_up_and_judge_each_series_by_its_drift():
+    from lipstream.bench.soak import summarise
+
+    def sample(t, rss, late):
+        return {"t_s": t, "rss_mib": rss, "open_files": 50, "threads": 30, "frames_late": late}
+
+    flat = [sample(60 * k, 900 if k == 0 else 500 + (k % 2), 3 * k) for k in range(10)]  # warm-up: 900, then flat
+    growing = [sample(60 * k, 500 + 10 * k, 3 * k * k) for k in range(10)]
+    raw = {"sessions": {"opened": 5, "closed": 5, "failed": 0}, "jobs": {"submitted": 2, "done": 2}}
+    ok, bad = summarise({**raw, "samples": flat}), summarise({**raw, "samples": growing})
+    assert ok["warmup_samples"] == 2 and ok["series"]["rss_mib"]["first"] in (500, 501) and ok["pass"]
+    assert not bad["series"]["rss_mib"]["pass"] and bad["series"]["rss_mib"]["slope_per_hour"] == pytest.approx(600)
+    assert bad["series"]["open_files"]["pass"] and not bad["late_frames"]["pass"] and not bad["pass"]
+    assert not summarise({**raw, "samples": flat, "jobs": {"submitted": 2, "done": 1}})["jobs_all_finished"]
+    # counts: one more thread (a pool's lazy one) is no leak; a thread each sample is
+    pool = [{**sample(60 * k, 500, 0), "threads": 6 + (k > 5)} for k in range(10)]
+    leak = [{**sample(60 * k, 500, 0), "threads": 6 + k} for k in range(10)]
+    assert summarise({**raw, "samples": pool})["series"]["threads"]["pass"]
+    assert not summarise({**raw, "samples": leak})["series"]["threads"]["pass"]
