@@ -69,6 +69,21 @@ def test_serve_bench_refuses_bad_options_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_serve_bench_without_a_server_there_says_so_in_one_line(tmp_path):
+    """Nothing listens at --url (a server not started, or not ready yet): the rows and the soak alike end in
+    one line naming the URL, not 'unexpected ConnectError ... a bug'."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # free: nothing listens once closed
+    for mode in (["--sessions", "1", "--no-warmup"], ["--soak", "1", "--sample-s", "30"]):
+        r = lipstream("serve-bench", "--url", url, *mode, "-o", tmp_path / "out")
+        line = r.stderr.strip()
+        assert r.returncode == 1 and line.startswith(f"error: --url {url}: ") and "\n" not in line, r.stderr
+        assert "bug" not in line and "refused" in line.lower(), line
+
+
 def test_verify_reports_each_component(tiny_checkpoint):
     r = lipstream("weights", "verify", "--models", tiny_checkpoint)
     assert r.returncode == 0, r.stderr

@@ -232,13 +232,15 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(out_dir, "is a file, expected the report folder")
 
+    import httpx
+
     from lipstream.bench.serve_load import run, write
 
     key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
     try:
         report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
                      warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, httpx.TransportError) as e:  # no server there (yet), or it went away
         raise LipStreamError(f"--url {url}: {e}") from None
     write(report, out_dir)
     out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
@@ -262,6 +264,8 @@ def _soak(url: str, out_dir: Path, minutes: float, avatars: list[str] | None, re
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(out_dir, "is a file, expected the report folder")
 
+    import httpx
+
     from lipstream.bench.soak import run, write
 
     key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
@@ -269,7 +273,7 @@ def _soak(url: str, out_dir: Path, minutes: float, avatars: list[str] | None, re
         report = run(url.rstrip("/"), key, minutes, avatars, sessions=sessions, speak_s=speak_s,
                      job_every_s=job_every_s, job_audio=render_audio, sample_s=sample_s, server_pid=server_pid,
                      command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, httpx.TransportError) as e:  # no server there (yet), or it went away
         raise LipStreamError(f"--url {url}: {e}") from None
     write(report, out_dir)
     out.print(f"soak: {'PASS' if report['summary']['pass'] else 'FAIL'}; report: {out_dir / 'soak.md'}")
