@@ -308,3 +308,28 @@ def test_an_offer_is_checked_before_webrtc_sees_it():
     assert offer_problem("hello") == "it must begin with v=0"
     assert offer_problem(good.replace("a=ice-pwd:0123456789abcdef01234567\r\n", "")) == "it has no ice-pwd"
     assert "no m= line" in offer_problem(good.split("m=video")[0])
+
+
+@pytest.mark.slow
+def test_another_keys_session_is_not_there_for_listing_reading_or_closing(server):
+    """Per-key isolation of live sessions over HTTP: another key's list leaves the session out, and its GET
+    and DELETE answer 404 as for a session that does not exist (and the session plays on after)."""
+    url, _ = server
+
+    async def run():
+        pc, sid = await _open_session(url)
+        other = {"Authorization": f"Bearer {OTHER_KEY}"}
+        mine = {"Authorization": f"Bearer {KEY}"}
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                listed = (await c.get("/v1/sessions", headers=other)).json()
+                read = (await c.get(f"/v1/sessions/{sid}", headers=other)).status_code
+                closed = (await c.delete(f"/v1/sessions/{sid}", headers=other)).status_code
+                still = (await c.get(f"/v1/sessions/{sid}", headers=mine)).status_code
+            return sid, listed, read, closed, still
+        finally:
+            await _close_session(url, pc, sid)
+
+    sid, listed, read, closed, still = asyncio.run(run())
+    assert sid not in json.dumps(listed), listed
+    assert (read, closed, still) == (404, 404, 200)
