@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -216,8 +218,6 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
         raise UsageError(f"--sessions {sessions!r}: expected counts from 1 to 128")
     if not 4 <= seconds <= 600:
         raise UsageError(f"--seconds {seconds}: expected 4 to 600")
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
     if codec not in ("any", "h264", "vp8"):
         raise UsageError(f"--codec {codec!r}: expected any, h264 or vp8")
     in_range("--chunk-ms", chunk_ms, 10, 1000, "milliseconds")
@@ -227,24 +227,39 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
         raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: expected e.g. 200,250") from None
     if not delays or any(d is not None and not 50 <= d <= 5000 for d in delays):
         raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: 50 to 5000 ms each")
+    key = _bench_checks(url, render_audio, out_dir)
+
+    from lipstream.bench.serve_load import run, write
+
+    with _server_errors(url):
+        report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
+                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+    write(report, out_dir)
+    out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
+    out.print(f"report: {out_dir / 'serve_bench.md'}")
+
+
+def _bench_checks(url: str, render_audio: Path | None, out_dir: Path) -> str:
+    """What serve-bench's rows and its soak both check before a client starts; the key they send (the first
+    of $LIPSTREAM_API_KEYS, where the server beside them reads its keys)."""
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
     if render_audio is not None:
         check_file(render_audio, "audio file")
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(out_dir, "is a file, expected the report folder")
+    return next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
 
+
+@contextmanager
+def _server_errors(url: str) -> Iterator[None]:
+    """A server not there (yet), gone, or refusing: one line naming --url."""
     import httpx
 
-    from lipstream.bench.serve_load import run, write
-
-    key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
     try:
-        report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
-                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
-    except (RuntimeError, OSError, httpx.TransportError) as e:  # no server there (yet), or it went away
+        yield
+    except (RuntimeError, OSError, httpx.TransportError) as e:
         raise LipStreamError(f"--url {url}: {e}") from None
-    write(report, out_dir)
-    out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
-    out.print(f"report: {out_dir / 'serve_bench.md'}")
 
 
 def _soak(url: str, out_dir: Path, minutes: float, avatars: list[str] | None, render_audio: Path | None,
@@ -257,23 +272,13 @@ def _soak(url: str, out_dir: Path, minutes: float, avatars: list[str] | None, re
     in_range("--sample-s", sample_s, 1, 3600, "seconds")
     if sample_s > minutes * 60:
         raise UsageError(f"--sample-s {sample_s:g}: longer than the soak ({minutes:g} min); no sample would be taken")
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"--url {url!r}: expected http://HOST:PORT")
-    if render_audio is not None:
-        check_file(render_audio, "audio file")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(out_dir, "is a file, expected the report folder")
-
-    import httpx
+    key = _bench_checks(url, render_audio, out_dir)
 
     from lipstream.bench.soak import run, write
 
-    key = next((k.strip() for k in os.environ.get("LIPSTREAM_API_KEYS", "").split(",") if k.strip()), "")
-    try:
+    with _server_errors(url):
         report = run(url.rstrip("/"), key, minutes, avatars, sessions=sessions, speak_s=speak_s,
                      job_every_s=job_every_s, job_audio=render_audio, sample_s=sample_s, server_pid=server_pid,
                      command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
-    except (RuntimeError, OSError, httpx.TransportError) as e:  # no server there (yet), or it went away
-        raise LipStreamError(f"--url {url}: {e}") from None
     write(report, out_dir)
     out.print(f"soak: {'PASS' if report['summary']['pass'] else 'FAIL'}; report: {out_dir / 'soak.md'}")
