@@ -21,6 +21,8 @@ import errno
 import os
 import threading
 
+from lipstream.errors import UsageError
+
 KINDS = ("oom", "enospc", "crash")
 POINTS = ("job", "step", "upload")
 ENV = "LIPSTREAM_FAULT"
@@ -33,13 +35,13 @@ class _Armed:
 
 
 def _parse(text: str | None) -> tuple[_Armed, ...]:
-    """The armed faults (none when unset); ValueError naming what is allowed for anything else."""
+    """The armed faults (none when unset); a one-line UsageError naming what is allowed for anything else."""
     armed = []
     for fault in filter(None, (text or "").split(",")):
         parts = fault.split(":")
         if len(parts) not in (2, 3) or parts[0] not in KINDS or parts[1] not in POINTS or (
                 len(parts) == 3 and not parts[2].isdigit()):
-            raise ValueError(f"{ENV}={text!r}: KIND:POINT[:TIMES] with KIND one of {', '.join(KINDS)} and POINT "
+            raise UsageError(f"{ENV}={text!r}: KIND:POINT[:TIMES] with KIND one of {', '.join(KINDS)} and POINT "
                              f"one of {', '.join(POINTS)} is allowed, several separated by commas")
         armed.append(_Armed(parts[0], parts[1], int(parts[2]) if len(parts) == 3 else 1))
     return tuple(armed)
