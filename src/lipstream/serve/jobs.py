@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 from lipstream.faults import inject
 from lipstream.live.offline import JobCancelled, OfflineLane
 from lipstream.render.script import single_scene
+from lipstream.serve.heap import give_back_heap
 from lipstream.serve.private_paths import server_folders, without_server_paths
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ class JobRunner:
                      else f"avatars/{job.params['name']}")
         self.s.metrics.job_seconds.observe(time.monotonic() - t0)
         log.info("job %s: done in %.1f s", job.id, time.monotonic() - t0)
+        give_back_heap()
 
     def render(self, kind: str, params: dict, output: Path, cancelled, progress) -> None:
         """A render job ({"avatar": name, "audio": path under the data folder}) or a broadcast job

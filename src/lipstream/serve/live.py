@@ -33,6 +33,7 @@ import numpy as np
 from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.auth import Caller
+from lipstream.serve.heap import give_back_heap
 from lipstream.live.interface import SessionRefused
 from lipstream.serve.interface import SessionGone
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway
@@ -224,6 +225,7 @@ class LiveSessions:
         if live.peer is not None:
             await live.peer.close()
         log.info('{"event": "session_closed", "id": "%s", "frames_late": %d}', sid, live.session.stats.late)
+        asyncio.get_running_loop().run_in_executor(None, give_back_heap)
         return True
 
     # the SessionHost interface (serve/interface.py), what the routes use

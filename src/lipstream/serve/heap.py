@@ -1,0 +1,49 @@
+"""The C heap handed back to the system after each session and job.
+
+A server that opens and closes sessions and runs jobs for days frees as much as it allocates, but glibc's
+malloc keeps what is freed in its arenas (one per thread that allocated, dozens on a many-core machine) for
+reuse, and the resident size creeps up: 2 cores, sessions opened and closed one after another grew the
+server by ~0.4 MiB a session (12 MiB steps), with no Python object left behind. `malloc_trim(0)` hands the
+free pages of every arena back; it is called off the event loop, at most once every TRIM_EVERY_S.
+Elsewhere (musl, macOS) it is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+TRIM_EVERY_S = 5.0
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+_lock = threading.Lock()
+_last = 0.0
+
+
+def give_back_heap() -> None:
+    """malloc_trim(0), unless one ran less than TRIM_EVERY_S ago or another runs now (a thread's call: it
+    takes each arena's lock for a moment)."""
+    global _last
+    if _TRIM is None or not _lock.acquire(blocking=False):
+        return
+    try:
+        if time.monotonic() - _last < TRIM_EVERY_S:
+            return
+        _TRIM(0)
+        _last = time.monotonic()
+    finally:
+        _lock.release()
