@@ -152,11 +152,8 @@ def _stages(per_client: list[dict[str, list[float]]]) -> dict:
     return out
 
 
-def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
-        render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
-        codec: str = "any", chunk_ms: float = 20.0, playout_delays_ms: list[float | None] | None = None,
-        command: str = "", progress=print) -> dict:
-    """Every row (each playout delay, each N), after a warm-up at the largest N; the report (not written)."""
+def resident_avatars(url: str, key: str) -> dict[str, dict]:
+    """The server's avatars by name (as GET /v1/avatars lists them), once it says it is ready and takes the key."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
         ready = http.get("/readyz")
@@ -166,7 +163,15 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         if listed.status_code in (401, 403):
             raise LipStreamError(key_refusal(url, listed.status_code, bool(key), KEY_VARIABLE))
         listed.raise_for_status()
-        known = {a["name"]: a for a in listed.json()}
+        return {a["name"]: a for a in listed.json()}
+
+
+def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
+        render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
+        codec: str = "any", chunk_ms: float = 20.0, playout_delays_ms: list[float | None] | None = None,
+        command: str = "", progress=print) -> dict:
+    """Every row (each playout delay, each N), after a warm-up at the largest N; the report (not written)."""
+    known = resident_avatars(url, key)
     chosen = avatars or sorted(known)
     missing = [a for a in chosen if a not in known]
     if missing or not chosen:

@@ -25,9 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from lipstream.bench.serve_load import KEY_VARIABLE
-from lipstream.client.jobs import key_refusal
-from lipstream.errors import LipStreamError
+from lipstream.bench.serve_load import resident_avatars
 
 FLAT_PCT = 5.0  # a series passes when its last sample is within this of its first after the warm-up
 COUNT_SLACK = 2  # ... or, for counts (open files, threads), within this many: a pool's lazy thread is no leak
@@ -466,16 +464,7 @@ def run(url: str, key: str, minutes: float, avatars: list[str] | None = None, *,
         speak_s: float = 3.0, job_every_s: float = 30.0, job_audio: Path | None = None, sample_s: float = 60.0,
         server_pid: int | None = None, command: str = "", progress=print) -> dict:
     """Check the server (ready, key, avatars), soak it, summarise; the report (not written)."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
-        ready = http.get("/readyz")
-        if ready.status_code != 200:
-            raise RuntimeError(f"{url}/readyz answered {ready.status_code}: the server is not ready")
-        listed = http.get("/v1/avatars")
-        if listed.status_code in (401, 403):
-            raise LipStreamError(key_refusal(url, listed.status_code, bool(key), KEY_VARIABLE))
-        listed.raise_for_status()
-        known = {a["name"] for a in listed.json()}
+    known = set(resident_avatars(url, key))
     chosen = avatars or sorted(known)
     missing = [a for a in chosen if a not in known]
     if missing or not chosen:
