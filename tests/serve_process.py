@@ -14,6 +14,20 @@ from pathlib import Path
 import httpx
 
 
+def avatar_and_speech(root: Path, tiny_models, *, long: bool = False) -> Path:
+    """`root` with the avatar "anna" (320x180, tracked) and speech files hello.wav (1.6 s), talk.wav (4 s) and,
+    with `long`, long.wav (6 s): what the server tests render."""
+    from lipstream.fixtures import speech_like, write_audio
+    from lipstream.fixtures.avatar import tracked_avatar
+
+    tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
+    write_audio(root / "hello.wav", speech_like(1.6, 16_000, seed=3), 16_000)
+    if long:
+        write_audio(root / "long.wav", speech_like(6.0, 16_000, seed=4), 16_000)
+    write_audio(root / "talk.wav", speech_like(4.0, 16_000, seed=5), 16_000)
+    return root
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

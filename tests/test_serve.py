@@ -25,8 +25,7 @@ import pytest
 
 from lipstream.cli import main
 from lipstream.fixtures import speech_like, write_audio
-from lipstream.fixtures.avatar import tracked_avatar
-from serve_process import descendants
+from serve_process import avatar_and_speech, descendants
 
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,12 +34,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, tiny_models) -> Path:
-    root = tmp_path_factory.mktemp("serve")
-    tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180, seed=0)
-    write_audio(root / "hello.wav", speech_like(1.6, 16_000, seed=3), 16_000)
-    write_audio(root / "long.wav", speech_like(6.0, 16_000, seed=4), 16_000)
-    write_audio(root / "talk.wav", speech_like(4.0, 16_000, seed=5), 16_000)
-    return root
+    return avatar_and_speech(tmp_path_factory.mktemp("serve"), tiny_models, long=True)
 
 
 @pytest.fixture(scope="module")
