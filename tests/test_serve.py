@@ -415,6 +415,16 @@ def _port(server) -> int:
     return int(str(server[0].base_url).rsplit(":", 1)[1].strip("/"))
 
 
+def _rtc_workers_threads() -> int:
+    """The threads of this process's WebRTC workers, summed (/proc)."""
+    total = 0
+    for pid, cmd in descendants(os.getpid()).items():
+        if "lipstream.serve.rtc_worker" in cmd:
+            with open(f"/proc/{pid}/status") as f:
+                total += int(re.search(r"Threads:\s+(\d+)", f.read()).group(1))
+    return total
+
+
 @pytest.mark.slow
 def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
     """Both tracks arrive in sync (offset <= 40 ms at the client); speech over the WebSocket plays, with its
@@ -431,6 +441,7 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
 
     async def run():
         # 1 s behind the speech: a loaded 2-core machine still renders most speech frames in time
+        threads_before = _rtc_workers_threads()
         pc, sid, tracks, _, codec = await _open_live(port, playout_delay_ms=1000)
         assert codec == "H264"  # the engine's own packets, from its encode workers
         t = time.monotonic()
@@ -454,6 +465,8 @@ def test_a_live_session_over_webrtc_speaks_from_a_websocket(server, root):
             await ws.send(json.dumps({"type": "end"}))
             while not any(e.get("kind") == "finished" for e in events) and time.monotonic() < until - 3:
                 await asyncio.sleep(0.05)
+            # the speech went out as Opus: no FFmpeg thread pools (aiortc's executor may start one thread)
+            assert _rtc_workers_threads() <= threads_before + 1, (threads_before, _rtc_workers_threads())
             await ws.send(speech.tobytes())  # a second utterance, cut off
             await asyncio.sleep(1.8)  # it plays 1 s behind: 0.8 s of it has played
             await ws.send(json.dumps({"type": "interrupt"}))
@@ -850,6 +863,38 @@ def test_the_audio_level_aiortc_sends_is_rfc_6465s():
         rms = math.sqrt(sum(int(x) ** 2 for x in pcm) / (960 * 32767 ** 2))
         want = -127 if rms == 0 else round(min(max(20 * math.log10(rms), -127), 0))
         assert audio_level_dbov(frame) == want
+
+
+OPUS_THREADS = """
+import re, sys
+from fractions import Fraction
+import av, numpy as np
+from aiortc.codecs.opus import OpusEncoder
+from lipstream.serve.rtc_worker import ffmpeg_one_thread
+def threads():
+    return int(re.search(r"Threads:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+if sys.argv[1] == "one":
+    assert ffmpeg_one_thread()
+before, encoders = threads(), []
+for at in range(3):  # three sessions' Opus encoders, each fed a frame
+    frame = av.AudioFrame.from_ndarray(np.zeros((1, 960), np.int16), format="s16", layout="mono")
+    frame.sample_rate, frame.pts, frame.time_base = 48000, 0, Fraction(1, 48000)
+    encoders.append(OpusEncoder())
+    encoders[-1].encode(frame)
+print(threads() - before)
+"""
+
+
+def test_a_webrtc_workers_opus_encoders_start_no_threads():
+    """aiortc's Opus encoder resamples through FFmpeg filter graphs sized by the host's cores (15 idle
+    threads a session on 16 cores, kept until the garbage collector freed the closed peer connection); the
+    worker sets FFmpeg's automatic count to one. Here, without it, three encoders on 2 cores start threads."""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    grown = {how: int(subprocess.run([sys.executable, "-c", OPUS_THREADS, how], env=env, capture_output=True,
+                                     text=True, check=True, timeout=60).stdout) for how in ("auto", "one")}
+    assert grown["one"] == 0, grown
+    if (os.cpu_count() or 1) > 1:
+        assert grown["auto"] >= 3, grown  # the test can tell: FFmpeg's own count starts threads here
 
 
 def test_prefer_h264_puts_constrained_baseline_first_and_leaves_other_offers_alone():
