@@ -40,6 +40,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from lipstream.heap import give_back_heap
 from lipstream.media.segments import encode_segment
 from lipstream.media.session_encoder import SessionEncoder
 from lipstream.media.wire import one_line, pack, packets_message, read_message
@@ -157,6 +158,8 @@ class EncodeWorker:
                                  Fraction(*h["fps"]), h["options"], h["colorspace"], h["threads"])
         listed = [[pts, dts, key, len(data)] for data, pts, dts, key in encoded]
         self.reply({"type": "segment", "sid": sid, "packets": listed}, b"".join(data for data, *_ in encoded))
+        del frames, encoded
+        give_back_heap(every_s=0.0)  # x264's frame buffers, freed into its threads' arenas
 
     def close(self, sid: int) -> None:
         session = self.sessions.pop(sid)
@@ -165,6 +168,7 @@ class EncodeWorker:
         finally:
             session.release()
         self.reply({"type": "closed", "sid": sid, "packets": listed}, data)
+        give_back_heap(every_s=0.0)
 
 
 def main() -> None:

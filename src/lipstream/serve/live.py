@@ -33,7 +33,7 @@ import numpy as np
 from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.auth import Caller
-from lipstream.serve.heap import give_back_heap
+from lipstream.heap import give_back_heap
 from lipstream.live.interface import SessionRefused
 from lipstream.serve.interface import SessionGone
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway
