@@ -45,6 +45,7 @@ def test_a_short_soak_churns_sessions_and_jobs_and_samples_the_server(tmp_path, 
     assert len(report["samples"]) >= 8, len(report["samples"])
     for s in report["samples"]:
         assert s["rss_mib"] > 0 and s["open_files"] > 0 and s["threads"] > 0, s
+        assert 0 < s["rss_anon_mib"] < s["rss_mib"] and s["rss_file_mib"] > 0, s  # the parts of the resident size
         assert s["workers_processes"] >= 1 and s["workers_rss_mib"] > 0, s  # the WebRTC worker(s)
         assert "rtc_worker" in s["workers"], s["workers"]
         assert s["gpu_reserved_mib"] is None and "frames_late" in s  # no GPU here; the server's count

@@ -40,13 +40,17 @@ SPEECH_RATE = 16_000
 
 # --- the server's process and its workers, from /proc ---------------------------------------------------
 
+RSS_PARTS = (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
+
+
 def _status_fields(pid: int) -> dict[str, int]:
-    """VmRSS (kB) and Threads of a process from /proc/PID/status; {} when it is gone."""
+    """VmRSS, RssAnon, RssFile, RssShmem (kB) and Threads of a process from /proc/PID/status; {} when it is
+    gone. The parts say what grows: the heap (anon), libraries and kernels mapped in (file), shared memory."""
     out = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "Threads"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "Threads"):
                 out[key] = int(value.split()[0])
     except (OSError, ValueError):
         return {}
@@ -102,7 +106,9 @@ def process_sample(pid: int) -> dict | None:
         w["rss_mib"] = round(w["rss_mib"] + fields.get("VmRSS", 0) / 1024, 1)
         w["open_files"] += _open_files(kid) or 0
         w["threads"] += fields.get("Threads", 0)
-    return {"rss_mib": round(own.get("VmRSS", 0) / 1024, 1), "open_files": _open_files(pid),
+    return {"rss_mib": round(own.get("VmRSS", 0) / 1024, 1),
+            **{f"rss_{part}_mib": round(own[key] / 1024, 1) for part, key in RSS_PARTS if key in own},
+            "open_files": _open_files(pid),
             "threads": own.get("Threads"), "workers": workers,
             "workers_rss_mib": round(sum(w["rss_mib"] for w in workers.values()), 1),
             "workers_open_files": sum(w["open_files"] for w in workers.values()),
@@ -351,7 +357,8 @@ async def soak(url: str, key: str, minutes: float, avatars: list[str], *, sessio
                 samples.append(s := await _quiet_sample(http, server_pid, t0, tally, wait_s=speak_s + QUIET_WAIT_S))
                 next_at = max(next_at + sample_s, time.monotonic() + sample_s / 2)  # a long wait: skip, not bunch
                 gpu = f", GPU {s['gpu_reserved_mib']} MiB" if s.get("gpu_reserved_mib") is not None else ""
-                progress(f"{s['at']} t={s['t_s']:.0f}s RSS {s.get('rss_mib')} MiB (workers {s.get('workers_rss_mib')})"
+                progress(f"{s['at']} t={s['t_s']:.0f}s RSS {s.get('rss_mib')} MiB (anon {s.get('rss_anon_mib')}, "
+                         f"workers {s.get('workers_rss_mib')})"
                          f"{gpu}, files {s.get('open_files')}+{s.get('workers_open_files')}, threads "
                          f"{s.get('threads')}+{s.get('workers_threads')}, late {s.get('frames_late')}, sessions "
                          f"{s['sessions']['opened']}/{s['sessions']['closed']}, jobs {s['jobs']['done']}/"
@@ -447,8 +454,10 @@ def write(report: dict, out: Path) -> None:
               f"Sessions: {ss['opened']} opened, {ss['closed']} closed, {ss['refused']} refused (full), {ss['failed']} "
               f"failed, {ss['utterances_finished']} utterances finished", ""]
     b, a = report["before"], report["after"]
+    parts = ", ".join(f"{part} {b.get(f'rss_{part}_mib')} -> {a.get(f'rss_{part}_mib')}" for part, _ in RSS_PARTS
+                      if f"rss_{part}_mib" in a)
     lines += [f"Idle, before the load and after it (every session closed, every job finished): resident "
-              f"{b.get('rss_mib')} -> {a.get('rss_mib')} MiB (workers {b.get('workers_rss_mib')} -> "
+              f"{b.get('rss_mib')} -> {a.get('rss_mib')} MiB ({parts}; workers {b.get('workers_rss_mib')} -> "
               f"{a.get('workers_rss_mib')}), open files {b.get('open_files')} -> {a.get('open_files')} (workers "
               f"{b.get('workers_open_files')} -> {a.get('workers_open_files')}), threads {b.get('threads')} -> "
               f"{a.get('threads')}, GPU reserved {b.get('gpu_reserved_mib')} -> {a.get('gpu_reserved_mib')} MiB"]
