@@ -207,6 +207,30 @@ def test_a_job_out_of_memory_fails_in_one_line_while_a_live_session_and_the_next
 
 
 @pytest.mark.slow
+def test_speech_features_out_of_memory_twice_cost_a_moment_of_mouth_not_the_engine(root, tmp_path):
+    """Whisper over a session's speech runs out of GPU memory, and again when run once more: those windows go
+    without (their frames keep earlier features), the session speaks on, the engine stays up."""
+    from lipstream.client import connect
+
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    with _server(root, data, log, fault="oom:features:2") as (client, proc):
+        url = str(client.base_url).rstrip("/")
+
+        async def run() -> None:
+            session = await connect(url, "anna", api_key=KEY)
+            try:
+                await speaks(session)  # its first windows' encodes ran out of memory; it still speaks
+                await speaks(session)
+            finally:
+                await session.aclose()
+
+        asyncio.run(asyncio.wait_for(run(), 150))  # an engine that stopped leaves the client waiting
+        assert client.get("/readyz").status_code == 200
+    text = log.read_text()
+    assert "ran out of GPU memory twice" in text and "the live engine's core stopped" not in text, text[-2000:]
+
+
+@pytest.mark.slow
 def test_an_engine_that_stopped_fails_its_jobs_at_once_and_says_so_at_readyz(root, tmp_path):
     """A step that raises what is not out of memory (a bug, a GPU fault) stops the engine's core: the job in
     it fails in one line instead of waiting for ever, /readyz answers 503 with the reason (a balancer takes the

@@ -48,6 +48,7 @@ class EngineStats:
     offline_frames: int = 0
     idle_cached_frames: int = 0  # idle frames handed out from the kept idle loops (no step)
     out_of_memory_steps: int = 0  # steps that ran out of GPU memory (their jobs failed, their frames given up)
+    out_of_memory_features: int = 0  # feature encodes that ran out of GPU memory (once more; then skipped)
     whisper_windows: int = 0
     whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
@@ -206,14 +207,33 @@ class LiveCore:
                 jobs += s.request.window_jobs()
             else:
                 for audio, rows in s.request.whole_utterances():
-                    feats = whisper_features(torch.from_numpy(audio), self.m)
-                    index = torch.tensor(rows[:len(feats)], device=self.device)
-                    self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
+                    feats = self._out_of_memory_once_more(lambda: whisper_features(torch.from_numpy(audio), self.m))
+                    if feats is not None:
+                        index = torch.tensor(rows[:len(feats)], device=self.device)
+                        self.table.table.index_copy_(0, index, feats[:len(rows)].to(self.table.table.dtype))
                     whole += 1
         if jobs:
-            self.stats.whisper_runs += self.whisper.run(jobs)
+            self.stats.whisper_runs += self._out_of_memory_once_more(lambda: self.whisper.run(jobs)) or 0
             self.stats.whisper_windows += len(jobs)
         return len(jobs) + whole
+
+    def _out_of_memory_once_more(self, encode):
+        """Whisper over sessions' audio, run again once if it runs out of GPU memory (the allocator's cache
+        handed back first: what pushed it over is usually a job's work beside it); None if it runs out twice.
+        Those windows then go without: their frames keep the table rows' earlier features, a wrong mouth for
+        a fraction of a second, where letting the error through would stop the engine and every session."""
+        for attempt in (1, 2):
+            try:
+                inject("features")  # the fault hook (faults.py)
+                return encode()
+            except torch.cuda.OutOfMemoryError as e:
+                self.stats.out_of_memory_features += 1
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
+                if attempt == 2:
+                    log.warning("the sessions' speech features ran out of GPU memory twice; those windows go "
+                                "without (their frames keep earlier features): %s", str(e).splitlines()[0])
+        return None
 
     def _launch(self, plan: StepPlan) -> InFlight:
         if plan.offline and not all(job.idle_loop for job, _ in plan.offline):
