@@ -44,7 +44,9 @@
 #               speaking SOAK_SPEAK_S (4) s and closing; a render job of 20 s of speech every SOAK_JOB_S (60) s
 #               (the CPU check: 4 s); a sample every SOAK_SAMPLE_S (60) s of the server's and its workers' RSS,
 #               open files and threads (/proc), its GPU memory and late frames (/metrics); nvidia-smi every 10 s;
-#               SIGTERM exit. The call's limit must cover SOAK_MIN. Out: soak/ (soak.md, soak.json), soak.log,
+#               SIGTERM exit; SOAK_FLAGS: more `lipstream serve` flags (--no-compile: the eager engine, where a
+#               fresh machine would build the packages during the run). The call's limit must cover SOAK_MIN.
+#               Out: soak/ (soak.md, soak.json), soak.log,
 #               gpu_soak.csv.
 # core          (no wheels; ~60 s a variant) benchmarks/gpu_core.py: the frame step alone (network step and
 #               blend, no encode) in frames/s and its face-box PSNR against eager fp32, per engine variant.
@@ -350,7 +352,7 @@ stage_soak() {
   install_wheels
   local A=$W/serve; four_avatars "$A"
   export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor
-  serve_start soak 600 "$A/avatars" --sessions-per-key 64 --jobs-per-key 64 || return 0
+  serve_start soak 600 "$A/avatars" --sessions-per-key 64 --jobs-per-key 64 ${SOAK_FLAGS:-} || return 0
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 10 > "$OUT/gpu_soak.csv" 2>&1 &
   local gpid=$! job=(--render-audio "$A/job.wav")
   [ "$DEVICE" = cpu ] && job=()  # the CPU check: the soak's own 4 s of speech (20 s takes tiny networks minutes)
