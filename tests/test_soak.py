@@ -83,3 +83,14 @@ def test_the_verdicts_cut_the_warm_up_and_judge_each_series_by_its_drift():
     leak = [{**sample(60 * k, 500, 0), "threads": 6 + k} for k in range(10)]
     assert summarise({**raw, "samples": pool})["series"]["threads"]["pass"]
     assert not summarise({**raw, "samples": leak})["series"]["threads"]["pass"]
+
+
+def test_a_sample_reads_the_gpu_and_pinned_host_memory_from_metrics():
+    """A GPU server's /metrics carries GPU memory and the pinned host memory (part of its RSS); a CPU one none."""
+    from lipstream.bench.soak import metrics_sample, parse_metrics
+
+    text = ("lipstream_gpu_memory_bytes 2097152.0\nlipstream_gpu_memory_reserved_bytes 4194304.0\n"
+            "lipstream_pinned_host_memory_bytes 1048576.0\nlipstream_live_frames_late 3.0\n")
+    s = metrics_sample(parse_metrics(text))
+    assert (s["gpu_allocated_mib"], s["gpu_reserved_mib"], s["pinned_host_mib"], s["frames_late"]) == (2.0, 4.0, 1.0, 3)
+    assert metrics_sample(parse_metrics("lipstream_live_frames_late 0\n"))["pinned_host_mib"] is None

@@ -141,11 +141,13 @@ def metrics_sample(metrics: dict[str, float]) -> dict:
             if k.startswith("lipstream_jobs{")}
     gpu = get("lipstream_gpu_memory_bytes")
     reserved = get("lipstream_gpu_memory_reserved_bytes")
+    pinned = get("lipstream_pinned_host_memory_bytes")
     return {"frames_late": int(get("lipstream_live_frames_late") or 0),
             "live_sessions": int(get("lipstream_live_sessions") or 0),
             "jobs_by_status": jobs,
             "gpu_allocated_mib": None if gpu is None else round(gpu / 2**20, 1),
             "gpu_reserved_mib": None if reserved is None else round(reserved / 2**20, 1),
+            "pinned_host_mib": None if pinned is None else round(pinned / 2**20, 1),  # part of the RSS
             # the server process's own, when no process id was given (prometheus_client's process collector)
             "process_rss_mib": None if get("process_resident_memory_bytes") is None
             else round(get("process_resident_memory_bytes") / 2**20, 1),
@@ -374,7 +376,7 @@ async def soak(url: str, key: str, minutes: float, avatars: list[str], *, sessio
 # --- the report ----------------------------------------------------------------------------------------------
 
 SERIES = ("rss_mib", "open_files", "threads", "workers_rss_mib", "workers_open_files", "workers_threads",
-          "gpu_allocated_mib", "gpu_reserved_mib")
+          "gpu_allocated_mib", "gpu_reserved_mib", "pinned_host_mib")
 
 
 def warmup_count(n: int) -> int:

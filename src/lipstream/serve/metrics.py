@@ -72,6 +72,13 @@ class _Live:
             # what the caching allocator holds: a leak of cached blocks shows here first (serve-bench --soak)
             yield GaugeMetricFamily("lipstream_gpu_memory_reserved_bytes", "GPU memory reserved by torch's allocator",
                                     value=torch.cuda.memory_reserved(live.device))
+            try:  # pinned host memory (torch's host allocator: blocks in use and cached); it counts in the RSS
+                pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")
+            except (AttributeError, RuntimeError):  # a torch without it
+                pinned = None
+            if pinned is not None:
+                yield GaugeMetricFamily("lipstream_pinned_host_memory_bytes",
+                                        "pinned host memory held by torch's host allocator", value=pinned)
 
 
 class GcPauses:
