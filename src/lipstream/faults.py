@@ -7,12 +7,12 @@ Armed by one environment variable, read once when this module is imported:
     LIPSTREAM_FAULT=KIND:POINT[:TIMES][,KIND:POINT[:TIMES]...]
 
 KIND is `oom` (torch.cuda.OutOfMemoryError, what CUDA raises), `enospc` (OSError ENOSPC, what a full
-disk raises) or `crash` (RuntimeError: a bug, or a GPU fault that is not out of memory). POINT is where it is raised: `job`, each batch of a render or broadcast job's frames (in the
-job runner, serve/jobs.py), `step`, each step of the live engine's core that carries a job's frames (the
-GPU step live sessions share, live/core.py; not the idle loops it renders for itself), `features`, each
-Whisper encode of live sessions' speech (live/core.py), or `upload`, each uploaded file saved
-(serve/uploads.py). It fires at the first TIMES passes through that point in the
-process (1 if left out), then never again. Unset, `inject` is one test of an empty tuple: the points are
+disk raises) or `crash` (RuntimeError: a bug, or a GPU fault that is not out of memory). POINT is where
+it is raised: `job`, each batch of a render or broadcast job's frames (in the job runner, serve/jobs.py),
+`step`, each step of the live engine's core that carries a job's frames (the GPU step live sessions
+share, live/core.py; not the idle loops it renders for itself), `features`, each Whisper encode of live
+sessions' speech (live/core.py), or `upload`, each uploaded file saved (serve/uploads.py). It fires at
+the first TIMES passes through that point in the process (1 if left out), then never again. Unset, `inject` is one test of an empty tuple: the points are
 once per batch, step or file, never per frame.
 """
 

@@ -14,12 +14,10 @@ Elsewhere (musl, macOS) it is a no-op. Imports only the stdlib: the workers load
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 import threading
 import time
 
-log = logging.getLogger(__name__)
 TRIM_EVERY_S = 5.0
 
 

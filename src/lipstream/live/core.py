@@ -18,9 +18,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -38,7 +39,14 @@ if TYPE_CHECKING:
     from lipstream.models import MuseTalk
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 COALESCE_S = 0.004  # turns at least this far apart: a push wakes the core, and 24 sessions push 1200 times a second
+
+
+def _hand_back_gpu_cache() -> None:
+    """After running out of GPU memory: the allocator's cached blocks back to the GPU, for whatever runs next."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -217,7 +225,7 @@ class LiveCore:
             self.stats.whisper_windows += len(jobs)
         return len(jobs) + whole
 
-    def _out_of_memory_once_more(self, encode):
+    def _out_of_memory_once_more(self, encode: Callable[[], T]) -> T | None:
         """Whisper over sessions' audio, run again once if it runs out of GPU memory (the allocator's cache
         handed back first: what pushed it over is usually a job's work beside it); None if it runs out twice.
         Those windows then go without: their frames keep the table rows' earlier features, a wrong mouth for
@@ -228,8 +236,7 @@ class LiveCore:
                 return encode()
             except torch.cuda.OutOfMemoryError as e:
                 self.stats.out_of_memory_features += 1
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.empty_cache()
+                _hand_back_gpu_cache()
                 if attempt == 2:
                     log.warning("the sessions' speech features ran out of GPU memory twice; those windows go "
                                 "without (their frames keep earlier features): %s", str(e).splitlines()[0])
@@ -260,8 +267,7 @@ class LiveCore:
             mine = [c for c in plan.live if c.session == sid]
             if mine:
                 session.handoff.skip(mine)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        _hand_back_gpu_cache()
         self.stats.out_of_memory_steps += 1
 
     def _finish(self, f: InFlight) -> None:

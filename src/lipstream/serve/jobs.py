@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lipstream.faults import inject
+from lipstream.heap import give_back_heap
 from lipstream.live.offline import JobCancelled, OfflineLane
 from lipstream.render.script import single_scene
-from lipstream.heap import give_back_heap
 from lipstream.serve.private_paths import server_folders, without_server_paths
 
 if TYPE_CHECKING:

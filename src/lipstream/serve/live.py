@@ -30,10 +30,10 @@ from fractions import Fraction
 
 import numpy as np
 
+from lipstream.heap import give_back_heap
 from lipstream.live import LiveFrame, Session, SpeechEvent
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.serve.auth import Caller
-from lipstream.heap import give_back_heap
 from lipstream.live.interface import SessionRefused
 from lipstream.serve.interface import SessionGone
 from lipstream.serve.rtc import VIDEO_CLOCK, PeerHandlers, RemotePeer, RtcGateway

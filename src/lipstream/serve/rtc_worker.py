@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -69,7 +70,7 @@ def ffmpeg_one_thread() -> bool:
     workers' threads 158 -> 458 in 4 minutes of sessions opening and closing). 20 ms Opus frames need no
     threads. Codecs given a thread count (aiortc's VP8 encoder) keep it."""
     try:
-        maps = open("/proc/self/maps").read().split()
+        maps = Path("/proc/self/maps").read_text().split()
     except OSError:  # not Linux: FFmpeg's own count stays
         return False
     for path in dict.fromkeys(w for w in maps if "/libavutil" in w):
