@@ -222,8 +222,14 @@ class FrameHandoff:
             return list(self.timings)
 
     def close(self) -> None:
+        """The frames waiting here go (their host buffers back to the engine) and the encoder closes."""
         with self._lock:
             self.closed = True
             encoder, self.encoder = self.encoder, None
+            for _, _, release in self._rendered.values():
+                if release is not None:
+                    release()
+            self._rendered.clear()
+            self._encoding.clear()
         if encoder is not None:
             encoder.close()  # its last packets have no reader any more

@@ -117,18 +117,22 @@ class EncodeWorkerProcess:
                 except OSError:
                     pass
 
+    def _dispatch(self, header: dict, payload: memoryview) -> None:
+        """A reply to its session. Its own function: the session it looked up is not held (with everything its
+        callbacks reach) while the reader waits for the next reply, which may never come."""
+        session = self.sessions.get(header.get("sid"))
+        if session is not None:
+            session._reply(header, payload)
+        else:  # frames a session submitted as it closed
+            log.debug("%s: a %r reply for no open session (%s)", self.name, header.get("type"),
+                      header.get("message", header.get("sid")))
+
     def _read(self) -> None:
         stream, why = self.proc.stdout, None
         try:
             while (message := read_message(stream)) is not None:
-                header, payload = message
-                session = self.sessions.get(header.get("sid"))
-                if session is not None:
-                    session._reply(header, payload)
-                else:
-                    # frames a session submitted as it closed
-                    log.debug("%s: a %r reply for no open session (%s)", self.name, header.get("type"),
-                              header.get("message", header.get("sid")))
+                self._dispatch(*message)
+                message = None  # what it held (a closed session's last packets) is not kept until the next reply
         except Exception as e:  # noqa: BLE001 - a broken stream ends the worker like a crash
             why = one_line(e)
             self.proc.kill()

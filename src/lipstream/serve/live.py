@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -188,7 +189,7 @@ class LiveSessions:
         live = LiveSession(self.id_prefix + secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
-        live.failed = lambda why: self._failed(live.id, why)
+        live.failed = functools.partial(self._failed, live.id)  # not a closure over `live`: no cycle through it
         handlers = PeerHandlers(keyframe=session.request_keyframe, mic=session.push_audio, failed=live.failed)
         try:
             worker = await self.gateway.pick()
@@ -222,6 +223,7 @@ class LiveSessions:
         self.s.live.close_session(live.session)
         for task in live.tasks:
             task.cancel()
+        live.tasks.clear()  # a cancelled task's traceback holds its frames, and so `live`: no cycle back to it
         if live.peer is not None:
             await live.peer.close()
         log.info('{"event": "session_closed", "id": "%s", "frames_late": %d}', sid, live.session.stats.late)
