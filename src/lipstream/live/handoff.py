@@ -117,12 +117,16 @@ class FrameHandoff:
         """What was rendered or encoded ahead is thrown away: the encoders start again at `at_frame`."""
         with self._lock:
             self.generation = generation
-            for _, _, release in self._rendered.values():
-                if release is not None:
-                    release()  # its host buffer goes back unread
-            self._rendered.clear()
+            self._drop_rendered()
             self._out_next = at_frame
             self._restart_at = at_frame
+
+    def _drop_rendered(self) -> None:
+        """Under the lock: the frames waiting for the copy-out go, their host buffers back to the engine unread."""
+        for _, _, release in self._rendered.values():
+            if release is not None:
+                release()
+        self._rendered.clear()
 
     def want_keyframe(self) -> None:
         """The next frame handed to the encoder is an IDR (a viewer lost packets; frames were dropped after us)."""
@@ -226,10 +230,7 @@ class FrameHandoff:
         with self._lock:
             self.closed = True
             encoder, self.encoder = self.encoder, None
-            for _, _, release in self._rendered.values():
-                if release is not None:
-                    release()
-            self._rendered.clear()
+            self._drop_rendered()
             self._encoding.clear()
         if encoder is not None:
             encoder.close()  # its last packets have no reader any more

@@ -132,7 +132,6 @@ class EncodeWorkerProcess:
         try:
             while (message := read_message(stream)) is not None:
                 self._dispatch(*message)
-                message = None  # what it held (a closed session's last packets) is not kept until the next reply
         except Exception as e:  # noqa: BLE001 - a broken stream ends the worker like a crash
             why = one_line(e)
             self.proc.kill()
