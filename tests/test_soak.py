@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from serve_process import descendants, serve_process
@@ -46,7 +47,7 @@ def test_a_short_soak_churns_sessions_and_jobs_and_samples_the_server(tmp_path, 
     for s in report["samples"]:
         assert s["rss_mib"] > 0 and s["open_files"] > 0 and s["threads"] > 0, s
         assert 0 < s["rss_anon_mib"] < s["rss_mib"] and s["rss_file_mib"] > 0, s  # the parts of the resident size
-        assert s["workers_processes"] >= 1 and s["workers_rss_mib"] > 0, s  # the WebRTC worker(s)
+        assert s["workers_processes"] >= 1 and 0 < s["workers_private_mib"] < s["workers_rss_mib"], s  # WebRTC workers
         assert "rtc_worker" in s["workers"], s["workers"]
         assert s["gpu_reserved_mib"] is None and "frames_late" in s  # no GPU here; the server's count
     # the churn: sessions opened, spoke to the end and closed, one after another; every job finished
@@ -57,7 +58,9 @@ def test_a_short_soak_churns_sessions_and_jobs_and_samples_the_server(tmp_path, 
     assert report["summary"]["jobs_all_finished"] and report["summary"]["sessions_ok"]
     assert report["after"]["live_sessions"] == 0  # the server let every session go
     s = report["summary"]
-    assert s["warmup_samples"] >= 1 and {"rss_mib", "open_files", "threads", "workers_rss_mib"} <= set(s["series"])
+    assert s["warmup_samples"] >= 1 and {"rss_mib", "open_files", "threads", "workers_private_mib",
+                                         "workers_shared_maps"} <= set(s["series"])
+    assert set(s["shown"]) == {"workers_rss_mib", "workers_shmem_mib"}
     for v in s["series"].values():
         assert {"first", "last", "max", "drift_pct", "slope_per_hour", "pass"} <= set(v)
     assert len(s["late_frames"]["per_minute"]) == len(report["samples"]) - 1
@@ -94,3 +97,39 @@ def test_a_sample_reads_the_gpu_and_pinned_host_memory_from_metrics():
     s = metrics_sample(parse_metrics(text))
     assert (s["gpu_allocated_mib"], s["gpu_reserved_mib"], s["pinned_host_mib"], s["frames_late"]) == (2.0, 4.0, 1.0, 3)
     assert metrics_sample(parse_metrics("lipstream_live_frames_late 0\n"))["pinned_host_mib"] is None
+
+
+def test_the_segment_encoders_shared_arena_is_not_counted_as_their_own_memory(tmp_path):
+    """Two segment encoders that map one writer's frame arena, forced on 2 cores: a sample of this process
+    finds the arena in both (a mapped file each, its touched pages in their shared memory) and keeps it out of
+    their private memory, which the verdict judges; a mapped file more per sample is a leak."""
+    from lipstream.bench.soak import process_sample, summarise
+    from lipstream.media.mp4 import MP4Writer
+    from lipstream.media.segment_pool import segment_pool
+
+    pool = segment_pool(2)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (64, 360, 320), dtype=np.uint8)  # I420: 240 rows of luma, then chroma
+    with MP4Writer(tmp_path / "x.mp4", 320, 240, 25, np.zeros(2 * 48_000, np.float32), encoders=2, processes=True,
+                   total_frames=len(frames)) as w:
+        for f in frames:
+            w.write(f)
+    s = process_sample(os.getpid())
+    mine = s["workers"]["encode_worker"]
+    assert mine["processes"] >= 2 and mine["shared_maps"] >= 2, mine  # the idle arena, kept mapped in each
+    assert mine["shmem_mib"] > 0 and mine["private_mib"] + mine["shmem_mib"] <= mine["rss_mib"], mine
+    assert {w.pid for w in pool.workers} <= {int(p) for p in _children_of(os.getpid())}
+    raw = {"sessions": {"opened": 5, "closed": 5, "failed": 0}, "jobs": {"submitted": 2, "done": 2}}
+
+    def sample(t, shared, private, maps):
+        return {"t_s": t, "rss_mib": 500, "workers_rss_mib": private + shared, "workers_shmem_mib": shared,
+                "workers_private_mib": private, "workers_shared_maps": maps, "frames_late": 0}
+
+    touched = summarise({**raw, "samples": [sample(60 * k, 40 * k, 300, 8) for k in range(10)]})
+    assert touched["pass"] and not touched["shown"]["workers_rss_mib"]["pass"]  # more of the arena touched: shown
+    kept = summarise({**raw, "samples": [sample(60 * k, 40 * k, 300, 8 + k) for k in range(10)]})
+    assert not kept["series"]["workers_shared_maps"]["pass"] and not kept["pass"]  # a mapping kept per sample
+
+
+def _children_of(pid: int) -> list[str]:
+    return [k for t in Path(f"/proc/{pid}/task").iterdir() for k in (t / "children").read_text().split()]

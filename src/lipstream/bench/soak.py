@@ -10,6 +10,12 @@ reserved), frames played late so far, open sessions and jobs. The report cuts a 
 fifth of the samples), then gives each series' first value after it, its last, its max, the drift in %
 (last against first) and a least-squares slope per hour, each passing when the drift is within 5 %;
 late frames per minute over time; every job finished or not.
+
+The workers are judged on their private memory (RssAnon) and on the shared-memory files they map, not on
+their resident size: the frames a writer hands its segment encoders live in one shared arena that every
+encoder maps and keeps for the next job (media/segment_pool.py), and each page of it counts in the resident
+size of every process that has touched it. On 16 cores eight encoders, each taking other slots each job,
+add the same 440 MiB (at 720p) up to eight times over; the memory is the server's, counted once in its own.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import httpx
 import numpy as np
 
 from lipstream.bench.serve_load import resident_avatars
+from lipstream.media.encode_pool import SHM_PREFIX
 
 FLAT_PCT = 5.0  # a series passes when its last sample is within this of its first after the warm-up
-COUNT_SLACK = 2  # ... or, for counts (open files, threads), within this many: a pool's lazy thread is no leak
+COUNT_SLACK = 2  # ... or, for counts (open files, threads, mapped files), within this many: a pool's lazy thread is no leak
 WARMUP_SHARE = 0.2  # the first fifth of the samples is the warm-up
 LATE_SLACK_PER_MIN = 1.0  # late frames: the later half's rate may exceed the earlier's by 5 % and this
 QUIET_WAIT_S = 120.0  # the most a sample waits for the open sessions and running jobs to end (beyond the speech)
@@ -55,6 +62,16 @@ def _status_fields(pid: int) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return out
+
+
+def _shared_maps(pid: int) -> int | None:
+    """The frame-slot and arena files (media/encode_pool.py's SHM_PREFIX) a process maps: one a live session,
+    one an arena. A worker that kept a closed session's would grow this, and its shared memory with it."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return None
+    return len({line.split(None, 5)[-1] for line in lines if SHM_PREFIX in line})
 
 
 def _open_files(pid: int) -> int | None:
@@ -101,16 +118,21 @@ def process_sample(pid: int) -> dict | None:
         fields = _status_fields(kid)
         if not fields:
             continue
-        w = workers.setdefault(_kind(kid), {"processes": 0, "rss_mib": 0.0, "open_files": 0, "threads": 0})
+        w = workers.setdefault(_kind(kid), {"processes": 0, "rss_mib": 0.0, "private_mib": 0.0, "shmem_mib": 0.0,
+                                            "shared_maps": 0, "open_files": 0, "threads": 0})
         w["processes"] += 1
-        w["rss_mib"] = round(w["rss_mib"] + fields.get("VmRSS", 0) / 1024, 1)
+        for name, key in (("rss_mib", "VmRSS"), ("private_mib", "RssAnon"), ("shmem_mib", "RssShmem")):
+            w[name] = round(w[name] + fields.get(key, 0) / 1024, 1)
+        w["shared_maps"] += _shared_maps(kid) or 0
         w["open_files"] += _open_files(kid) or 0
         w["threads"] += fields.get("Threads", 0)
     return {"rss_mib": round(own.get("VmRSS", 0) / 1024, 1),
             **{f"rss_{part}_mib": round(own[key] / 1024, 1) for part, key in RSS_PARTS if key in own},
             "open_files": _open_files(pid),
             "threads": own.get("Threads"), "workers": workers,
-            "workers_rss_mib": round(sum(w["rss_mib"] for w in workers.values()), 1),
+            **{f"workers_{name}": round(sum(w[name] for w in workers.values()), 1)
+               for name in ("rss_mib", "private_mib", "shmem_mib")},
+            "workers_shared_maps": sum(w["shared_maps"] for w in workers.values()),
             "workers_open_files": sum(w["open_files"] for w in workers.values()),
             "workers_threads": sum(w["threads"] for w in workers.values()),
             "workers_processes": sum(w["processes"] for w in workers.values())}
@@ -360,7 +382,7 @@ async def soak(url: str, key: str, minutes: float, avatars: list[str], *, sessio
                 next_at = max(next_at + sample_s, time.monotonic() + sample_s / 2)  # a long wait: skip, not bunch
                 gpu = f", GPU {s['gpu_reserved_mib']} MiB" if s.get("gpu_reserved_mib") is not None else ""
                 progress(f"{s['at']} t={s['t_s']:.0f}s RSS {s.get('rss_mib')} MiB (anon {s.get('rss_anon_mib')}, "
-                         f"workers {s.get('workers_rss_mib')})"
+                         f"workers {s.get('workers_rss_mib')}, private {s.get('workers_private_mib')})"
                          f"{gpu}, files {s.get('open_files')}+{s.get('workers_open_files')}, threads "
                          f"{s.get('threads')}+{s.get('workers_threads')}, late {s.get('frames_late')}, sessions "
                          f"{s['sessions']['opened']}/{s['sessions']['closed']}, jobs {s['jobs']['done']}/"
@@ -375,8 +397,9 @@ async def soak(url: str, key: str, minutes: float, avatars: list[str], *, sessio
 
 # --- the report ----------------------------------------------------------------------------------------------
 
-SERIES = ("rss_mib", "open_files", "threads", "workers_rss_mib", "workers_open_files", "workers_threads",
-          "gpu_allocated_mib", "gpu_reserved_mib", "pinned_host_mib")
+SERIES = ("rss_mib", "open_files", "threads", "workers_private_mib", "workers_shared_maps", "workers_open_files",
+          "workers_threads", "gpu_allocated_mib", "gpu_reserved_mib", "pinned_host_mib")
+SHOWN = ("workers_rss_mib", "workers_shmem_mib")  # reported, not judged: a shared page counts in each mapper
 
 
 def warmup_count(n: int) -> int:
@@ -401,12 +424,13 @@ def summarise(raw: dict) -> dict:
     samples = raw["samples"]
     cut = warmup_count(len(samples))
     after = samples[cut:]
-    series = {}
-    for name in SERIES:
+    series, shown = {}, {}
+    for name in (*SERIES, *SHOWN):
         points = [(s["t_s"], s[name]) for s in after if s.get(name) is not None]
         if len(points) >= 2:
-            slack = COUNT_SLACK if name.endswith(("open_files", "threads")) else 0.0
-            series[name] = series_verdict([t for t, _ in points], [v for _, v in points], slack)
+            slack = COUNT_SLACK if name.endswith(("open_files", "threads", "maps")) else 0.0
+            (series if name in SERIES else shown)[name] = series_verdict([t for t, _ in points],
+                                                                         [v for _, v in points], slack)
     late_per_min = []
     for a, b in zip(samples, samples[1:]):
         minutes = (b["t_s"] - a["t_s"]) / 60
@@ -421,7 +445,7 @@ def summarise(raw: dict) -> dict:
     jobs_ok = jobs["submitted"] > 0 and jobs["done"] == jobs["submitted"]
     sessions = raw["sessions"]
     sessions_ok = sessions["opened"] > 0 and sessions["closed"] == sessions["opened"] and sessions["failed"] == 0
-    return {"warmup_samples": cut, "series": series,
+    return {"warmup_samples": cut, "series": series, "shown": shown,
             "late_frames": {"per_minute": late_per_min, "early_mean_per_min": early and round(early, 2),
                             "late_mean_per_min": late and round(late, 2), "pass": late_ok},
             "jobs_all_finished": jobs_ok, "sessions_ok": sessions_ok,
@@ -444,6 +468,9 @@ def write(report: dict, out: Path) -> None:
     for name, v in s["series"].items():
         lines.append(f"| {name} | {v['first']} | {v['last']} | {v['max']} | {v['drift_pct']} | {v['slope_per_hour']} | "
                      f"{v['slope_pct_per_hour']} | {'PASS' if v['pass'] else 'FAIL'} |")
+    for name, v in s.get("shown", {}).items():
+        lines.append(f"| {name} | {v['first']} | {v['last']} | {v['max']} | {v['drift_pct']} | {v['slope_per_hour']} | "
+                     f"{v['slope_pct_per_hour']} | shown, not judged |")
     lf = s["late_frames"]
     lines += ["", f"Late frames per minute (server's count), sample by sample: "
                   f"{', '.join(str(x['late_per_min']) for x in lf['per_minute']) or 'none'}; after the warm-up, "
@@ -460,7 +487,8 @@ def write(report: dict, out: Path) -> None:
                       if f"rss_{part}_mib" in a)
     lines += [f"Idle, before the load and after it (every session closed, every job finished): resident "
               f"{b.get('rss_mib')} -> {a.get('rss_mib')} MiB ({parts}; workers {b.get('workers_rss_mib')} -> "
-              f"{a.get('workers_rss_mib')}), open files {b.get('open_files')} -> {a.get('open_files')} (workers "
+              f"{a.get('workers_rss_mib')}, their private memory {b.get('workers_private_mib')} -> "
+              f"{a.get('workers_private_mib')}), open files {b.get('open_files')} -> {a.get('open_files')} (workers "
               f"{b.get('workers_open_files')} -> {a.get('workers_open_files')}), threads {b.get('threads')} -> "
               f"{a.get('threads')}, GPU reserved {b.get('gpu_reserved_mib')} -> {a.get('gpu_reserved_mib')} MiB"]
     if report["errors"]:
