@@ -1,4 +1,4 @@
-"""Construct the three networks from their configs: empty (meta) for loading, or seeded random."""
+"""Construct the networks from their configs: empty (meta) for loading, or seeded random."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lipstream.models.dwpose import DWPose, DWPoseConfig, dwpose_config
 from lipstream.models.unet import UNet, UNetConfig
 from lipstream.models.vae import VAE, VAEConfig
 from lipstream.models.whisper import WhisperConfig, WhisperEncoder, init_random_
@@ -49,3 +50,23 @@ def build_whisper_encoder(cfg: dict[str, Any], *, device: torch.device | str = "
     with _on(device, seed):
         encoder = WhisperEncoder(config).eval().requires_grad_(False)
         return encoder if seed is None or torch.device(device).type == "meta" else init_random_(encoder)
+
+
+def build_dwpose(size: str | DWPoseConfig = "full", *, device: torch.device | str = "meta",
+                 seed: int | None = None) -> DWPose:
+    """The network in eval mode: empty on "meta" (for loading), else with weights drawn from `seed`.
+
+    Beyond torch's own initialisation, BatchNorm gains and variances and the head's scales are drawn from
+    [0.5, 1.5], shifts, means and the GAU's q/k offsets from N(0, 0.1): no tensor keeps a constant value
+    that a loading or equality test could miss. They are not a pose model.
+    """
+    config = dwpose_config(size) if isinstance(size, str) else size
+    with _on(device, seed):
+        net = DWPose(config).eval().requires_grad_(False)
+        if seed is not None and torch.device(device).type != "meta":
+            for name, t in net.state_dict().items():
+                if name.endswith(("bn.weight", "running_var", ".g", "res_scale.scale")):
+                    t.uniform_(0.5, 1.5)
+                elif name.endswith(("bn.bias", "running_mean", "gamma", "beta")):
+                    t.normal_(0.0, 0.1)
+    return net

@@ -1,14 +1,19 @@
 """Reading upstream weight files safely and loading them strictly, with one-line errors.
 
-Only safetensors and `torch.load(..., weights_only=True)`: a checkpoint can never run code.
+Only safetensors, `torch.load(..., weights_only=True)`, and for files that hold other objects (mmengine's
+checkpoints: DWPose) a restricted unpickler that builds only tensors and plain containers: a checkpoint can
+never run code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import re
+import types
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +36,11 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_state_dict(path: Path) -> StateDict:
-    """Tensors of a .safetensors or a torch-saved (.pth/.bin) state dict, on the CPU."""
+def read_state_dict(path: Path, *, restricted: bool = False) -> StateDict:
+    """Tensors of a .safetensors or a torch-saved (.pth/.bin) state dict, on the CPU; a checkpoint that
+    wraps them (`{'state_dict': ..., 'meta': ...}`) gives its 'state_dict'. `restricted`: read torch files
+    with `RESTRICTED_PICKLE` instead of torch's weights-only loader, for files whose other entries hold
+    objects that loader refuses (mmengine's message hub, numpy arrays): those are skipped."""
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -41,7 +49,10 @@ def read_state_dict(path: Path) -> StateDict:
         else:
             with warnings.catch_warnings():  # a corrupt file may look like an odd pickle protocol: we say it once
                 warnings.simplefilter("ignore")
-                sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
+                if restricted:
+                    sd = torch.load(path, map_location="cpu", weights_only=False, pickle_module=RESTRICTED_PICKLE)
+                else:
+                    sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
     except WeightsError:
         raise
     except Exception as e:  # corrupt, truncated or foreign files raise many different types
@@ -49,9 +60,64 @@ def read_state_dict(path: Path) -> StateDict:
                            f"{HOW_TO_GET}") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
-    if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+    if not isinstance(sd, dict) or not sd:
         raise WeightsError(f"{path}: not a state dict of tensors; {HOW_TO_GET}")
+    other = next((k for k, v in sd.items() if not isinstance(v, torch.Tensor)), None)
+    if other is not None:
+        raise WeightsError(f"{path}: not a state dict of tensors ({other!r} is a {type(sd[other]).__name__}); "
+                           f"{HOW_TO_GET}")
     return sd
+
+
+class Skipped:
+    """What the restricted unpickler builds for any class or function it does not allow: made from nothing,
+    every call the unpickling makes on it ignored, so no code named in the file ever runs."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def append(self, item) -> None:
+        pass
+
+    def extend(self, items) -> None:
+        pass
+
+
+_ALLOWED = {("collections", "OrderedDict"): OrderedDict,
+            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Builds tensors (torch's own rebuild functions; torch.load supplies the storages), OrderedDicts, dtypes
+    and pickle's plain types; every other global becomes an inert `Skipped`."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return Skipped
+
+
+def _restricted_load(file, **kwargs):
+    return RestrictedUnpickler(file, **kwargs).load()
+
+
+# What torch.load takes as `pickle_module`: its Unpickler (which torch subclasses only to map storage
+# names and read the storages from the archive) and `load` (legacy, non-zip files).
+RESTRICTED_PICKLE = types.ModuleType("lipstream_restricted_pickle")
+RESTRICTED_PICKLE.Unpickler = RestrictedUnpickler
+RESTRICTED_PICKLE.load = _restricted_load
 
 
 def load_strict(module: nn.Module, sd: StateDict, source: Path | str) -> None:
