@@ -61,7 +61,8 @@ class DWPoseConfig:
 
 DWPOSE_SIZES: dict[str, DWPoseConfig] = {
     "full": DWPoseConfig("full"),  # RTMPose-l: widen 1.0, deepen 1.0
-    "tiny": DWPoseConfig("tiny", widths=(8, 16, 16, 32, 32), depths=(1, 1, 1, 1), hidden=16, attention_dim=8),
+    # widen 0.125, one block a stage: mmdet's CSPNeXt builds the same (deepen 1/6 rounds every stage to 1)
+    "tiny": DWPoseConfig("tiny", widths=(8, 16, 32, 64, 128), depths=(1, 1, 1, 1), hidden=16, attention_dim=8),
 }
 
 
