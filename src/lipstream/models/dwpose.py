@@ -167,7 +167,8 @@ class CSPNeXt(nn.Module):
     def __init__(self, c: DWPoseConfig):
         super().__init__()
         w = c.widths
-        self.stem = nn.Sequential(ConvBN(3, w[0] // 2, 3, 2), ConvBN(w[0] // 2, w[0] // 2, 3), ConvBN(w[0] // 2, w[0], 3))
+        half = w[0] // 2
+        self.stem = nn.Sequential(ConvBN(3, half, 3, 2), ConvBN(half, half, 3), ConvBN(half, w[0], 3))
         for i, blocks in enumerate(c.depths):
             last = i == len(c.depths) - 1
             layers = [ConvBN(w[i], w[i + 1], 3, 2)]
