@@ -6,18 +6,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
-# what each target installs (pyproject.toml's extras). The demo compiles a face, with dlib's 68-point
-# tracker: the dlib extra stays in the demo until a licence-clean default tracker exists.
-DEMO_EXTRAS := dlib
+# what each target installs (pyproject.toml's extras). The demo needs none: its avatar's face comes with
+# its example loop (a track file), so no face tracker runs.
+DEMO_EXTRAS :=
 CHECK_EXTRAS := test
 TEST_EXTRAS := test,serve,postgres,dlib,pipecat,livekit,ray
+# DWPose's reference modules for tests/test_dwpose.py (tests/dwpose_reference.py reads mmdet's and mmpose's
+# files without importing those packages, which want mmcv's compiled ops): installed without their
+# dependencies, which would pull a second OpenCV.
+DWPOSE_REFERENCE := mmengine==0.10.7 mmcv-lite==2.0.1 mmdet==3.1.0 mmpose==1.1.0 addict yapf termcolor
 stamp = $(VENV)/.lipstream-installed-$(1)
 
 .PHONY: install browser postgres espeak demo show check test clean
 
 install: $(call stamp,test)
 
-# $(1): the extras. The venv and torch first, then the package (editable) with those extras.
+# $(1): the extras; $(2): packages installed without their dependencies. The venv and torch first, then the
+# package (editable) with those extras.
 define install_extras
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
@@ -25,18 +30,19 @@ define install_extras
 	  else $(PYTHON) -m venv $(VENV); fi; \
 	fi
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e '.[$(1)]'
+	$(PY) -m pip install -q -e '.$(if $(1),[$(1)])'
+	$(if $(2),$(PY) -m pip install -q --no-deps $(2))
 	@touch $@
 endef
 
 $(call stamp,demo): pyproject.toml
 	$(call install_extras,$(DEMO_EXTRAS))
 
-$(call stamp,check): pyproject.toml
-	$(call install_extras,$(CHECK_EXTRAS))
+$(call stamp,check): pyproject.toml Makefile
+	$(call install_extras,$(CHECK_EXTRAS),$(DWPOSE_REFERENCE))
 
-$(call stamp,test): pyproject.toml
-	$(call install_extras,$(TEST_EXTRAS))
+$(call stamp,test): pyproject.toml Makefile
+	$(call install_extras,$(TEST_EXTRAS),$(DWPOSE_REFERENCE))
 
 demo: $(call stamp,demo)
 	$(PY) -m lipstream.cli.demo

@@ -24,6 +24,11 @@
 #               `lipstream warmup`: renders on the uncompiled engine), ALSO='FLAGS' (a warm row with these
 #               flags after each default one), UR_SIZE (1920x1080), SPEECH_S (25.83 s: 775 frames at 30 fps),
 #               UR_T (480 s). Out: user_render.json/.txt, serve_packagesN.log, server_render.txt.
+# compile       (carry .whl; ~120 s) `lipstream compile` of a 300-frame 1920x1080 loop as typed, fresh processes,
+#               DWPose tracking the face on the GPU (random weights: the full-size network, so the time is the
+#               real one and the boxes are not), RUNS (3) times, then once with --track (no tracker) for the rest
+#               of compiling; then the tracker alone in one process, warm: frames/s per batch size. Out:
+#               compile.txt (each run's wall and avatar.json timings), dwpose_fps.json.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
@@ -259,6 +264,43 @@ stage_render() {
     serve_start serve_packages$k 90 "$W/ur/work/avatars" && {
       [ $k = 1 ] && server_job packages anchor "$AUDIO"; serve_stop; }
   done
+}
+
+stage_compile() {
+  install_wheels
+  local c=$W/compile k t
+  mkdir -p "$c"
+  $PY -c "from lipstream.fixtures.avatar import action_loop, write_track
+write_track(action_loop('$c/anchor.mp4', width=1920, height=1080, seconds=12.0, fps=25), '$c/anchor.track.json')"
+  for k in $(seq 1 ${RUNS:-3}) track; do
+    local more=(); [ $k = track ] && more=(--track "$c/anchor.track.json")
+    rm -rf "$c/av"; t=$(date +%s.%N)
+    timeout 300 $PY -m lipstream.cli compile "$c/anchor.mp4" -o "$c/av" --random-weights "${more[@]}" \
+      > "$c/compile_$k.log" 2>&1
+    echo "compile run $k (${more[*]:-DWPose}): rc $? wall $(secs $t) s" | tee -a "$OUT/compile.txt"
+    $PY -c "import json; m = json.load(open('$c/av/anchor/avatar.json')); print('  tracker', m['tracker'], \
+'timings', m['timings_s'])" 2>&1 | tee -a "$OUT/compile.txt"
+  done
+  timeout 200 $PY - "$c/anchor.mp4" "$OUT/dwpose_fps.json" <<'PY' 2>&1 | tee -a "$OUT/compile.txt"
+import json, sys, time
+import torch
+from lipstream.avatar.trackers import DWPoseTracker
+from lipstream.avatar.video import read_loop
+from lipstream.models.build import build_dwpose
+loop = read_loop(sys.argv[1])
+net = build_dwpose("full", device="cuda", seed=0)
+rows = []
+for batch in (8, 16, 32, 64):
+    tracker = DWPoseTracker(net, "random", batch=batch)
+    tracker.landmarks(loop)  # warm: cuDNN's algorithms, the allocator
+    torch.cuda.synchronize(); t = time.perf_counter()
+    tracker.landmarks(loop)
+    torch.cuda.synchronize(); s = time.perf_counter() - t
+    rows.append({"batch": batch, "frames": len(loop.frames), "seconds": round(s, 3),
+                 "frames_per_s": round(len(loop.frames) / s, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+    print(rows[-1], flush=True)
+json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(sys.argv[2], "w"), indent=1)
+PY
 }
 
 stage_show() {
@@ -499,9 +541,9 @@ stage_suite() {
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
 for stage in "$@"; do
   case $stage in
-  wheels|render|show|bench|core|serve|soak|live|fleet|integrations|suite) ;;
+  wheels|render|compile|show|bench|core|serve|soak|live|fleet|integrations|suite) ;;
   serve-cold) stage=serve_cold ;;
-  *) echo "unknown stage '$stage': wheels render show bench core serve-cold serve soak live fleet integrations suite"; exit 2 ;;
+  *) echo "unknown stage '$stage': wheels render compile show bench core serve-cold serve soak live fleet integrations suite"; exit 2 ;;
   esac
   t_stage=$(date +%s.%N)
   echo "== $stage (commit ${COMMIT:-?})"

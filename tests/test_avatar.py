@@ -15,6 +15,7 @@ from lipstream.avatar import cache as cache_mod
 from lipstream.avatar.boxes import face_boxes
 from lipstream.avatar.compile import expand_inputs
 from lipstream.avatar.face import DlibBackend, fill_gaps, smooth, track
+from lipstream.avatar.trackers import DlibTracker
 from lipstream.avatar.latents import encode_latents, face_crop
 from lipstream.avatar.masks import to_box_space
 from lipstream.avatar.video import read_loop
@@ -42,7 +43,7 @@ def loop_video(tmp_path_factory):
 def compiled(loop_video, tiny_models, tmp_path_factory, backend):
     path, truth = loop_video
     out = tmp_path_factory.mktemp("avatars")
-    result = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    result = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                             progress=False)
     return result, truth, out
 
@@ -115,14 +116,14 @@ def test_unchanged_input_is_skipped(compiled, loop_video, tiny_models, backend):
     result, _, out = compiled
     path, _ = loop_video
     stamp = (result.path / "avatar.safetensors").stat().st_mtime_ns
-    again = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    again = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                            progress=False)
     assert again.status == "skipped" and again.frames == 40
     assert (result.path / "avatar.safetensors").stat().st_mtime_ns == stamp
-    changed = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    changed = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                              options=CompileOptions(extra_margin=14), progress=False)
     assert changed.status == "compiled"
-    forced = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    forced = compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                             options=CompileOptions(extra_margin=14), force=True, progress=False)
     assert forced.status == "compiled"
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp or old folders left
@@ -158,7 +159,7 @@ def test_still_avatar(tmp_path, tiny_models, backend, kind):
         path = tmp_path / f"photo.{kind}"
         truth = still_image(path, width=W, height=H)
     result = compile_avatar(path, tmp_path / "avatars", tiny_models.vae, tiny_models.fingerprints["vae"],
-                            backend=backend, progress=False)
+                            tracker=DlibTracker(backend), progress=False)
     avatar = load_avatar(result.path)
     assert avatar.num_frames == 1 and avatar.cycle == 1 and avatar.meta["still"]
     assert inside(truth.point("chin"), avatar.boxes.numpy()).all()
@@ -180,7 +181,7 @@ def test_frames_without_a_face_are_filled_from_neighbours(tmp_path, tiny_models,
     path = tmp_path / "stepped_out.mp4"
     action_loop(path, width=W, height=H, seconds=1.0, blank=(10, 11, 12))
     result = compile_avatar(path, tmp_path / "a", tiny_models.vae, tiny_models.fingerprints["vae"],
-                            backend=backend, progress=False)
+                            tracker=DlibTracker(backend), progress=False)
     assert result.status == "compiled" and "22/25" in result.message
     boxes = load_avatar(result.path, with_frames=False).boxes.numpy().astype(float)
     expected = boxes[9] + (boxes[13] - boxes[9]) * (np.arange(1, 4)[:, None] / 4)
@@ -190,7 +191,7 @@ def test_frames_without_a_face_are_filled_from_neighbours(tmp_path, tiny_models,
 def test_track_file_round_trip(tmp_path, loop_video, tiny_models, backend):
     path, truth = loop_video
     tracks = tmp_path / "tracks"
-    first = compile_avatar(path, tmp_path / "a", tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    first = compile_avatar(path, tmp_path / "a", tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                            save_track_dir=tracks, progress=False)
     track_file = tracks / "anchor.track.json"
     assert json.loads(track_file.read_text())["frames"] == 40
@@ -202,7 +203,7 @@ def test_track_file_round_trip(tmp_path, loop_video, tiny_models, backend):
             raise AssertionError("tracker called despite --track")
 
     second = compile_avatar(path, tmp_path / "b", tiny_models.vae, tiny_models.fingerprints["vae"],
-                            backend=NoFaceModel(), track_file=track_file, progress=False)
+                            tracker=DlibTracker(NoFaceModel()), track_file=track_file, progress=False)
     a, b = load_avatar(first.path), load_avatar(second.path)
     assert np.abs(a.boxes.numpy() - b.boxes.numpy()).max() <= 1
     boxes_only = tmp_path / "boxes.json"
@@ -248,7 +249,7 @@ def test_video_without_a_face(tmp_path, tiny_models, backend):
     action_loop(path, width=W, height=H, seconds=0.4, blank=tuple(range(10)))
     out = tmp_path / "out"
     with pytest.raises(InputError, match="no face found"):
-        compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend, progress=False)
+        compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend), progress=False)
     _no_leftovers(out)
 
 
@@ -262,7 +263,7 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_avatar(compiled, loop_vid
 
     monkeypatch.setattr(cache_mod, "write_frames", broken)
     with pytest.raises(OSError):
-        compile_avatar(loop_video[0], out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+        compile_avatar(loop_video[0], out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                        force=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == before
     assert load_avatar(result.path).num_frames == 40

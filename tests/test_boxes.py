@@ -102,3 +102,77 @@ def test_template_landmarks_round_trip():
     # the rule only makes even heights: an odd one comes back 1 px taller, at the top
     np.testing.assert_array_equal(back[~even], boxes[~even] - [0, 1, 0, 0])
     assert face_boxes(template_landmarks(np.array([[250, 100, 360, 230]])), W, H).tolist() == [[250, 100, 360, 240]]
+
+
+MUSETALK_REFERENCE = "LIPSTREAM_MUSETALK_REFERENCE"  # a MuseTalk checkout (github.com/TMElyralab/MuseTalk)
+
+
+def upstream_preprocessing():
+    """MuseTalk's musetalk/utils/preprocessing.py run as a module, its networks replaced by stand-ins that hand
+    it given landmarks: `feed(landmarks [N, 68, 2], detected [N] bool)` before each call. None without the file."""
+    import os
+    import sys
+    import types
+    from pathlib import Path
+
+    root = os.environ.get(MUSETALK_REFERENCE)
+    path = Path(root) / "musetalk" / "utils" / "preprocessing.py" if root else None
+    if path is None or not path.is_file():
+        return None
+    queue: list = []
+
+    def inference_topdown(model, frame):
+        points = np.zeros((1, 133, 2), np.float32)
+        points[0, 23:91] = queue[0][0]
+        return [types.SimpleNamespace(pred_instances=types.SimpleNamespace(keypoints=points))]
+
+    class FaceAlignment:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def get_detections_for_batch(self, frames):
+            _, found = queue.pop(0)
+            return [(0, 0, 8, 8) if found else None]  # upstream's fallback box, where it takes it
+
+    stand_ins = {"face_detection": {"FaceAlignment": FaceAlignment, "LandmarksType": types.SimpleNamespace(_2D=0)},
+                 "mmpose": {}, "mmpose.apis": {"inference_topdown": inference_topdown, "init_model": lambda *a, **k: None},
+                 "mmpose.structures": {"merge_data_samples": lambda results: results[0]}}
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    try:
+        for name, attrs in stand_ins.items():
+            sys.modules[name] = types.SimpleNamespace(**attrs)
+        module = types.ModuleType("musetalk_preprocessing")
+        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    module.read_imgs = lambda img_list: [np.zeros((H, W, 3), np.uint8) for _ in img_list]
+    module.print = lambda *a, **k: None
+
+    def feed(landmarks, detected):
+        queue[:] = list(zip(landmarks, detected))
+    return module, feed
+
+
+@pytest.mark.parametrize("bbox_shift", [0, -7, 5, 30])
+def test_equals_upstream_get_landmark_and_bbox_itself(bbox_shift):
+    """Upstream's own function (its face detector and DWPose replaced by the landmarks given): LipStream's box
+    without the margin is its box wherever it keeps the landmark box. Skips without $LIPSTREAM_MUSETALK_REFERENCE."""
+    reference = upstream_preprocessing()
+    if reference is None:
+        pytest.skip(f"${MUSETALK_REFERENCE} names no MuseTalk checkout")
+    module, feed = reference
+    lm = random_faces(200, seed=3 + abs(bbox_shift))
+    feed(lm, [True] * len(lm))
+    coords, _ = module.get_landmark_and_bbox([f"{i}.png" for i in range(len(lm))], bbox_shift)
+    got = face_boxes(lm, W, H, bbox_shift=bbox_shift, extra_margin=0)
+    kept = [c != (0, 0, 8, 8) for c in coords]
+    assert sum(kept) > 150, sum(kept)
+    np.testing.assert_array_equal(got[kept], np.array([c for c, k in zip(coords, kept) if k], dtype=np.int64))
+    # a frame where upstream's detector finds no face is its placeholder; LipStream fills it from its neighbours
+    feed(lm[:3], [True, False, True])
+    coords, _ = module.get_landmark_and_bbox(["0.png", "1.png", "2.png"], bbox_shift)
+    assert coords[1] == module.coord_placeholder

@@ -79,13 +79,16 @@ def test_a_render_on_a_server_without_the_serve_extra_names_it(tmp_path, command
     assert not (tmp_path / "out.mp4").exists()
 
 
-def test_compile_without_dlib_names_its_extra_its_licence_and_the_track_option(tmp_path):
+def test_compile_without_dlib_or_dwpose_says_how_to_get_a_face_tracker(tmp_path):
+    """The licence-clean default: no dlib is needed, but without DWPose's weights either, compile stops in one
+    line before anything loads, naming the three ways on."""
     (tmp_path / "loop.mp4").write_bytes(b"not read")
-    p = run(CLI, ["dlib"], ["compile", "loop.mp4", "-o", "avatars", "--random-weights"], tmp_path)
-    assert_one_line(p, "error: lipstream compile (its face tracker) needs the dlib extra: pip install "
-                       "'lipstream[dlib]' (its 68-point model's training data is for non-commercial use); or pass "
-                       "--track FILE with precomputed landmarks or boxes")
-    assert sorted(os.listdir(tmp_path)) == ["loop.mp4"]
+    (tmp_path / "models").mkdir()
+    p = run(CLI, ["dlib"], ["compile", "loop.mp4", "-o", "avatars", "--models", "models"], tmp_path)
+    assert_one_line(p, "error: no face tracker: run `lipstream weights download` for DWPose (Apache-2.0 weights) into "
+                       "models, or pass --track FILE with landmarks or boxes, or install the dlib extra (its model is "
+                       "for non-commercial use)")
+    assert sorted(os.listdir(tmp_path)) == ["loop.mp4", "models"]
 
 
 def test_the_options_that_need_an_extra_name_it(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from lipstream.avatar import compile_avatar, compile_many, load_avatar
 from lipstream.avatar.face import DlibBackend, Detection, _candidates
+from lipstream.avatar.trackers import DlibTracker
 from lipstream.cli import main
 from lipstream.errors import InputError
 from lipstream.fixtures.avatar import ASTRONAUT_POINTS, FACE_CENTER, astronaut_photo, render_frame, still_image
@@ -35,7 +36,7 @@ def backend():
 
 
 def _compile(path, out, tiny_models, backend, **kwargs):
-    return compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], backend=backend,
+    return compile_avatar(path, out, tiny_models.vae, tiny_models.fingerprints["vae"], tracker=DlibTracker(backend),
                           progress=False, **kwargs)
 
 
@@ -206,7 +207,7 @@ def test_success_into_new_folders_and_failures_beside_it(tmp_path, tiny_models, 
     _faceless(tmp_path / "wall.png")
     out = tmp_path / "out" / "avatars"
     results = compile_many([tmp_path / "photo.png", tmp_path / "wall.png"], out, tiny_models.vae,
-                           tiny_models.fingerprints["vae"], backend=backend, progress=False)
+                           tiny_models.fingerprints["vae"], tracker=DlibTracker(backend), progress=False)
     assert [r.status for r in results] == ["compiled", "failed"]
     assert sorted(p.name for p in out.iterdir()) == ["photo"]  # the failure took nothing of the success
     assert load_avatar(out / "photo", with_frames=False).num_frames == 1
@@ -215,10 +216,10 @@ def test_success_into_new_folders_and_failures_beside_it(tmp_path, tiny_models, 
 def test_compile_many_and_the_command_leave_no_new_output_folders(tmp_path, tiny_models, backend):
     _faceless(tmp_path / "wall.png")
     results = compile_many([tmp_path / "wall.png"], tmp_path / "out" / "avatars", tiny_models.vae,
-                           tiny_models.fingerprints["vae"], backend=backend, progress=False)
+                           tiny_models.fingerprints["vae"], tracker=DlibTracker(backend), progress=False)
     assert results[0].status == "failed" and "no face found" in results[0].message
     assert not (tmp_path / "out").exists()
     code = main(["compile", str(tmp_path / "wall.png"), "-o", str(tmp_path / "cli" / "avatars"),
-                 "--random-weights", "--random-size", "tiny", "--device", "cpu"])
+                 "--random-weights", "--random-size", "tiny", "--device", "cpu", "--tracker", "dlib"])
     assert code == 1
     assert not (tmp_path / "cli").exists()

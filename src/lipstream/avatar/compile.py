@@ -17,9 +17,10 @@ from tqdm import tqdm
 import lipstream
 from lipstream.avatar import boxes as box_rule
 from lipstream.avatar.cache import FORMAT_VERSION, META, AvatarWriter
-from lipstream.avatar.face import DlibBackend, FaceBackend, fill_gaps, smooth, track
+from lipstream.avatar.face import fill_gaps, smooth
 from lipstream.avatar.latents import encode_latents, face_crop
 from lipstream.avatar.masks import lower_face_mask
+from lipstream.avatar.trackers import Tracker
 from lipstream.avatar.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, Loop, read_loop
 from lipstream.errors import InputError, LipStreamError
 from lipstream.models.checkpoint import file_sha256
@@ -67,9 +68,10 @@ def expand_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
-def cache_key(source: Path, options: CompileOptions, vae_fingerprint: str, track_hash: str | None) -> dict:
+def cache_key(source: Path, options: CompileOptions, vae_fingerprint: str, track_hash: str | None,
+              tracker: str | None) -> dict:
     return {"format": FORMAT_VERSION, "source_sha256": file_sha256(source), "options": asdict(options),
-            "vae": vae_fingerprint, "track_sha256": track_hash}
+            "vae": vae_fingerprint, "track_sha256": track_hash, "tracker": tracker}
 
 
 def is_current(dest: Path, key: dict) -> bool:
@@ -116,12 +118,13 @@ def save_track(path: Path, landmarks: np.ndarray, source: Path) -> None:
 
 def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *,
                    options: CompileOptions = CompileOptions(), track_file: Path | None = None,
-                   save_track_dir: Path | None = None, backend: FaceBackend | None = None,
+                   save_track_dir: Path | None = None, tracker: Tracker | None = None,
                    force: bool = False, progress: bool = True, vae_random: str | None = None) -> CompileResult:
     """Compile one action loop into avatars_dir/<file stem>; skipped when an identical cache exists.
 
     `vae_random` names the random preset ("tiny", "full") when the VAE is seeded random weights:
-    recorded so that a render with --random-weights can build the same networks by itself.
+    recorded so that a render with --random-weights can build the same networks by itself. `tracker`
+    finds the faces (avatar/trackers.py) unless `track_file` gives them.
     """
     t0 = time.perf_counter()
     source = Path(source)
@@ -133,7 +136,8 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
     if track_file is not None and not Path(track_file).is_file():
         raise InputError(track_file, "no such track file")
     track_hash = file_sha256(track_file) if track_file else None
-    key = cache_key(source, options, vae_fingerprint, track_hash) if source.is_file() else {}
+    tracker_name = "track-file" if track_file else getattr(tracker, "name", None)
+    key = cache_key(source, options, vae_fingerprint, track_hash, tracker_name) if source.is_file() else {}
     if not force and is_current(dest, key):
         meta = json.loads((dest / META).read_text())
         result.status, result.frames, result.size = "skipped", meta["frames"], (meta["width"], meta["height"])
@@ -148,7 +152,7 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         writer.start_frames(loop.frames, loop.width, loop.height, loop.fps)  # encodes while we work
 
         t = time.perf_counter()
-        landmarks = _landmarks(loop, source, name, track_file, save_track_dir, backend, progress, result)
+        landmarks = _landmarks(loop, source, name, track_file, save_track_dir, tracker, progress, result)
         landmarks = smooth(fill_gaps(landmarks), options.smoothing)
         timings["track"] = time.perf_counter() - t
 
@@ -177,7 +181,7 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         t = time.perf_counter()
         result.frames, result.size, result.fps = n, (loop.width, loop.height), str(loop.fps)
         result.face = tuple(int(v) for v in np.median(sizes, axis=0))
-        meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, track_file, vae_random)
+        meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, tracker_name, vae_random)
         tensors = {"latents": latents, "boxes": torch.from_numpy(boxes), "masks": torch.from_numpy(masks),
                    "landmarks": torch.from_numpy(np.ascontiguousarray(landmarks, dtype=np.float32))}
         writer.finish(meta, tensors)
@@ -187,14 +191,15 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
 
 
 def _landmarks(loop: Loop, source: Path, name: str, track_file: Path | None, save_track_dir: Path | None,
-               backend: FaceBackend | None, progress: bool, result: CompileResult) -> np.ndarray:
+               tracker: Tracker | None, progress: bool, result: CompileResult) -> np.ndarray:
     """Landmarks from the track file, or tracked (optionally saved for reuse)."""
     n = len(loop.frames)
     if track_file:
         return load_track(track_file, n, loop.width, loop.height)
-    backend = backend or DlibBackend()
+    if tracker is None:
+        raise LipStreamError("compile needs a face tracker or a track file (avatar/trackers.py)")
     with tqdm(total=n, desc=f"{result.name}: tracking", unit="frame", disable=not progress, leave=False) as bar:
-        landmarks = track(loop.luma, n, backend, bar.update)
+        landmarks = tracker.landmarks(loop, bar.update)
     found = int((~np.isnan(landmarks).any(axis=(1, 2))).sum())
     if found == 0:
         raise InputError(source, "no face found in any frame")
@@ -205,7 +210,7 @@ def _landmarks(loop: Loop, source: Path, name: str, track_file: Path | None, sav
 
 
 def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOptions, vae, vae_fingerprint: str,
-          result: CompileResult, track_file: Path | None, vae_random: str | None) -> dict:
+          result: CompileResult, tracker: str, vae_random: str | None) -> dict:
     return {
         "format": FORMAT_VERSION,
         "name": name,
@@ -221,7 +226,7 @@ def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOption
         "colour_matrix": loop.matrix,
         "loop": "ping-pong",
         "face_box_median": list(result.face),
-        "tracker": "track-file" if track_file else "dlib-68",
+        "tracker": tracker,
         "parameters": asdict(options),
         "latents": "VAE latent mean x 0.18215; [masked lower half, reference] = 8 channels",
         "vae": {"fingerprint": vae_fingerprint, "dtype": str(next(vae.parameters()).dtype).removeprefix("torch."),

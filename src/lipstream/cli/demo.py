@@ -1,6 +1,7 @@
 """`make demo`: the built-in example, end to end.
 
-1. An action loop of a real face photo (the fixture generator) is compiled into an avatar.
+1. An action loop of a real face photo (the fixture generator) is compiled into an avatar, its face from the
+   photo's own landmarks moved with the loop (a track file: no face tracker, no download).
 2. Speech: espeak-ng when installed, else a speech-like synthetic signal.
 3. The avatar speaks it: an H.264/AAC MP4, rendered with untrained random weights (no download
    needed), so the mouth region is noise, not speech. Tiny networks on a CPU, full-size on a GPU.
@@ -15,7 +16,7 @@ import torch
 
 from lipstream.cli import main as cli_main
 from lipstream.fixtures import espeak_speech
-from lipstream.fixtures.avatar import action_loop
+from lipstream.fixtures.avatar import action_loop, write_track
 
 
 def main(out_dir: str = "demo-out") -> int:
@@ -24,12 +25,13 @@ def main(out_dir: str = "demo-out") -> int:
     gpu = torch.cuda.is_available()
     size = "full" if gpu else "tiny"
     width, height = (1920, 1080) if gpu else (640, 360)
-    loop = out / f"anchor-{height}p.mp4"
-    if not loop.exists():
-        action_loop(loop, width=width, height=height, seconds=4.0, fps=25)
-    print(f"1. action loop: {loop} (generated from a photo)")
+    loop, track = out / f"anchor-{height}p.mp4", out / f"anchor-{height}p.track.json"
+    if not (loop.exists() and track.exists()):
+        write_track(action_loop(loop, width=width, height=height, seconds=4.0, fps=25), track)
+    print(f"1. action loop: {loop} (generated from a photo); its face: {track.name}, the photo's landmarks moved "
+          "with the loop (no face tracker needed: real ones are DWPose after `lipstream weights download`, or dlib)")
     common = ["--random-weights", "--random-size", size]
-    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), *common])
+    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), "--track", str(track), *common])
     if code:
         return code
     speech, made_by = espeak_speech(out / "speech.wav")
@@ -55,10 +57,11 @@ def show(out_dir: str = "demo-out") -> int:
     out.mkdir(parents=True, exist_ok=True)
     size = "full" if torch.cuda.is_available() else "tiny"
     loop = out / "anchor.mp4"  # the avatar's name in the script is its file's stem
-    if not loop.exists():
-        action_loop(loop, width=1920, height=1080, seconds=4.0, fps=25)
+    track = out / "anchor.track.json"
+    if not (loop.exists() and track.exists()):
+        write_track(action_loop(loop, width=1920, height=1080, seconds=4.0, fps=25), track)
     common = ["--random-weights", "--random-size", size]
-    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), *common])
+    code = cli_main(["compile", str(loop), "-o", str(out / "avatars"), "--track", str(track), *common])
     if code:
         return code
     video = Path(out_dir) / "newsroom.mp4"

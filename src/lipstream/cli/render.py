@@ -38,6 +38,9 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                 extra_margin: Annotated[int, typer.Option(help="Pixels added below the chin (MuseTalk v1.5: 10).")] = 10,
                 bbox_shift: Annotated[int, typer.Option(help="Move the box's centre line down (+) or up (-), px.")] = 0,
                 fps: Annotated[Optional[str], typer.Option(help="Override the loop's frame rate (stills: 25).")] = None,
+                tracker: Annotated[str, typer.Option(
+                    help="Face tracker: auto (DWPose where its weights are, else dlib where installed), dwpose "
+                         "(Apache-2.0 weights, on the GPU) or dlib (CPU; non-commercial model).")] = "auto",
                 models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                 device: DeviceOpt = "auto") -> None:
     """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
@@ -52,18 +55,29 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         raise InputError(output, "is a file, expected the avatars folder")
     if track is not None and not track.exists():
         raise InputError(track, "no such track file or folder")
-    if track is None:
-        require("dlib", "lipstream compile (its face tracker)", otherwise="pass --track FILE with precomputed "
-                "landmarks or boxes")
     check_models(models, random_weights)
+    from lipstream.avatar.trackers import DLIB_LICENCE, choose_tracker, make_tracker
+    from lipstream.models.layout import models_dir
+
+    kind = choose_tracker(tracker, models_dir(models), random_weights) if track is None else None
 
     from rich.table import Table
 
     from lipstream.avatar import CompileOptions, compile_many
 
     m = load_models(models, device, random_weights, random_size, components=["vae"])
+    face = None
+    if kind is not None:
+        face = make_tracker(kind, models_dir(models), random_weights, m.config.name, m.device)
+        if kind == "dlib":
+            out.print(f"[yellow]face tracker: dlib's 68-point model ({DLIB_LICENCE})[/]")
+        elif random_weights:
+            out.print("[yellow]face tracker: DWPose with random weights: it finds no face, every frame is taken "
+                      "as one and the boxes fall anywhere; pass --track FILE, or get the real weights[/]")
+        else:
+            out.print("face tracker: DWPose (dw-ll_ucoco_384, Apache-2.0)")
     results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
-                           options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
+                           tracker=face, options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
                            vae_random=m.config.name if m.random_weights else None)
     table = Table(title=f"avatars in {output}")
     for col in ("avatar", "status", "frames", "size", "fps", "face box", "time", "note"):

@@ -6,11 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lipstream.errors import WeightsError
-from lipstream.models.layout import UPSTREAM_FILES, UpstreamFile, find
+from lipstream.models.layout import TRACKER_FILES, UPSTREAM_FILES, UpstreamFile, find
+
+FILES = (*UPSTREAM_FILES, *TRACKER_FILES)  # the networks, then the face tracker compile uses
 
 
 def missing_files(root: Path) -> list[UpstreamFile]:
-    return [f for f in UPSTREAM_FILES if find(root, f.path) is None]
+    return [f for f in FILES if find(root, f.path) is None]
 
 
 def download(root: Path, *, force: bool = False, report: Callable[[str], None] = print) -> list[Path]:
@@ -22,7 +24,7 @@ def download(root: Path, *, force: bool = False, report: Callable[[str], None] =
         from huggingface_hub import hf_hub_download
     except ImportError:  # pragma: no cover - it is a dependency
         raise WeightsError("huggingface_hub is not installed: pip install huggingface_hub") from None
-    todo = list(UPSTREAM_FILES) if force else missing_files(root)
+    todo = list(FILES) if force else missing_files(root)
     if not todo:
         report(f"all model files are already in {root}")
         return []

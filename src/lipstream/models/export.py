@@ -3,7 +3,7 @@
 The files are what users download: `musetalkV15/unet.pth` (a torch-saved state dict with
 diffusers' key names) + `musetalk.json`; `sd-vae/` as diffusers saves an AutoencoderKL (config.json
 and the weights); `whisper/` as transformers saves a Whisper model (config.json, the weights under
-`model.encoder.*`, preprocessor_config.json). Only the encoder is written: MuseTalk never runs
+`model.encoder.*`, preprocessor_config.json); `dwpose/dw-ll_ucoco_384.pth`, the face tracker. Only the encoder is written: MuseTalk never runs
 Whisper's decoder, and transformers initialises the missing decoder when it loads the folder.
 """
 
@@ -61,4 +61,14 @@ def write_random_checkpoint(root: str | Path, *, size: str = "tiny", seed: int =
     _save({f"model.encoder.{k}": v for k, v in whisper.state_dict().items()}, root / WHISPER_DIR,
           "pytorch_model.bin", "model.safetensors", binary)
     (root / WHISPER_DIR / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+
+    # the face tracker, where upstream's download puts it: an mmengine checkpoint ({"state_dict": ...}) of
+    # this size's DWPose (the loader tells the sizes apart by their shapes)
+    dwpose = build.build_dwpose(size, device="cpu", seed=seed + 3).state_dict()
+    (root / "dwpose").mkdir(exist_ok=True)
+    if binary:
+        torch.save({"meta": {}, "state_dict": {k: v.contiguous() for k, v in dwpose.items()}},
+                   root / "dwpose" / "dw-ll_ucoco_384.pth")
+    else:
+        _save(dwpose, root / "dwpose", "", "dw-ll_ucoco_384.safetensors", binary)
     return root

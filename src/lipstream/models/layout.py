@@ -38,6 +38,11 @@ UPSTREAM_FILES: tuple[UpstreamFile, ...] = (
                  alternatives=(f"{WHISPER_DIR}/pytorch_model.bin",)),
 )
 
+# The face tracker compile uses: DWPose (RTMPose-l whole-body), where upstream's download script puts it.
+DWPOSE_FILE = UpstreamFile("dwpose/dw-ll_ucoco_384.pth", "yzd-v/DWPose", "dw-ll_ucoco_384.pth",
+                           alternatives=("dwpose/dw-ll_ucoco_384.safetensors",))
+TRACKER_FILES: tuple[UpstreamFile, ...] = (DWPOSE_FILE,)
+
 HOW_TO_GET = "run `lipstream weights download` (needs internet), or pass --models DIR / set LIPSTREAM_MODELS"
 
 
@@ -51,7 +56,7 @@ def models_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def upstream_file(rel_path: str) -> UpstreamFile:
-    for f in UPSTREAM_FILES:
+    for f in (*UPSTREAM_FILES, *TRACKER_FILES):
         if f.path == rel_path:
             return f
     raise KeyError(rel_path)

@@ -263,7 +263,7 @@ class JobRunner:
         m = self.s.models
         video = self.s.o.data_dir / params["video"]
         compile_avatar(video, self.s.o.avatars_dir, m.vae, m.fingerprints["vae"], progress=False,
-                       vae_random=m.config.name if m.random_weights else None)
+                       tracker=self.s.face_tracker(), vae_random=m.config.name if m.random_weights else None)
         self.s.add_avatar(params["name"])
         return self.s.o.avatars_dir / params["name"]
 

@@ -13,11 +13,12 @@ import gc
 import logging
 import sys
 import time
-
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lipstream.avatar.cache import META
 from lipstream.avatar.resident import resident_avatar
+from lipstream.errors import LipStreamError
 from lipstream.live import LiveEngine, preset
 from lipstream.models import MuseTalk
 from lipstream.serve.jobs import JobRunner
@@ -28,6 +29,7 @@ from lipstream.serve.options import AVATAR_NAME, ServeOptions
 from lipstream.serve.rtc import default_workers
 
 if TYPE_CHECKING:
+    from lipstream.avatar.trackers import Tracker
     from lipstream.engine.aot import CompiledNetworks
     from lipstream.serve.upgrade import StepsUpgrade
     from lipstream.engine.networks import PendingPackages
@@ -59,6 +61,7 @@ class Service:
         self.live = LiveEngine(models, live_options, inductor=inductor, compiled=compiled,
                                encode_processes=options.encode_workers)
         self.avatars: dict[str, int] = {}
+        self._tracker: Tracker | None = None  # compile jobs' face tracker, made by the first
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
         self.closed_late = 0  # frames late in sessions already closed (for /metrics)
@@ -116,6 +119,22 @@ class Service:
         for name in added:
             self.add_avatar(name)
         return added
+
+    def face_tracker(self) -> Tracker:
+        """The compile jobs' face tracker (auto: DWPose, else dlib), made on the first job's thread and kept;
+        a one-line error without the server's folders when it has none."""
+        if self._tracker is None:
+            from lipstream.avatar.trackers import choose_tracker, make_tracker
+
+            m = self.models
+            root = Path(m.source or ".")
+            try:
+                kind = choose_tracker("auto", root, m.random_weights)
+            except LipStreamError:
+                raise LipStreamError("this server has no face tracker for compile jobs: its operator can run "
+                                     "`lipstream weights download` (DWPose) or install the dlib extra") from None
+            self._tracker = make_tracker(kind, root, m.random_weights, m.config.name, m.device)
+        return self._tracker
 
     def add_avatar(self, name: str) -> int:
         """Keep the compiled avatar --avatars/name resident (its idle loop too, once started)."""
