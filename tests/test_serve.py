@@ -202,9 +202,9 @@ def test_a_broadcast_job_equals_the_cli_broadcast(server, root, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.face_model  # the job tracks the loop's face with dlib's 68-point model
 def test_a_compile_job_makes_a_resident_avatar(server, tmp_path):
-    """An uploaded action loop becomes an avatar the next job can use, without a restart."""
+    """An uploaded action loop becomes an avatar the next job can use, without a restart; its face tracked by
+    the server's DWPose (random weights, as the server's networks)."""
     from lipstream.fixtures.avatar import action_loop
 
     client, service = server
@@ -223,6 +223,8 @@ def test_a_compile_job_makes_a_resident_avatar(server, tmp_path):
     assert done["status"] == "done", done
     avatar = client.get(done["result"], headers=AUTH).json()
     assert avatar["name"] == "ben" and (avatar["width"], avatar["height"]) == (640, 360)
+    meta = json.loads((Path(service.o.avatars_dir) / "ben" / "avatar.json").read_text())
+    assert meta["tracker"] == "dwpose-random-tiny"
     assert "ben" in [a["name"] for a in client.get("/v1/avatars", headers=AUTH).json()]
     with open(Path(service.o.data_dir).parent / "hello.wav", "rb") as f:
         job = client.post("/v1/jobs/render", data={"avatar": "ben"}, files={"audio": ("hello.wav", f, "audio/wav")},
