@@ -87,10 +87,21 @@ def test_serve_bench_without_a_server_there_says_so_in_one_line(tmp_path):
 def test_verify_reports_each_component(tiny_checkpoint):
     r = lipstream("weights", "verify", "--models", tiny_checkpoint)
     assert r.returncode == 0, r.stderr
-    for name in ("unet", "vae", "whisper"):
+    for name in ("unet", "vae", "whisper", "dwpose"):
         assert name in r.stdout
-    assert r.stdout.count(" ok ") == 3 and "fingerprint" in r.stdout and "parameters" in r.stdout
-    assert "conv_in.weight [32, 8, 3, 3]" in r.stdout
+    assert r.stdout.count(" ok ") == 4 and "fingerprint" in r.stdout and "parameters" in r.stdout
+    assert "conv_in.weight [32, 8, 3, 3]" in r.stdout and "backbone.stem.0.conv.weight [4, 3, 3, 3]" in r.stdout
+    assert "dwpose/dw-ll_ucoco_384.pth" in r.stdout and "mmengine (restricted unpickler)" in r.stdout
+
+
+def test_verify_says_dwpose_is_absent_without_failing(tmp_path, tiny_checkpoint):
+    """A MuseTalk folder without dwpose/ renders and serves: verify names what compile will lack and passes."""
+    root = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, root)
+    shutil.rmtree(root / "dwpose")
+    r = lipstream("weights", "verify", "--models", root)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(" ok ") == 3 and "dwpose   absent" in r.stdout and "weights download" in r.stdout
 
 
 @pytest.mark.slow

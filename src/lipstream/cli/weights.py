@@ -14,7 +14,8 @@ from lipstream.errors import LipStreamError
 @weights_app.command("download")
 def weights_download(models: ModelsOpt = None,
                      force: Annotated[bool, typer.Option(help="Download again even if present.")] = False) -> None:
-    """Fetch musetalkV15/, sd-vae/ and whisper/ from Hugging Face into the models folder."""
+    """Fetch musetalkV15/, sd-vae/, whisper/ and dwpose/ (compile's face tracker) from Hugging Face into the
+    models folder."""
     from lipstream.models.download import download
     from lipstream.models.layout import models_dir
 
@@ -33,7 +34,7 @@ def weights_verify(models: ModelsOpt = None,
     report = verify(models, sha256=sha256)
     out.print(f"models folder {report.root}")
     for row in report.rows:
-        colour = "green" if row.status == "ok" else "red"
+        colour = {"ok": "green", "absent": "yellow"}.get(row.status, "red")
         out.print(f"[bold]{row.component:8}[/] [{colour}]{row.status}[/]  {row.file}  {row.size}  {row.format}",
                   highlight=False)
         if row.status == "ok":
