@@ -60,7 +60,7 @@ def test_a_short_soak_churns_sessions_and_jobs_and_samples_the_server(tmp_path, 
     s = report["summary"]
     assert s["warmup_samples"] >= 1 and {"rss_mib", "open_files", "threads", "workers_private_mib",
                                          "workers_shared_maps"} <= set(s["series"])
-    assert set(s["shown"]) == {"workers_rss_mib", "workers_shmem_mib"}
+    assert set(s["shown"]) == {"workers_rss_mib", "workers_shmem_mib"} and "rtc_worker_private_mib" in s["series"]
     for v in s["series"].values():
         assert {"first", "last", "max", "drift_pct", "slope_per_hour", "pass"} <= set(v)
     assert len(s["late_frames"]["per_minute"]) == len(report["samples"]) - 1
@@ -133,3 +133,21 @@ def test_the_segment_encoders_shared_arena_is_not_counted_as_their_own_memory(tm
 
 def _children_of(pid: int) -> list[str]:
     return [k for t in Path(f"/proc/{pid}/task").iterdir() for k in (t / "children").read_text().split()]
+
+
+def test_each_kind_of_worker_is_judged_on_its_own():
+    """Four WebRTC workers growing 3 MiB a sample beside 22 flat encode workers: within 5 % in their sum,
+    a failure on their own."""
+    from lipstream.bench.soak import summarise
+
+    def sample(t, k):
+        workers = {"encode_worker": {"processes": 22, "private_mib": 530.0},
+                   "rtc_worker": {"processes": 4, "private_mib": 150.0 + 3 * k}}
+        return {"t_s": t, "rss_mib": 500, "frames_late": 0, "workers": workers,
+                "workers_private_mib": sum(w["private_mib"] for w in workers.values())}
+
+    raw = {"sessions": {"opened": 5, "closed": 5, "failed": 0}, "jobs": {"submitted": 2, "done": 2},
+           "samples": [sample(60 * k, k) for k in range(10)]}
+    s = summarise(raw)
+    assert s["series"]["workers_private_mib"]["pass"] and s["series"]["encode_worker_private_mib"]["pass"]
+    assert not s["series"]["rtc_worker_private_mib"]["pass"] and not s["pass"]

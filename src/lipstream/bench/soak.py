@@ -425,11 +425,19 @@ def summarise(raw: dict) -> dict:
     cut = warmup_count(len(samples))
     after = samples[cut:]
     series, shown = {}, {}
-    for name in (*SERIES, *SHOWN):
-        points = [(s["t_s"], s[name]) for s in after if s.get(name) is not None]
+    # each kind of worker on its own too: a small pool's leak is not lost in a big one's sum
+    kinds = {f"{kind}_private_mib": kind for kind in sorted({k for s in after for k in s.get("workers", {})})}
+
+    def value(sample: dict, name: str):
+        if name in kinds:
+            return sample.get("workers", {}).get(kinds[name], {}).get("private_mib")
+        return sample.get(name)
+
+    for name in (*SERIES, *kinds, *SHOWN):
+        points = [(s["t_s"], value(s, name)) for s in after if value(s, name) is not None]
         if len(points) >= 2:
             slack = COUNT_SLACK if name.endswith(("open_files", "threads", "maps")) else 0.0
-            (series if name in SERIES else shown)[name] = series_verdict([t for t, _ in points],
+            (shown if name in SHOWN else series)[name] = series_verdict([t for t, _ in points],
                                                                          [v for _, v in points], slack)
     late_per_min = []
     for a, b in zip(samples, samples[1:]):
