@@ -6,8 +6,9 @@ reuse, and the resident size creeps up: on 2 cores, sessions opened and closed o
 server by ~0.4 MiB a session in 12 MiB steps, and ran flat (and 275 MiB smaller) with glibc's arenas capped
 by MALLOC_ARENA_MAX; a process encoding 1280x720 segments with x264 on 4 threads held 84 MiB of heap between
 segments, 62 MiB trimmed. `malloc_trim(0)` hands the free pages of every arena back (about a millisecond).
-The server calls it off its event loop, at most once every TRIM_EVERY_S; an encode worker after each segment
-and each session it closed (a 1280x720 segment of 32 frames took 0.92 s on 2 cores with or without it).
+The server calls it off its event loop, at most once every TRIM_EVERY_S; a WebRTC worker on its loop after
+a session closed, as often at most; an encode worker after each segment and each session it closed (a
+1280x720 segment of 32 frames took 0.92 s on 2 cores with or without it).
 Elsewhere (musl, macOS) it is a no-op. Imports only the stdlib: the workers load no torch.
 """
 
