@@ -35,10 +35,11 @@ from lipstream.bench.serve_load import resident_avatars
 from lipstream.media.encode_pool import SHM_PREFIX
 
 FLAT_PCT = 5.0  # a series passes when its last sample is within this of its first after the warm-up
-COUNT_SLACK = 2  # ... or, for counts (open files, threads, mapped files), within this many
+COUNT_SLACK = 2  # ... or, for counts (open files, threads, mapped files), within this many: a pool's lazy
+# thread is no leak
 PRIVATE_SLACK_MIB = 8.0  # ... or, for the workers' private memory, within this many MiB: a small pool's heap
 # swings by a few MiB from one quiet sample to the next (an encoder's buffers until its next trim), 18 % of a
-# 23 MiB encode worker on 2 cores: a pool's lazy thread is no leak
+# 23 MiB encode worker on 2 cores
 WARMUP_SHARE = 0.2  # the first fifth of the samples is the warm-up
 LATE_SLACK_PER_MIN = 1.0  # late frames: the later half's rate may exceed the earlier's by 5 % and this
 QUIET_WAIT_S = 120.0  # the most a sample waits for the open sessions and running jobs to end (beyond the speech)

@@ -3,8 +3,9 @@
 The files are what users download: `musetalkV15/unet.pth` (a torch-saved state dict with
 diffusers' key names) + `musetalk.json`; `sd-vae/` as diffusers saves an AutoencoderKL (config.json
 and the weights); `whisper/` as transformers saves a Whisper model (config.json, the weights under
-`model.encoder.*`, preprocessor_config.json); `dwpose/dw-ll_ucoco_384.pth`, the face tracker. Only the encoder is written: MuseTalk never runs
-Whisper's decoder, and transformers initialises the missing decoder when it loads the folder.
+`model.encoder.*`, preprocessor_config.json); `dwpose/dw-ll_ucoco_384.pth`, compile's face tracker, as an
+mmengine checkpoint. Only Whisper's encoder is written: MuseTalk never runs Whisper's decoder, and
+transformers initialises the missing decoder when it loads the folder.
 """
 
 from __future__ import annotations
