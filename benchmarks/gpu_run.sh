@@ -27,8 +27,9 @@
 # compile       (carry .whl; ~120 s) `lipstream compile` of a 300-frame 1920x1080 loop as typed, fresh processes,
 #               DWPose tracking the face on the GPU (random weights: the full-size network, so the time is the
 #               real one and the boxes are not), RUNS (3) times, then once with --track (no tracker) for the rest
-#               of compiling; then the tracker alone in one process, warm: frames/s per batch size. Out:
-#               compile.txt (each run's wall and avatar.json timings), dwpose_fps.json.
+#               of compiling, and that run again under cProfile (the top 40 by cumulative time); then the
+#               tracker alone in one process, warm: frames/s per batch size. Out: compile.txt (each run's
+#               wall and avatar.json timings, the profile), dwpose_fps.json.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
@@ -281,6 +282,11 @@ write_track(action_loop('$c/anchor.mp4', width=1920, height=1080, seconds=12.0, 
     $PY -c "import json; m = json.load(open('$c/av/anchor/avatar.json')); print('  tracker', m['tracker'], \
 'timings', m['timings_s'])" 2>&1 | tee -a "$OUT/compile.txt"
   done
+  rm -rf "$c/av"  # where a compile's process wall goes beyond its timed pieces: the --track run under cProfile
+  timeout 120 $PY -m cProfile -o "$c/compile.prof" -m lipstream.cli compile "$c/anchor.mp4" -o "$c/av" \
+    --random-weights --track "$c/anchor.track.json" > /dev/null 2>&1
+  $PY -c "import pstats; pstats.Stats('$c/compile.prof').sort_stats('cumulative').print_stats(40)" 2>&1 \
+    | tail -50 | cut -c1-200 >> "$OUT/compile.txt"
   timeout 200 $PY - "$c/anchor.mp4" "$OUT/dwpose_fps.json" <<'PY' 2>&1 | tee -a "$OUT/compile.txt"
 import json, sys, time
 import torch

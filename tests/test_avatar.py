@@ -100,6 +100,8 @@ def test_cache_round_trip_is_exact(compiled, loop_video, tiny_models):
     assert meta["format"] == 1 and meta["fps"] == "25" and meta["frames"] == 40
     assert meta["vae"]["fingerprint"] == tiny_models.fingerprints["vae"]
     assert len(meta["source"]["sha256"]) == 64
+    assert set(meta["timings_s"]) == {"decode", "track", "masks_crops", "latents", "write_wait"}, meta["timings_s"]
+    assert meta["tracker"] == "dlib-68" and meta["key"]["tracker"] == "dlib-68"
 
 
 def test_masked_latent_sees_only_the_upper_half(tiny_models):

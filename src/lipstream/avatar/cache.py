@@ -129,6 +129,12 @@ class AvatarWriter:
     def start_frames(self, frames: list[np.ndarray], width: int, height: int, fps: Fraction) -> None:
         self._frames = self._pool.submit(write_frames, self.tmp / FRAMES, frames, width, height, fps)
 
+    def wait_frames(self) -> None:
+        """Until the frame encode has finished (raising what it raised)."""
+        if self._frames is None:
+            raise RuntimeError("start_frames() was not called")
+        self._frames.result()
+
     def finish(self, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(self.tmp / TENSORS),
                   metadata={"format": str(FORMAT_VERSION)})

@@ -179,13 +179,14 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         timings["latents"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        writer.wait_frames()  # the lossless frame encode, begun at the decode: what it adds past the latents
+        timings["write_wait"] = time.perf_counter() - t
         result.frames, result.size, result.fps = n, (loop.width, loop.height), str(loop.fps)
         result.face = tuple(int(v) for v in np.median(sizes, axis=0))
         meta = _meta(name, source, loop, key, options, vae, vae_fingerprint, result, tracker_name, vae_random)
         tensors = {"latents": latents, "boxes": torch.from_numpy(boxes), "masks": torch.from_numpy(masks),
                    "landmarks": torch.from_numpy(np.ascontiguousarray(landmarks, dtype=np.float32))}
         writer.finish(meta, tensors)
-        timings["write_wait"] = time.perf_counter() - t
     result.seconds = time.perf_counter() - t0
     return result
 
