@@ -103,11 +103,8 @@ def main() -> None:
                     help="flags of another warm row, run after each warm default run (e.g. '--encoder-threads')")
     ap.add_argument("extra", nargs="*", help="extra render flags, after --")
     args = ap.parse_args()
-    import numpy as np
-
-    from lipstream.avatar.boxes import TEMPLATE_LANDMARKS
     from lipstream.fixtures import speech_like, write_audio
-    from lipstream.fixtures.avatar import action_loop
+    from lipstream.fixtures.avatar import action_loop, write_track
 
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -121,8 +118,7 @@ def main() -> None:
     write_audio(work / "speech.wav", speech_like(args.seconds, 16000), 16000)
     track = []
     if args.track_truth:
-        points = np.einsum("nij,kj->nki", truth.transforms[:, :, :2], TEMPLATE_LANDMARKS) + truth.transforms[:, None, :, 2]
-        (work / "anchor.track.json").write_text(json.dumps({"landmarks": points.round(2).tolist()}))
+        write_track(truth, work / "anchor.track.json")
         track = ["--track", "anchor.track.json"]
     report = {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
               "av": av.__version__, "commit": os.environ.get("LIPSTREAM_COMMIT", ""), "size": args.size,

@@ -17,7 +17,8 @@ from lipstream.errors import WeightsError
 from lipstream.models.build import build_dwpose
 from lipstream.models.dwpose import (
     FACE, FLIP_INDICES, INPUT_HEIGHT, INPUT_WIDTH, MEAN, STD, boxes_to_center_scale, crop, decode_simcc,
-    dwpose_config, face_landmarks, flip_test, keypoints, load_dwpose, to_frame)
+    dwpose_config, face_landmarks, flip_test, keypoints, to_frame)
+from lipstream.models.load import load_dwpose
 
 
 def expected_full_keys() -> dict[str, tuple[int, ...]]:

@@ -127,7 +127,7 @@ def dwpose_tracker(models: Path, random_weights: bool, random_size: str, device:
         return DWPoseTracker(build_dwpose(random_size, device=device, seed=0), f"dwpose-random-{random_size}",
                              min_face_score=None)
     from lipstream.models.checkpoint import fingerprint
-    from lipstream.models.dwpose import load_dwpose
+    from lipstream.models.load import load_dwpose
 
     path = find(models, DWPOSE_FILE.path)
     assert path is not None  # choose_tracker checked

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -355,26 +354,3 @@ def face_landmarks(net: nn.Module, frames: torch.Tensor, boxes: torch.Tensor | N
     """The 68 face points (keypoints 23-90, 300-W order) per frame: [B, 68, 2] and their scores [B, 68]."""
     points, scores = keypoints(net, frames, boxes, flip=flip)
     return points[:, FACE], scores[:, FACE]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_dwpose(path: str | Path, *, size: str = "auto", device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> DWPose:
-    """The network from `dw-ll_ucoco_384.pth` as upstream ships it (an mmengine checkpoint, read with a
-    restricted unpickler) or a .safetensors of the same keys; strict: every key and shape, WeightsError else.
-    `size` "auto": the preset whose stem has the file's width (upstream's file is "full")."""
-    from lipstream.models.build import build_dwpose
-    from lipstream.models.checkpoint import load_strict, read_state_dict
-
-    path = Path(path)
-    sd = read_state_dict(path, restricted=True)
-    if size == "auto":
-        stem = sd.get("backbone.stem.0.conv.weight")
-        sizes = [name for name, c in DWPOSE_SIZES.items() if stem is not None and stem.shape[0] * 2 == c.widths[0]]
-        size = sizes[0] if sizes else "full"  # no match: the strict load below names what differs
-    net = build_dwpose(size)
-    load_strict(net, sd, path)
-    return net.to(device=device, dtype=dtype)

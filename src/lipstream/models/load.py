@@ -20,6 +20,7 @@ from lipstream.models.config import (
 from lipstream.models.layout import HOW_TO_GET, UNET_DIR, VAE_DIR, WHISPER_DIR, find, models_dir, upstream_file
 from lipstream.models.positional import PositionalEncoding
 from lipstream.models.unet import UNet
+from lipstream.models.dwpose import DWPOSE_SIZES, DWPose
 from lipstream.models.vae import VAE
 from lipstream.models.whisper import WhisperEncoder, mel_filters
 
@@ -195,3 +196,19 @@ def _construct(make, cfg: dict, config_path: Path):
         return make(cfg)
     except Exception as e:
         raise WeightsError(f"{config_path}: cannot build the model from this config ({e}); {HOW_TO_GET}") from None
+
+
+def load_dwpose(path: str | Path, *, size: str = "auto", device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> DWPose:
+    """The network from `dw-ll_ucoco_384.pth` as upstream ships it (an mmengine checkpoint, read with a
+    restricted unpickler) or a .safetensors of the same keys; strict: every key and shape, WeightsError else.
+    `size` "auto": the preset whose stem has the file's width (upstream's file is "full")."""
+    path = Path(path)
+    sd = read_state_dict(path, restricted=True)
+    if size == "auto":
+        stem = sd.get("backbone.stem.0.conv.weight")
+        sizes = [name for name, c in DWPOSE_SIZES.items() if stem is not None and stem.shape[0] * 2 == c.widths[0]]
+        size = sizes[0] if sizes else "full"  # no match: the strict load below names what differs
+    net = build.build_dwpose(size)
+    load_strict(net, sd, path)
+    return net.to(device=device, dtype=dtype)

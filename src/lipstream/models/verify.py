@@ -87,9 +87,8 @@ def verify(models: str | Path | None = None, *, sha256: bool = False) -> Report:
 
 def _dwpose(path: Path) -> tuple[torch.nn.Module, str]:
     from lipstream.models.checkpoint import fingerprint
-    from lipstream.models.dwpose import load_dwpose
 
-    net = load_dwpose(path)
+    net = load.load_dwpose(path)
     return net, fingerprint(net.state_dict())
 
 
