@@ -18,7 +18,7 @@ from lipstream.avatar.face import DlibBackend, fill_gaps, smooth, track
 from lipstream.avatar.trackers import DlibTracker
 from lipstream.avatar.latents import encode_latents, face_crop
 from lipstream.avatar.masks import to_box_space
-from lipstream.avatar.video import read_loop
+from lipstream.avatar.video import LoopsAhead, read_loop
 from lipstream.errors import InputError
 from lipstream.fixtures.avatar import EYE_RADIUS, action_loop, still_image
 
@@ -244,6 +244,28 @@ def test_corrupt_video(tmp_path, tiny_models, loop_video):
     (tmp_path / "noise.mp4").write_bytes(np.random.default_rng(0).bytes(10_000))  # seeded: never decodable by chance
     with pytest.raises(InputError, match="not a readable video"):
         read_loop(tmp_path / "noise.mp4")
+
+
+def test_loops_decoded_ahead_are_the_loops_read_now(tmp_path, loop_video):
+    """compile decodes each input ahead on a thread: in order, out of order (an input passed over) and after
+    a bad file, each loop is what read_loop gives, and a bad file's error comes when it is taken."""
+    good = loop_video[0]
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video at all")
+    still = tmp_path / "still.png"
+    still_image(still, width=W, height=H)
+    other = tmp_path / "other.mp4"
+    other.write_bytes(good.read_bytes())
+    want = read_loop(good)
+    ahead = LoopsAhead([good, bad, still, other], fps=None)
+    got = ahead.take(good)
+    assert len(got.frames) == len(want.frames) and all(np.array_equal(a, b) for a, b in zip(got.frames, want.frames))
+    with pytest.raises(InputError, match="bad.mp4"):
+        ahead.take(bad)
+    assert ahead.take(other).fps == want.fps  # still.png passed over: other.mp4 decoded now
+    assert ahead.take(still).still
+    ahead.close()
+    assert LoopsAhead([good], fps=50).take(good).fps == 50
 
 
 def test_video_without_a_face(tmp_path, tiny_models, backend):

@@ -87,8 +87,10 @@ def test_compile_without_dlib_uses_dwpose_and_says_so(tmp_path, no_dlib, capsys)
     # another tracker is another avatar: compiled again, not skipped as unchanged
     track = tmp_path / "anchor.track.json"
     track.write_text(json.dumps({"boxes": [[100, 40, 200, 150]]}))
-    assert main(["compile", str(loop), "-o", str(tmp_path / "a"), "--track", str(track), *tiny]) == 0
-    assert "compiled" in capsys.readouterr().out
+    assert main(["compile", str(loop), "-o", str(tmp_path / "a"), "--track", str(track), "--timings", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "compiled" in out
+    assert all(step in out for step in ("torch and the device", "anchor: landmarks", "anchor: VAE latents"))
     assert json.loads((tmp_path / "a" / "anchor" / "avatar.json").read_text())["tracker"] == "track-file"
     (tmp_path / "models").mkdir()
     assert main(["compile", str(loop), "-o", str(tmp_path / "b"), "--models", str(tmp_path / "models")]) != 0

@@ -13,17 +13,6 @@ from lipstream.media.pixels import yuv_to_rgb_affine  # the numpy half (MATRICES
 from lipstream.media.pixels import matrix_coefficients as _coefficients
 
 
-def default_matrix(tagged: str | None = None) -> str:
-    """'bt709' or 'bt601' from a stream's colour-space tag (FFmpeg's names); untagged -> 'bt601'."""
-    if tagged:
-        t = tagged.lower().replace("-", "").replace("_", "")
-        if "709" in t:
-            return "bt709"
-        if "601" in t or "470" in t or "170" in t or t in ("smpte170m", "bt470bg"):
-            return "bt601"
-    return "bt601"
-
-
 def rgb_to_yuv(rgb: torch.Tensor, matrix: str) -> torch.Tensor:
     """RGB float [..., 3, H, W] in [0, 1] -> full-resolution Y, U, V float [..., 3, H, W] in code values."""
     kr, kg, kb = _coefficients(matrix)

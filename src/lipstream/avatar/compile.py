@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,12 @@ import lipstream
 from lipstream.avatar import boxes as box_rule
 from lipstream.avatar.cache import FORMAT_VERSION, META, AvatarWriter
 from lipstream.avatar.face import fill_gaps, smooth
-from lipstream.avatar.latents import encode_latents, face_crop
+from lipstream.avatar.latents import encode_latents, face_crop, warm_vae_encoder
 from lipstream.avatar.masks import lower_face_mask
 from lipstream.avatar.trackers import Tracker
-from lipstream.avatar.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, Loop, read_loop
+from lipstream.avatar.video import Loop, LoopsAhead, expand_inputs, read_loop
 from lipstream.errors import InputError, LipStreamError
+from lipstream.media.rates import as_fps
 from lipstream.models.checkpoint import file_sha256
 
 
@@ -49,23 +51,6 @@ class CompileResult:
     seconds: float = 0.0
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def expand_inputs(inputs: list[Path]) -> list[Path]:
-    """Files as given; folders become their video and image files, sorted."""
-    out: list[Path] = []
-    for p in map(Path, inputs):
-        if p.is_dir():
-            try:
-                files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in VIDEO_SUFFIXES | IMAGE_SUFFIXES)
-            except OSError as e:
-                raise InputError(p, f"cannot read folder ({e.strerror})") from None
-            if not files:
-                raise InputError(p, "folder holds no videos or images")
-            out.extend(files)
-        else:
-            out.append(p)
-    return out
 
 
 def cache_key(source: Path, options: CompileOptions, vae_fingerprint: str, track_hash: str | None,
@@ -119,12 +104,14 @@ def save_track(path: Path, landmarks: np.ndarray, source: Path) -> None:
 def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *,
                    options: CompileOptions = CompileOptions(), track_file: Path | None = None,
                    save_track_dir: Path | None = None, tracker: Tracker | None = None,
-                   force: bool = False, progress: bool = True, vae_random: str | None = None) -> CompileResult:
+                   force: bool = False, progress: bool = True, vae_random: str | None = None,
+                   loops: LoopsAhead | None = None) -> CompileResult:
     """Compile one action loop into avatars_dir/<file stem>; skipped when an identical cache exists.
 
     `vae_random` names the random preset ("tiny", "full") when the VAE is seeded random weights:
     recorded so that a render with --random-weights can build the same networks by itself. `tracker`
-    finds the faces (avatar/trackers.py) unless `track_file` gives them.
+    finds the faces (avatar/trackers.py) unless `track_file` gives them; `loops` may have decoded the source
+    ahead (with the same frame rate override as `options`).
     """
     t0 = time.perf_counter()
     source = Path(source)
@@ -145,7 +132,8 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         return result
     timings = result.timings
 
-    loop = read_loop(source, Fraction(options.fps) if options.fps else None)
+    fps = as_fps(options.fps) if options.fps else None
+    loop = loops.take(source) if loops is not None else read_loop(source, fps)
     n = len(loop.frames)
     timings["decode"] = time.perf_counter() - t0
     with AvatarWriter(dest) as writer:
@@ -170,11 +158,18 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
             crop = face_crop(loop.frames[i], boxes[i], loop.width, loop.height, loop.matrix)
             return crop, lower_face_mask(landmarks[i], boxes[i])
 
+        warming = None
+        if next(vae.parameters()).device.type == "cuda":  # the GPU is idle while the CPU cuts the crops
+            warming = threading.Thread(target=quietly, args=(warm_vae_encoder, vae), name="lipstream-warm-vae",
+                                       daemon=True)
+            warming.start()
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # OpenCV releases the GIL
             crops, masks = (np.stack(x) for x in zip(*pool.map(prepare, range(n))))
         timings["masks_crops"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        if warming is not None:
+            warming.join()
         latents = encode_latents(crops, vae).to("cpu", torch.float16)
         timings["latents"] = time.perf_counter() - t
 
@@ -189,6 +184,14 @@ def compile_avatar(source: Path, avatars_dir: Path, vae, vae_fingerprint: str, *
         writer.finish(meta, tensors)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def quietly(work: Callable[..., object], *args) -> None:
+    """A warm-up on a thread: a failure there is left for the real call to raise, in one line."""
+    try:
+        work(*args)
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def _landmarks(loop: Loop, source: Path, name: str, track_file: Path | None, save_track_dir: Path | None,
@@ -237,22 +240,33 @@ def _meta(name: str, source: Path, loop: Loop, key: dict, options: CompileOption
 
 
 def compile_many(inputs: list[Path], avatars_dir: Path, vae, vae_fingerprint: str, **kwargs) -> list[CompileResult]:
-    """Compile each input; one bad input is reported in its result, the others still compile."""
+    """Compile each input; one bad input is reported in its result, the others still compile. Each next
+    input decodes while the one before it compiles (`loops`, or begun here)."""
     sources = expand_inputs(inputs)
     track = kwargs.pop("track", None)
     if track is not None and Path(track).is_file() and len(sources) > 1:
         raise LipStreamError("--track FILE applies to one input; for several, pass a folder of <name>.track.json")
+    options = kwargs.get("options", CompileOptions())
+    loops = kwargs.pop("loops", None)
+    owned = loops is None
+    if owned:
+        loops = LoopsAhead(sources, as_fps(options.fps) if options.fps else None)
     results, seen = [], set()
-    for source in sources:
-        if source.stem in seen:
-            results.append(CompileResult(source.stem, source, "failed", message="another input has the same name"))
-            continue
-        seen.add(source.stem)
-        track_file = None
-        if track is not None:
-            track_file = Path(track) if Path(track).is_file() else Path(track) / f"{source.stem}.track.json"
-        try:
-            results.append(compile_avatar(source, avatars_dir, vae, vae_fingerprint, track_file=track_file, **kwargs))
-        except LipStreamError as e:
-            results.append(CompileResult(source.stem, source, "failed", message=str(e)))
+    try:
+        for source in sources:
+            if source.stem in seen:
+                results.append(CompileResult(source.stem, source, "failed", message="another input has the same name"))
+                continue
+            seen.add(source.stem)
+            track_file = None
+            if track is not None:
+                track_file = Path(track) if Path(track).is_file() else Path(track) / f"{source.stem}.track.json"
+            try:
+                results.append(compile_avatar(source, avatars_dir, vae, vae_fingerprint, track_file=track_file,
+                                              loops=loops, **kwargs))
+            except LipStreamError as e:
+                results.append(CompileResult(source.stem, source, "failed", message=str(e)))
+    finally:
+        if owned:
+            loops.close()
     return results

@@ -66,3 +66,12 @@ def encode_latents(crops: np.ndarray | torch.Tensor, vae: VAE, batch: int = 32) 
         n = chunk.shape[0]
         out.append(torch.cat([both[:n], both[n:]], dim=1))
     return torch.cat(out)
+
+
+def warm_vae_encoder(vae: VAE, batch: int = 32) -> None:
+    """One batch of blank crops through the encoder (on a thread while the crops are cut): a process's first
+    batch on a GPU pays for its kernels' loading and cuDNN's choices."""
+    encode_latents(np.zeros((batch, CROP_SIZE, CROP_SIZE, 3), np.uint8), vae, batch)
+    param = next(vae.parameters())
+    if param.device.type == "cuda":
+        torch.cuda.current_stream(param.device).synchronize()

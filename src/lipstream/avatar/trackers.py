@@ -50,27 +50,53 @@ class DWPoseTracker:
         self.device = next(net.parameters()).device
         self.batch = batch or (16 if self.device.type == "cuda" else 2)
 
+    def warm(self) -> None:
+        """One batch of blank frames through the network: on a GPU the first batch of a process pays for cuDNN's
+        choices and the kernels' loading (about 1 s of the first loop's 1.6 s), which a thread can pay while
+        the VAE loads and the loop decodes."""
+        import torch
+
+        from lipstream.models.dwpose import face_landmarks
+
+        with torch.inference_mode():
+            face_landmarks(self.net, torch.zeros((self.batch, 3, 64, 64), dtype=torch.uint8, device=self.device))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+
     def landmarks(self, loop: Loop, progress: Callable[[int], None] | None = None) -> np.ndarray:
+        """Each batch is stacked straight into one of two pinned buffers and copied up while the GPU works on
+        the one before: the host's copies, not the network, were most of a loop's time. One wait at the end."""
         import torch
 
         from lipstream.avatar.colour import i420_to_rgb
         from lipstream.models.dwpose import face_landmarks
 
-        n = len(loop.frames)
-        out = np.full((n, 68, 2), np.nan, np.float32)
-        pinned = self.device.type == "cuda"
+        n, batch = len(loop.frames), self.batch
+        cuda = self.device.type == "cuda"
+        staging = [torch.empty((min(batch, n), *loop.frames[0].shape), dtype=torch.uint8, pin_memory=cuda)
+                   for _ in range(2 if cuda else 1)]
+        copied: list = [None] * len(staging)  # the event after each buffer's last upload
+        found = []
         with torch.inference_mode():
-            for start in range(0, n, self.batch):
-                i420 = torch.from_numpy(np.stack(loop.frames[start:start + self.batch]))
-                i420 = (i420.pin_memory() if pinned else i420).to(self.device, non_blocking=True)
+            for k, start in enumerate(range(0, n, batch)):
+                slot = k % len(staging)
+                if copied[slot] is not None:
+                    copied[slot].synchronize()  # its upload two batches ago is done: free to refill
+                frames = loop.frames[start:start + batch]
+                host = staging[slot][:len(frames)]
+                np.stack(frames, out=host.numpy())
+                i420 = host.to(self.device, non_blocking=True)
+                if cuda:
+                    copied[slot] = torch.cuda.Event()
+                    copied[slot].record()
                 rgb = i420_to_rgb(i420, loop.height, loop.width, loop.matrix).permute(0, 3, 1, 2)
                 points, scores = face_landmarks(self.net, rgb)
                 if self.min_face_score is not None:
                     points[scores.mean(dim=1) < self.min_face_score] = float("nan")
-                out[start:start + len(points)] = points.cpu().numpy()
+                found.append(points)
                 if progress:
-                    progress(len(points))
-        return out
+                    progress(len(frames))
+        return torch.cat(found).cpu().numpy().astype(np.float32, copy=False)
 
 
 class DlibTracker:

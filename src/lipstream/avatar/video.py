@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -9,16 +10,18 @@ from pathlib import Path
 import av
 import numpy as np
 
-from lipstream.avatar.colour import default_matrix
 from lipstream.errors import InputError
 from lipstream.files import check_file
 from lipstream.media.demux import open_input
+from lipstream.media.pixels import default_matrix
 
 MAX_SIDE = 4096  # pixels; 4K DCI. Larger frames are refused rather than half-processed
 MAX_BYTES = 8 * 2**30  # I420 bytes of all frames held at once (~1700 frames of 1080p)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".mpg", ".mpeg", ".ts", ".flv", ".gif"}
 DEFAULT_STILL_FPS = Fraction(25)
+AHEAD_BYTES = 2 * 2**30  # the next loop is decoded during this one's compile only while this one is at most
+# this big: two loops in memory at once, never two of the largest
 
 
 @dataclass
@@ -35,6 +38,23 @@ class Loop:
     def luma(self, i: int) -> np.ndarray:
         """[H, W] Y plane of frame i: the grey image face tracking looks at."""
         return self.frames[i][: self.height]
+
+
+def expand_inputs(inputs: list[Path]) -> list[Path]:
+    """Files as given; folders become their video and image files, sorted."""
+    out: list[Path] = []
+    for p in map(Path, inputs):
+        if p.is_dir():
+            try:
+                files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in VIDEO_SUFFIXES | IMAGE_SUFFIXES)
+            except OSError as e:
+                raise InputError(p, f"cannot read folder ({e.strerror})") from None
+            if not files:
+                raise InputError(p, "folder holds no videos or images")
+            out.extend(files)
+        else:
+            out.append(p)
+    return out
 
 
 def read_loop(path: str | Path, fps: float | Fraction | None = None) -> Loop:
@@ -82,6 +102,51 @@ def read_loop(path: str | Path, fps: float | Fraction | None = None) -> Loop:
     else:
         loop_fps = Fraction(rate)
     return Loop(frames, width, height, loop_fps, matrix, still)
+
+
+class LoopsAhead:
+    """Decodes `sources` in order on a thread, one ahead of their use: the first while the command imports
+    torch and loads its networks (~0.8 s of a 300-frame 1080p loop off the process wall), each next one
+    while the one before it compiles. A source taken out of order is decoded there and then."""
+
+    def __init__(self, sources: list[Path], fps: float | Fraction | None = None):
+        self.sources, self.fps = [Path(s) for s in sources], fps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lipstream-decode")
+        self._next: tuple[int, Future] | None = None
+        self._begin(0)
+
+    def _begin(self, i: int) -> None:
+        self._next = (i, self._pool.submit(read_loop, self.sources[i], self.fps)) if i < len(self.sources) else None
+
+    def take(self, source: Path) -> Loop:
+        """The loop of `source`, raising what its decode raised (InputError for a bad file)."""
+        source = Path(source)
+        ahead, self._next = self._next, None
+        if ahead is not None and self.sources[ahead[0]] == source:
+            i, decoding = ahead
+        else:  # out of order (an input passed over): decoded here and now
+            if ahead is not None:
+                ahead[1].cancel()
+            i, decoding = (self.sources.index(source) if source in self.sources else len(self.sources)), None
+        try:
+            loop = decoding.result() if decoding is not None else read_loop(source, self.fps)
+        except BaseException:
+            self._begin(i + 1)
+            raise
+        if loop_bytes(loop) <= AHEAD_BYTES:  # else the next one is decoded when taken
+            self._begin(i + 1)
+        return loop
+
+    def close(self) -> None:
+        """Drop a decode not taken (the thread finishes the file it is on; its frames are freed)."""
+        if self._next is not None:
+            self._next[1].cancel()
+            self._next = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def loop_bytes(loop: Loop) -> int:
+    return sum(f.nbytes for f in loop.frames)
 
 
 def _i420(frame: av.VideoFrame, width: int, height: int) -> np.ndarray:

@@ -42,7 +42,7 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                     help="Face tracker: auto (DWPose where its weights are, else dlib where installed), dwpose "
                          "(Apache-2.0 weights, on the GPU) or dlib (CPU; non-commercial model).")] = "auto",
                 models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
-                device: DeviceOpt = "auto") -> None:
+                device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
     """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
     machine_options(device, random_size)
     fps_option(fps)
@@ -56,29 +56,64 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
     if track is not None and not track.exists():
         raise InputError(track, "no such track file or folder")
     check_models(models, random_weights)
+    from lipstream.avatar.video import expand_inputs
     from lipstream.avatar.trackers import DLIB_LICENCE, choose_tracker, make_tracker
     from lipstream.models.layout import models_dir
 
     kind = choose_tracker(tracker, models_dir(models), random_weights) if track is None else None
+    sources = expand_inputs(list(inputs))
+    with start_without_collections():  # as render's start: the GPU's context and the first loop's decode
+        from lipstream.engine.cuda_context import start_primary_context  # begin while torch imports
 
+        start_primary_context(device)
+        from lipstream.avatar.video import LoopsAhead
+
+        loops = LoopsAhead(sources, fps_option(fps))
+        t_checked = process_age()
+        try:
+            from lipstream.engine.networks import pick_device, warm_gpu_libraries
+
+            from lipstream.avatar.compile import quietly
+
+            dev = pick_device(device)
+            warming = warm_gpu_libraries(dev)
+            t_torch = process_age()
+            face, tracker_warming = None, None
+            if kind is not None:  # DWPose's first batch run on a thread while the VAE loads
+                face = make_tracker(kind, models_dir(models), random_weights, random_size_for(random_size, dev.type),
+                                    dev)
+                if dev.type == "cuda" and hasattr(face, "warm"):
+                    tracker_warming = threading.Thread(target=quietly, args=(face.warm,), daemon=True,
+                                                       name="lipstream-warm-tracker")
+                    tracker_warming.start()
+            m = load_models(models, device, random_weights, random_size, components=["vae"])
+            if tracker_warming is not None:
+                tracker_warming.join()
+            if face is not None:
+                if kind == "dlib":
+                    out.print(f"[yellow]face tracker: dlib's 68-point model ({DLIB_LICENCE})[/]")
+                elif random_weights:
+                    out.print("[yellow]face tracker: DWPose with random weights: it finds no face, every frame is "
+                              "taken as one and the boxes fall anywhere; pass --track FILE, or get the real weights[/]")
+                else:
+                    out.print("face tracker: DWPose (dw-ll_ucoco_384, Apache-2.0)")
+            if warming is not None:
+                warming.join()
+            t_networks = process_age()
+        except BaseException:
+            loops.close()
+            raise
     from rich.table import Table
 
     from lipstream.avatar import CompileOptions, compile_many
 
-    m = load_models(models, device, random_weights, random_size, components=["vae"])
-    face = None
-    if kind is not None:
-        face = make_tracker(kind, models_dir(models), random_weights, m.config.name, m.device)
-        if kind == "dlib":
-            out.print(f"[yellow]face tracker: dlib's 68-point model ({DLIB_LICENCE})[/]")
-        elif random_weights:
-            out.print("[yellow]face tracker: DWPose with random weights: it finds no face, every frame is taken "
-                      "as one and the boxes fall anywhere; pass --track FILE, or get the real weights[/]")
-        else:
-            out.print("face tracker: DWPose (dw-ll_ucoco_384, Apache-2.0)")
-    results = compile_many(list(inputs), output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
-                           tracker=face, options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
-                           vae_random=m.config.name if m.random_weights else None)
+    try:
+        results = compile_many(sources, output, m.vae, m.fingerprints["vae"], track=track, save_track_dir=save_track,
+                               tracker=face, options=CompileOptions(extra_margin, bbox_shift, fps=fps), force=force,
+                               vae_random=m.config.name if m.random_weights else None, loops=loops)
+    finally:
+        loops.close()
+        gc.unfreeze()
     table = Table(title=f"avatars in {output}")
     for col in ("avatar", "status", "frames", "size", "fps", "face box", "time", "note"):
         table.add_column(col)
@@ -92,6 +127,29 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
     failed = [r for r in results if r.status == "failed"]
     if failed:
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
+    if timings:
+        _print_compile_timings(results, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
+                                         "networks and tracker": t_networks - t_torch})
+    mark_finished()
+
+
+def _print_compile_timings(results, before: dict[str, float]) -> None:
+    """--timings: where compile's time went, from the process start; each avatar's steps after."""
+    from rich.table import Table
+
+    table = Table(title=f"compile, seconds ({process_age():.2f} s since the process started)")
+    for col in ("step", "seconds"):
+        table.add_column(col)
+    for name, seconds in before.items():
+        table.add_row(name, f"{seconds:.2f}")
+    names = {"decode": "decode: wait past the start", "track": "landmarks (tracker or track file)", "masks_crops": "masks and crops",
+             "latents": "VAE latents", "write_wait": "frames file: wait past the latents"}
+    for r in results:
+        for key, seconds in r.timings.items():
+            table.add_row(f"{r.name}: {names.get(key, key)}", f"{seconds:.2f}")
+        if r.seconds:
+            table.add_row(f"{r.name}: in all", f"{r.seconds:.2f}")
+    out.print(table)
 
 
 def _import_quietly(module: str) -> None:

@@ -99,3 +99,14 @@ def i420_resize(i420: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     for k in range(2):
         planes[k] = cv2.resize(chroma[k], (w // 2, h // 2), interpolation=how)
     return out
+
+
+def default_matrix(tagged: str | None = None) -> str:
+    """'bt709' or 'bt601' from a stream's colour-space tag (FFmpeg's names); untagged -> 'bt601'."""
+    if tagged:
+        t = tagged.lower().replace("-", "").replace("_", "")
+        if "709" in t:
+            return "bt709"
+        if "601" in t or "470" in t or "170" in t or t in ("smpte170m", "bt470bg"):
+            return "bt601"
+    return "bt601"
