@@ -647,6 +647,105 @@ def test_a_webrtc_worker_that_dies_closes_its_sessions_and_a_new_one_takes_the_n
     assert len(video) >= 10, len(video)
 
 
+PEER_CLIENT = """
+import asyncio, sys, httpx
+from aiortc import RTCPeerConnection, RTCSessionDescription
+async def main(port, key):
+    pc, tracks = RTCPeerConnection(), {}
+    pc.on("track", lambda t: tracks.__setitem__(t.kind, t))
+    pc.addTransceiver("audio", direction="recvonly")
+    pc.addTransceiver("video", direction="recvonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
+                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/sdp"})
+    await pc.setRemoteDescription(RTCSessionDescription(r.text, "answer"))
+    while "video" not in tracks:
+        await asyncio.sleep(0.05)
+    for _ in range(3):
+        await tracks["video"].recv()
+    print(r.headers["x-session-id"], pc.connectionState, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+"""
+
+
+async def _gone_within(port: int, ws, sid: str, limit_s: float) -> tuple[float, list[dict]]:
+    """Seconds until `sid` leaves the server's list, and what its speech socket said until it closed."""
+    t0 = time.monotonic()
+    reading = asyncio.ensure_future(_until_closed(ws, limit_s + 5))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        while sid in [x["id"] for x in (await c.get("/v1/sessions", headers=AUTH)).json()]:
+            assert time.monotonic() - t0 < limit_s + 5, f"session {sid} still listed after {limit_s + 5} s"
+            await asyncio.sleep(0.1)
+    return time.monotonic() - t0, await reading
+
+
+@pytest.mark.slow
+def test_a_client_that_never_connects_gives_its_session_back_within_10_s(server):
+    """An offer answered and then nothing (no ICE, no DTLS: a client that crashed after its POST, or a browser
+    behind a firewall): the session is closed 10 s after the answer, its speech socket told why, its share of
+    the engine freed."""
+    from aiortc import RTCPeerConnection
+
+    port, service = _port(server), server[1]
+
+    async def run():
+        before = len(service.live.sessions)
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.addTransceiver("video", direction="recvonly")
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            r = await c.post("/v1/sessions", params={"avatar": "anna"}, content=pc.localDescription.sdp,
+                             headers={**AUTH, "Content-Type": "application/sdp"})
+        assert r.status_code == 201, r.text
+        t_answer, sid = time.monotonic(), r.headers["x-session-id"]
+        ws = await _speech_socket(port, sid)
+        assert len(service.live.sessions) == before + 1
+        seconds, events = await _gone_within(port, ws, sid, 10.0)
+        waited = time.monotonic() - t_answer
+        await pc.close()  # never given the answer: it sends nothing
+        return waited, events, ws, len(service.live.sessions) - before
+
+    waited, events, ws, held = asyncio.run(run())
+    assert 9.0 <= waited <= 12.0, waited
+    ended = [e for e in events if e.get("type") == "ended"]
+    assert len(ended) == 1 and "did not connect within 10 s" in ended[0]["reason"], events
+    assert ws.close_code == 4410 and "did not connect" in ws.close_reason
+    assert held == 0
+
+
+@pytest.mark.slow
+def test_a_client_killed_mid_session_gives_its_session_back_within_10_s(server, tmp_path):
+    """A real aiortc client in its own process, playing, then SIGKILL: no DTLS close, no BYE, its packets just
+    stop. Its ICE consent checks go unanswered and the session is closed within 10 s, its socket told why."""
+    port, service = _port(server), server[1]
+    client = subprocess.Popen([sys.executable, "-c", PEER_CLIENT, str(port), KEY], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = client.stdout.readline().split()
+        assert len(line) == 2 and line[1] == "connected", (line, client.stderr.read() if client.poll() else "")
+        sid = line[0]
+
+        async def run():
+            before = len(service.live.sessions)
+            ws = await _speech_socket(port, sid)
+            await asyncio.sleep(0.5)
+            client.kill()
+            seconds, events = await _gone_within(port, ws, sid, 10.0)
+            return seconds, events, ws, before - len(service.live.sessions)
+
+        seconds, events, ws, freed = asyncio.run(run())
+    finally:
+        client.kill()
+        client.wait()
+    assert seconds <= 10.0, seconds
+    ended = [e for e in events if e.get("type") == "ended"]
+    assert len(ended) == 1 and "stopped answering" in ended[0]["reason"], events
+    assert ws.close_code == 4410 and freed == 1
+
+
 async def _speech_socket(port: int, sid: str):
     import websockets
 

@@ -184,7 +184,7 @@ class RtcWorkerProcess:
         elif kind == "mic":
             peer.handlers.mic(np.frombuffer(payload, np.float32).copy(), int(h["rate"]))
         elif kind == "state":
-            peer.handlers.failed(f"the connection {h.get('state')}")
+            peer.handlers.failed(h.get("why") or f"the connection {h.get('state')}")
         elif kind == "error":
             log.warning("%s, session %s: %s", self.name, sid, h.get("message"))
 

@@ -15,10 +15,14 @@ is the server's side. Imports only the stdlib, numpy, PyAV, aiortc and lipstream
   frame {sid, pts, width, height} + I420 picture (aiortc encodes VP8)
   audio {sid, at} + PCM16 mono 48 kHz from sample `at`
   gap {sid}: video was dropped; nothing until an IDR           keyframe {sid}: the viewer needs an IDR
-  end {sid}: the session's media ended                         state {sid, state}: the connection failed
+  end {sid}: the session's media ended                         state {sid, state, why}: the peer is gone
   close {sid}                                                  closed {sid}
   ping {}                                                      pong {pid, torch: whether torch is imported}
                                                                mic {sid, rate} + float32 mono: the client's track
+
+A peer gives its session back: one that has not connected PEER_CONNECT_S after its answer (no ICE, no
+DTLS), one whose connection fails, and one that goes silent (it stops answering ICE's consent checks, RFC 7675:
+a client killed, a network gone) are each reported to the server, which closes the session.
 
 `audio_zero` is the time.monotonic() at which audio sample 0 plays (one clock for every process of the
 host): each 20 ms of audio is held back until its time, so Opus packets go out 20 ms apart. EOF on
@@ -37,6 +41,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import aioice.ice
 import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription, rtp
@@ -49,6 +54,11 @@ from lipstream.serve.rtc import VIDEO_CLOCK
 
 QUEUE_FRAMES = 100  # a track's backlog (4 s of video at 25 fps, 2 s of audio) before its oldest frames go
 OPUS_FRAME = 960  # 20 ms at 48 kHz
+PEER_CONNECT_S = 10.0  # a peer not connected this long after its answer gives its session back
+CONSENT_INTERVAL_S, CONSENT_FAILURES = 2, 3  # ICE consent checks: a peer that leaves three unanswered in a row
+# (one try each) is gone, 6-9 s after it went silent; aioice's own 5 s x 6 held a dead session for half a minute
+WHY = {"failed": "the connection failed (ICE or DTLS)",
+       "closed": "the connection closed (the client left, or stopped answering)"}
 
 
 def audio_level_dbov(frame: av.AudioFrame) -> int:
@@ -140,6 +150,7 @@ class PeerConnection:
             self.video.on_gap = self.ask_keyframe
         self.pcm, self.pcm_at = np.zeros(0, np.int16), 0  # audio not sent yet, and the sample it starts at
         self.tasks: list[asyncio.Task] = []
+        self._gone = False
 
     def ask_keyframe(self) -> None:
         self.worker.reply({"type": "keyframe", "sid": self.sid})
@@ -154,8 +165,8 @@ class PeerConnection:
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
-            if pc.connectionState in ("failed", "closed"):
-                self.worker.reply({"type": "state", "sid": self.sid, "state": pc.connectionState})
+            if pc.connectionState in WHY:
+                self.gone(pc.connectionState, WHY[pc.connectionState])
 
         await pc.setRemoteDescription(RTCSessionDescription(sdp, "offer"))
         video = pc.addTrack(self.video)  # after the offer: the tracks take its m-lines, in its order
@@ -164,7 +175,19 @@ class PeerConnection:
             keyframe = video._send_keyframe
             video._send_keyframe = lambda: (self.ask_keyframe(), keyframe())
         await pc.setLocalDescription(await pc.createAnswer())  # aiortc gathers its candidates here
+        self.tasks.append(asyncio.ensure_future(self.connect_or_give_back()))
         return pc.localDescription.sdp
+
+    async def connect_or_give_back(self) -> None:
+        await asyncio.sleep(PEER_CONNECT_S)
+        if self.pc.connectionState != "connected":
+            self.gone("failed", f"the client did not connect within {PEER_CONNECT_S:g} s")
+
+    def gone(self, state: str, why: str) -> None:
+        """Told to the server once; it closes the session (and then this peer)."""
+        if not self._gone:
+            self._gone = True
+            self.worker.reply({"type": "state", "sid": self.sid, "state": state, "why": why})
 
     def put_audio(self, at: int, pcm: np.ndarray) -> None:
         """aiortc sends one Opus packet a frame it is given: 20 ms frames, from the session's clock."""
@@ -305,6 +328,7 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
     sys.stdout = sys.stderr  # nothing else may write into the replies
     ffmpeg_one_thread()
+    aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = CONSENT_INTERVAL_S, CONSENT_FAILURES  # read per check
     asyncio.run(serve(stdin, stdout))
 
 
