@@ -71,9 +71,8 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         loops = LoopsAhead(sources, fps_option(fps))
         t_checked = process_age()
         try:
-            from lipstream.engine.networks import pick_device, warm_gpu_libraries
-
             from lipstream.avatar.compile import quietly
+            from lipstream.engine.networks import pick_device, warm_gpu_libraries
 
             dev = pick_device(device)
             warming = warm_gpu_libraries(dev)
@@ -142,8 +141,8 @@ def _print_compile_timings(results, before: dict[str, float]) -> None:
         table.add_column(col)
     for name, seconds in before.items():
         table.add_row(name, f"{seconds:.2f}")
-    names = {"decode": "decode: wait past the start", "track": "landmarks (tracker or track file)", "masks_crops": "masks and crops",
-             "latents": "VAE latents", "write_wait": "frames file: wait past the latents"}
+    names = {"decode": "decode: wait past the start", "track": "landmarks (tracker or track file)",
+             "masks_crops": "masks and crops", "latents": "VAE latents", "write_wait": "frames file: wait past the latents"}
     for r in results:
         for key, seconds in r.timings.items():
             table.add_row(f"{r.name}: {names.get(key, key)}", f"{seconds:.2f}")
