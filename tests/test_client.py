@@ -27,14 +27,16 @@ DELAY_S = 1.5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_models):
     """A started Service behind uvicorn on 127.0.0.1 (a free port), in this process: capacity for two 5 fps
-    sessions (12 frames/s at 95%), so a third is refused."""
+    sessions (12 frames/s at 95%), so a third is refused. Two avatars of one frame size (camera cuts), one of
+    another."""
     from lipstream.serve.options import ServeOptions
     from lipstream.serve.server import in_thread
     from lipstream.serve.service import Service
 
     root = tmp_path_factory.mktemp("client")
-    tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320,
-                   height=180, seed=0)
+    for name, width, height, seed in (("anna", 320, 180, 0), ("ben", 320, 180, 5), ("cara", 480, 270, 1)):
+        tracked_avatar(root, name, tiny_models.vae, tiny_models.fingerprints["vae"], width=width, height=height,
+                       seed=seed)
     options = ServeOptions(root / "avatars", root / "data", api_keys=(KEY,), sessions_per_key=4,
                            live_capacity_fps=12.0, rtc_workers=1)
     service = Service(options, tiny_models).start()
@@ -137,6 +139,60 @@ def test_a_remote_session_plays_speaks_is_interrupted_and_frees_its_place(server
     after = [x for _, x in frames if x.frame >= cut[0].frame]
     assert len(after) >= 3 and all(x.utterance is None for x in after)
     assert any(x.utterance == cut[0].utterance for _, x in frames)  # it did speak before the cut
+
+
+@pytest.mark.slow
+def test_a_remote_session_cuts_to_another_camera_mid_utterance(server):
+    """The cut goes up the speech socket in order with the speech: the server answers with the frame it
+    lands on, the pictures change there, and the utterance plays on across it, no frame missing."""
+    from lipstream.client import connect
+
+    url, service = server
+    speech = speech_like(3.0, 16_000, seed=6)
+
+    async def run():
+        session = await connect(url, "anna", api_key=KEY, fps=FPS, playout_delay_s=DELAY_S)
+        items: list = []
+        try:
+            reader = asyncio.ensure_future(_collect(session, items, lambda xs: _after(xs, "finished") >= 2))
+            await asyncio.sleep(0.5)
+            session.switch("cara")  # another frame size: refused, the session plays on
+            for i in range(0, speech.size, 1600):  # 100 ms chunks in real time; the cut 1 s in
+                session.push_audio(speech[i:i + 1600], 16_000)
+                if i == 16_000:
+                    session.switch("ben")
+                await asyncio.sleep(0.1)
+            session.end_utterance()
+            await asyncio.wait_for(reader, 20)
+            listed = _listed(url)
+            return items, list(session.cuts), listed
+        finally:
+            await session.aclose()
+
+    items, cuts, listed = asyncio.run(run())
+    assert [c["type"] for c in cuts] == ["switch_refused", "switched"], cuts
+    assert "'cara' is 480x270; a cut keeps the session's frame size, 320x180" in cuts[0]["message"]
+    assert listed[0]["avatar"] == "ben"
+    cut = cuts[1]["frame"]
+    frames = [x for _, x in items if isinstance(x, LiveFrame)]
+    assert [x.frame for x in frames] == list(range(frames[0].frame, frames[-1].frame + 1))  # no gap
+    started, done = _events(items, "started")[0], _events(items, "finished")[0]
+    assert started.frame < cut < done.frame
+    # the speech went on across the cut: each frame loud where the speech is (it pauses 1.4-1.8 s in)
+    heard = [_rms(x.audio) > 0.02 for x in frames if started.frame <= x.frame <= done.frame]
+    said = [_rms(speech[i:i + 3200]) > 0.02 for i in range(0, speech.size, 3200)]
+    assert sum(h != s for h, s in zip(heard, said)) <= 1 and len(heard) == len(said), (heard, said)
+
+    loops = {name: service.live.engine.avatars[service.avatars[name]].frames[:, :16].float().numpy()
+             for name in ("anna", "ben")}
+
+    def nearest(frame: LiveFrame) -> str:  # H.264 is lossy: the avatar whose loop frames are nearest
+        rows = frame.i420[:16].astype(np.float32)
+        return min(loops, key=lambda name: np.abs(loops[name] - rows).mean(axis=(1, 2)).min())
+
+    shown = [nearest(x) for x in frames if not x.late]
+    expected = ["anna" if x.frame < cut else "ben" for x in frames if not x.late]
+    assert shown == expected, (cut, [x.frame for x in frames], shown)
 
 
 def test_pictures_at_a_size_asked_for(server):

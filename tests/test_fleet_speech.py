@@ -68,6 +68,7 @@ def test_sessions_share_one_call_audio_merged_commands_in_order():
         await a.push(b"\x03\x00", 16_000)
         await a.command("end")
         await b.command("interrupt")
+        await b.switch("close-up")
         await a.push(b"\x04\x00", 16_000)
         await a.push(b"\x05\x00", 48_000)
         await b.push(b"\x11\x00", 16_000)
@@ -77,7 +78,8 @@ def test_sessions_share_one_call_audio_merged_commands_in_order():
         assert replica.batches[1:] == [{
             "r.a": [("audio", b"\x02\x00\x03\x00", 16_000), ("end",), ("audio", b"\x04\x00", 16_000),
                     ("audio", b"\x05\x00", 48_000)],
-            "r.b": [("audio", b"\x10\x00", 16_000), ("interrupt",), ("audio", b"\x11\x00\x12\x00", 16_000)],
+            "r.b": [("audio", b"\x10\x00", 16_000), ("interrupt",), ("switch", "close-up"),
+                    ("audio", b"\x11\x00\x12\x00", 16_000)],
         }]
         assert all(type(x[1]) is bytes for batch in replica.batches for items in batch.values()
                    for x in items if x[0] == "audio")

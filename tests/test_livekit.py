@@ -55,9 +55,12 @@ def engine(tmp_path_factory, tiny_models):
     root = tmp_path_factory.mktemp("livekit")
     folder = tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180,
                             seed=0)
+    second = tracked_avatar(root, "ben", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180,
+                            seed=5)  # another camera of the same frame size (camera cuts)
     live = LiveEngine(tiny_models, LiveOptions(playout_delay_s=2.0, buckets=(1, 2, 4, 8), encode=False,
                                                max_sessions=8, capacity_fps=100.0, idle_cache_gib=0.0))
     live.add_avatar(folder)
+    live.add_avatar(second)
     live.start()
     yield live
     live.close()
@@ -288,7 +291,7 @@ def test_agent_dispatch_reaches_the_worker_and_fails_in_one_line_without_a_serve
     assert "refused" in errors["no server"][0].lower()
     assert "'zoe' is not resident" in errors["unknown avatar"][0]
     assert "not valid for this LiveKit project" in errors["other project"][0]
-    assert health == {"avatars": ["anna"], "rooms": 0, "sessions": sessions_before}
+    assert health == {"avatars": ["anna", "ben"], "rooms": 0, "sessions": sessions_before}
     assert len(engine.sessions) == sessions_before
 
 
@@ -297,6 +300,81 @@ async def _get(url: str) -> str:
 
     async with aiohttp.ClientSession() as http, http.get(url) as r:
         return await r.text()
+
+
+def test_swap_avatar_cuts_to_another_camera_mid_reply_in_process_and_through_the_worker(engine):
+    """In process: `swap_avatar` mid-reply, the pictures change camera once and the reply's audio plays on,
+    sample for sample. Through the worker: its cut endpoint checks the token and the avatar, in one line.
+    (The worker's room is the stand-in: no LiveKit server runs here.)"""
+    from lipstream.integrations.livekit.agent import dispatch_token
+    from lipstream.integrations.livekit.worker import Presence
+
+    loops = {name: engine.engine.avatars[i].frames[:, :12].numpy().astype(np.int16)
+             for name, i in (("anna", 0), ("ben", 1))}
+
+    def camera(frame: rtc.VideoFrame) -> str:
+        rows = np.frombuffer(frame.data, np.uint8)[:12 * 320].reshape(12, 320).astype(np.int16)
+        return min(loops, key=lambda name: np.abs(loops[name] - rows).mean(axis=(1, 2)).min())
+
+    async def in_process():
+        agent = AgentSession()
+        local = await start_in_process(agent, RoomWithoutServer(), engine, "anna", fps=FPS)
+        pushes = record_pushes(local.runner)
+        pcm, chunks = tts_chunks(3.0, seed=3)
+        for chunk in chunks:
+            await agent.output.audio.capture_frame(chunk)
+        agent.output.audio.flush()
+        await asyncio.sleep(1.0)  # a second into the reply's timeline: its frames rendered ahead are made again
+        with pytest.raises(ValueError, match="'nobody' is not resident"):
+            local.swap_avatar("nobody")
+        cut = local.swap_avatar("ben")
+        await asyncio.sleep(engine.o.playout_delay_s + 2.5)
+        await local.aclose()
+        return pcm, pushes, cut
+
+    async def through_worker():
+        worker = AvatarWorker(engine, url="ws://127.0.0.1:9", api_key=KEY, api_secret=SECRET, avatar="anna",
+                              fps=FPS, port=0)
+        address = await worker.start()
+        session = engine.open_session("anna", fps=FPS, encode=False)
+        worker.rooms["room-1"] = Presence("room-1", "lipstream-avatar", "agent-1", "anna", RoomWithoutServer(), session)
+        answers = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for room, avatar, token_room in (("room-1", "ben", "room-1"), ("room-1", "nobody", "room-1"),
+                                                 ("room-2", "ben", "room-2"), ("room-1", "ben", "room-2")):
+                    token = dispatch_token(token_room, "agent-1", KEY, SECRET)
+                    async with http.post(f"{address}/sessions/{room}/avatar", json={"avatar": avatar},
+                                         headers={"Authorization": f"Bearer {token}"}) as r:
+                        answers.append((r.status, await r.json()))
+            shows = session.avatar
+        finally:
+            worker.rooms.clear()
+            session.close()
+            await worker.close()
+        with pytest.raises(AvatarError, match="has not been started"):
+            await AvatarSession(worker_url=address, api_key=KEY, api_secret=SECRET).swap_avatar("ben")
+        return answers, shows
+
+    import aiohttp
+
+    pcm, pushes, cut = asyncio.run(in_process())
+    pictures = [f for _, f in pushes if isinstance(f, rtc.VideoFrame)]
+    shown = [camera(f) for f in pictures]
+    first_ben = shown.index("ben")
+    assert shown == ["anna"] * first_ben + ["ben"] * (len(shown) - first_ben), shown
+    kinds = "".join("v" if isinstance(f, rtc.VideoFrame) else "a" for _, f in pushes)
+    at = [i for i, k in enumerate(kinds) if k == "v"][first_ben]
+    assert "a" in kinds[:at] and "a" in kinds[at:]  # the cut came mid-reply
+    played = np.concatenate([np.frombuffer(f.data, np.int16) for _, f in _speech_audio(pushes)]).astype(np.int32)
+    assert np.abs(played[:pcm.size] - pcm).max() <= 1  # the reply played on across the cut, sample for sample
+
+    answers, shows = asyncio.run(through_worker())
+    (ok, switched), (bad, refused), (missing, none), (wrong, other) = answers
+    assert ok == 200 and switched["avatar"] == "ben" and isinstance(switched["frame"], int) and shows == 1
+    assert bad == 422 and "'nobody' is not resident" in refused["error"]
+    assert missing == 404 and "no avatar in room 'room-2'" in none["error"]
+    assert wrong == 403
 
 
 def test_load_bench_runs_two_generators_on_one_engine(engine):

@@ -37,7 +37,8 @@ from lipstream.audio.resample import resample  # noqa: E402
 from lipstream.audio.windows import num_frames  # noqa: E402
 from lipstream.fixtures import speech_like  # noqa: E402
 from lipstream.fixtures.avatar import tracked_avatar  # noqa: E402
-from lipstream.integrations.pipecat import FRAME_KEY, UTTERANCE_KEY, LipStreamVideoService  # noqa: E402
+from lipstream.integrations.pipecat import (  # noqa: E402
+    FRAME_KEY, UTTERANCE_KEY, AvatarSwitchFrame, LipStreamVideoService)
 from lipstream.live import SessionRefused, LiveEngine, LiveOptions  # noqa: E402
 from lipstream.media.pixels import mono_pcm  # noqa: E402
 from lipstream.media.rates import AUDIO_RATE  # noqa: E402
@@ -53,6 +54,8 @@ SIZE = (320, 180)
 @pytest.fixture(scope="module")
 def avatar(tmp_path_factory, tiny_models):
     root = tmp_path_factory.mktemp("pipecat")
+    tracked_avatar(root, "ben", tiny_models.vae, tiny_models.fingerprints["vae"], width=SIZE[0], height=SIZE[1],
+                   seed=5)  # a second camera of the same frame size (camera cuts)
     return tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=SIZE[0],
                           height=SIZE[1], seed=0)
 
@@ -63,6 +66,7 @@ def engine(tiny_models, avatar):
     live = LiveEngine(tiny_models, LiveOptions(playout_delay_s=DELAY_S, buckets=(1, 2, 4, 8), encode=False,
                                                max_sessions=8, capacity_fps=100.0, idle_cache_gib=1.0))
     live.add_avatar(avatar)
+    live.add_avatar(avatar.parent / "ben")
     live.start()
     yield live
     live.close()
@@ -274,6 +278,38 @@ async def test_a_full_engine_is_a_pipecat_error_and_speech_passes_through(engine
     assert not any(isinstance(f, OutputImageRawFrame) for f in down)
     assert [type(f) for f in down] == [type(f) for f in frames]  # unchanged, in order
     assert b"".join(f.audio for f in down if isinstance(f, TTSAudioRawFrame)) == pcm.tobytes()
+
+
+@_sync
+async def test_a_switch_frame_cuts_to_another_camera_and_the_speech_goes_on(engine):
+    """An AvatarSwitchFrame mid-response: the pictures change camera once, mid-speech, none lost or doubled,
+    each with its audio, and the speech out is the speech in; a switch to an avatar not resident is one
+    Pipecat error and changes nothing."""
+    from lipstream.media.pixels import i420_to_rgb
+
+    pcm = _pcm16(speech_like(3.0, 16_000, seed=8))
+    tts = _tts(pcm, 16_000)
+    half = len(tts) // 2
+    frames = [*tts[:half], SleepFrame(1.0), AvatarSwitchFrame(avatar="ben"), *tts[half:],
+              AvatarSwitchFrame(avatar="nobody"), SleepFrame(1.0)]
+    down, up = await run_test(_service(engine), frames_to_send=frames)
+    _check_frames_follow(down)
+    _assert_speaks(down, _expected48(pcm, 16_000))
+    errors = [f for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "'nobody' is not resident" in errors[0].error
+    loops = {name: np.stack([i420_to_rgb(x.numpy(), "bt601")[:12] for x in engine.engine.avatars[i].frames])
+             for name, i in (("anna", 0), ("ben", 1))}
+
+    def camera(image: OutputImageRawFrame) -> str:
+        rows = np.frombuffer(image.image, np.uint8).reshape(SIZE[1], SIZE[0], 3)[:12].astype(np.int16)
+        return min(loops, key=lambda name: np.abs(loops[name] - rows).mean(axis=(1, 2, 3)).min())
+
+    images = [f for f in down if isinstance(f, OutputImageRawFrame)]
+    shown = [camera(f) for f in images]
+    first_ben = shown.index("ben")
+    assert shown == ["anna"] * first_ben + ["ben"] * (len(shown) - first_ben), shown
+    speaking = [f.metadata[UTTERANCE_KEY] is not None for f in images]
+    assert speaking[first_ben - 1] and speaking[first_ben]  # the cut came mid-speech
 
 
 def test_load_bench_two_pipelines_report(engine):

@@ -113,6 +113,8 @@ BAD_MESSAGES = [  # (what, message, close code)
     ("a rate of 1e300", '{"type": "start", "rate": 1e300}', 1007),
     ("a rate out of range", json.dumps({"type": "start", "rate": 4000}), 1007),
     ("an unknown type", json.dumps({"type": "dance"}), 1003),
+    ("a switch to no avatar", json.dumps({"type": "switch"}), 1007),
+    ("a switch to an avatar that is a number", json.dumps({"type": "switch", "avatar": 3}), 1007),
     ("a message too big", b"\x00" * (600 * 1024), 1009),
 ]
 
@@ -272,7 +274,7 @@ def test_a_remote_session_whose_socket_the_server_closed_says_why(server):
 def test_the_speech_sockets_messages_are_checked_in_one_place():
     """The check a plain server and a fleet's front share (serve/speech_socket.py): each malformed message a
     BadMessage with its close code and a short message naming what is allowed; good ones what they ask."""
-    from lipstream.serve.speech_socket import Audio, BadMessage, Command, Start, speech_message
+    from lipstream.serve.speech_socket import Audio, BadMessage, Command, Start, Switch, speech_message
 
     def said(message):
         return speech_message({"bytes": message} if isinstance(message, bytes) else {"text": message})
@@ -285,6 +287,7 @@ def test_the_speech_sockets_messages_are_checked_in_one_place():
     assert said(json.dumps({"type": "start", "rate": 44_100})) == Start(44_100)
     assert said(json.dumps({"type": "start"})) == Start(16_000)
     assert said(json.dumps({"type": "interrupt"})) == Command("interrupt")
+    assert said(json.dumps({"type": "switch", "avatar": "close-up"})) == Switch("close-up")
     assert said(b"\x00\x01" * 100) == Audio(b"\x00\x01" * 100)
 
 

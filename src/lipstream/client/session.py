@@ -201,6 +201,7 @@ class RemoteSession:
         self._closed = False
         self._closing: asyncio.Task | None = None
         self.error: str | None = None  # the last error the server sent on the WebSocket, or why it ended the session
+        self.cuts: list[dict] = []  # the server's answers to `switch` ("switched" with its frame, or "switch_refused")
         self._refused: SessionRefused | None = None  # why the server closed the speech socket, once it has
         pc.on("track", self._on_track)
 
@@ -258,6 +259,16 @@ class RemoteSession:
         self._check_socket()
         if not self._closed:
             self._send(json.dumps({"type": "interrupt"}))
+
+    def switch(self, avatar: int | str) -> None:
+        """A camera cut to another avatar resident on the server, of the same frame size: sent with the
+        speech, in order. The server's answer lands in `cuts` (the frame it lands on), or, refused, in
+        `error` as well."""
+        if not isinstance(avatar, str):
+            raise ValueError(f"avatar: {avatar!r}; a remote session switches by the avatar's name")
+        self._check_socket()
+        if not self._closed:
+            self._send(json.dumps({"type": "switch", "avatar": avatar}))
 
     def rgb(self, frame: LiveFrame, size: tuple[int, int] | None = None, out_format: str = "RGB") -> np.ndarray:
         """A frame's picture as [h, w, 3] uint8 RGB ("RGBA": 4) in the stream's colour matrix, resized to
@@ -355,6 +366,13 @@ class RemoteSession:
                 if m.get("type") == "speech":
                     self._event(SpeechEvent(m["kind"], int(m["utterance"]), int(m["frame"]),
                                             float(m["position_s"]), time.monotonic()))
+                elif m.get("type") in ("switched", "switch_refused"):
+                    self.cuts.append(m)
+                    if m["type"] == "switched":
+                        self.avatar = m["avatar"]
+                    else:
+                        self.error = m.get("message")
+                        log.warning("%s: session %s: switch refused: %s", self.url, self.id, self.error)
                 elif m.get("type") == "error":
                     self.error = m.get("message")
                     log.warning("%s: session %s: %s", self.url, self.id, self.error)

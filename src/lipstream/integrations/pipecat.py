@@ -34,6 +34,7 @@ import asyncio
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,7 @@ require("pipecat", "lipstream.integrations.pipecat")
 
 from pipecat.frames.frames import (  # noqa: E402  (after the one-line hint that names the extra)
     CancelFrame,
+    DataFrame,
     EndFrame,
     Frame,
     InterruptionFrame,
@@ -58,7 +60,7 @@ from pipecat.frames.frames import (  # noqa: E402  (after the one-line hint that
     TTSStartedFrame,
     TTSStoppedFrame,
 )
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup  # noqa: E402
 
 if TYPE_CHECKING:
     from lipstream.live import LiveEngine  # in-process mode only: URL mode runs without torch
@@ -78,6 +80,15 @@ def _picture_pool() -> ThreadPoolExecutor:
     return _pictures
 
 
+@dataclass
+class AvatarSwitchFrame(DataFrame):
+    """A camera cut: the service's session switches to another resident avatar of the same frame size
+    (a close-up, a wide shot), with the speech going on. In order with the TTS audio before it; it
+    lands on the frame that plays one playout delay after it reaches the service."""
+
+    avatar: str | int = ""
+
+
 def _rgb_bytes(session: SpeakingSession, frame: LiveFrame, size: tuple[int, int]) -> bytes:
     return session.rgb(frame, size).tobytes()
 
@@ -88,8 +99,12 @@ class LipStreamVideoService(FrameProcessor):
     In: `TTSAudioRawFrame` (consumed: the speech comes back out in step with the pictures),
     `TTSStartedFrame` / `TTSStoppedFrame` (utterance boundaries; the TTSStoppedFrame is held until the
     utterance's last picture and audio went out, so the transport's bot-stopped-speaking comes when
-    the avatar stops), `InterruptionFrame` (the queued speech is dropped; the next picture is idle).
-    Every other frame passes through unchanged, in order.
+    the avatar stops), `InterruptionFrame` (the queued speech is dropped; the next picture is idle),
+    `AvatarSwitchFrame` (a camera cut; also `switch()`). Every other frame passes through unchanged,
+    in order.
+
+    The session opens in `setup()`, which the pipeline runs for its processors together before the
+    StartFrame (a server's connection is made then); its pictures go out from the StartFrame on.
 
     Out: one `OutputImageRawFrame` a frame (RGB, `size`, `sync_with_audio`), idle pictures between
     utterances, and while speaking the frame's audio as one `TTSAudioRawFrame` after its picture.
@@ -153,6 +168,7 @@ class LipStreamVideoService(FrameProcessor):
         self._pending_s = 0.0  # seconds of speech pushed and not yet finished (EndFrame's wait)
         self._clears = 0  # interrupts so far: a picture made across one is stale
         self._draining = False  # after an interrupt, until the first idle frame: what comes is stale
+        self._open_error: Exception | None = None  # why setup() could not open the session (said at the StartFrame)
 
     @property
     def session(self) -> SpeakingSession | None:
@@ -187,6 +203,8 @@ class LipStreamVideoService(FrameProcessor):
             await self._utterance_starts(frame)
         elif isinstance(frame, TTSStoppedFrame):
             await self._utterance_stops(frame)
+        elif isinstance(frame, AvatarSwitchFrame):
+            await self.switch(frame.avatar)
         else:
             await self.push_frame(frame, direction)
 
@@ -238,6 +256,19 @@ class LipStreamVideoService(FrameProcessor):
         self._stops.append((stop, True))
         self._played_out.clear()
 
+    async def switch(self, avatar: str | int) -> int | None:
+        """A camera cut to another resident avatar of the same frame size (its name; in-process also its
+        index): the frame it lands on (None: a server's session, which answers on its socket). A
+        refusal is a Pipecat error; the session plays on as it was."""
+        session = await self._ready()
+        if session is None:
+            return None
+        try:
+            return session.switch(avatar)
+        except Exception as e:  # noqa: BLE001 (another frame size, not resident, a closed session: reported)
+            await self.push_error(f"LipStream: the session did not switch to {avatar!r}: {e}", exception=e)
+            return None
+
     async def _interrupt(self, frame: InterruptionFrame, direction: FrameDirection) -> None:
         if self._session is not None and not self._closing:
             try:
@@ -258,8 +289,24 @@ class LipStreamVideoService(FrameProcessor):
 
     # --- the session --------------------------------------------------------------------------------
 
+    async def setup(self, setup: FrameProcessorSetup):
+        """Open the session here (a server's connection included), beside the other processors' set-up."""
+        await super().setup(setup)
+        await self._open()
+
     async def _start(self) -> None:
+        """StartFrame: the session opened in setup() (or now, where no setup ran) starts handing out pictures."""
+        await self._open()
+        if self._open_error is not None:
+            e, self._open_error = self._open_error, None
+            await self.push_error(f"LipStream: no session for avatar {self._avatar!r} ({type(e).__name__}: {e}); "
+                                  "the speech passes through without the avatar", exception=e)
+        if self._session is not None and self._reader is None:
+            self._reader = self.create_task(self._read(self._session), name=f"{self}::read")
+
+    async def _open(self) -> None:
         if self._opened is not None:
+            await self._opened.wait()
             return
         self._opened, self._played_out = asyncio.Event(), asyncio.Event()
         self._played_out.set()
@@ -272,14 +319,12 @@ class LipStreamVideoService(FrameProcessor):
 
                 session = await connect(self._url, self._avatar, api_key=self._api_key, fps=self._want_fps,
                                         playout_delay_s=self._playout_delay_s)
-        except Exception as e:  # noqa: BLE001 (SessionRefused, an unknown avatar, no server: reported, then passed through)
-            await self.push_error(f"LipStream: no session for avatar {self._avatar!r} ({type(e).__name__}: {e}); "
-                                  "the speech passes through without the avatar", exception=e)
+        except Exception as e:  # noqa: BLE001 (SessionRefused, an unknown avatar, no server: said at the StartFrame)
+            self._open_error = e
             self._opened.set()
             return
         self._session = session
         self._size = self._want_size or tuple(session.size)
-        self._reader = self.create_task(self._read(session), name=f"{self}::read")
         self._opened.set()
 
     async def _end(self) -> None:

@@ -316,7 +316,24 @@ class LiveEngine:
                                time.monotonic)
         playout = Playout(clock, request, rest, handoff.want_keyframe, time.monotonic)
         return Session(request, handoff, playout, o, a.size, self.core.wake.set, time.monotonic,
-                       matrix=a.meta.get("colour_matrix", "bt601"), release=self._release)
+                       matrix=a.meta.get("colour_matrix", "bt601"), release=self._release, switch=self._switch)
+
+    def _switch(self, session: Session, avatar: int | str) -> int:
+        """Session.switch: checked here, where the avatars are; the cut is the session's request's."""
+        index = self.avatar_index(avatar)
+        if not 0 <= index < len(self.engine.avatars):
+            raise ValueError(f"avatar: index {index}; {len(self.engine.avatars)} avatars are resident")
+        a = self.engine.avatars[index]
+        if tuple(a.size) != tuple(session.size):
+            raise ValueError(f"avatar: {a.name!r} is {a.size[0]}x{a.size[1]}; a cut keeps the session's frame size, "
+                             f"{session.size[0]}x{session.size[1]}")
+        matrix = a.meta.get("colour_matrix", "bt601")
+        if matrix != session.matrix:
+            raise ValueError(f"avatar: {a.name!r} is in the {matrix} colour matrix; a cut keeps the session's, "
+                             f"{session.matrix}")
+        frame = session.request.cut(index, a.fps, a.num_frames, time.monotonic(), session.handoff.rewind)
+        self.core.wake.set()
+        return frame
 
     def _encoders(self) -> EncodePool:
         with self._pool_lock:  # not the core's lock: starting the processes takes a moment

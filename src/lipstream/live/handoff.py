@@ -61,6 +61,7 @@ class FrameHandoff:
         self._encoding: deque[tuple[Candidate, LiveFrame | None]] = deque()  # submitted, packets not back yet
         self._restart_at: int | None = None  # an interrupt: the encoders restart at this frame
         self._need_key = False  # encoded frames were thrown away: the next one is an IDR
+        self._cuts: deque[tuple[int, int]] = deque(maxlen=16)  # camera cuts: (number, first frame), the latest last
         self.closed = False
         self.audio_late_samples = 0  # pushed after their frame had gone to the encoder (never heard)
         self.timings: deque[tuple[float, ...]] = deque(maxlen=TIMINGS_KEPT)  # seconds, by items.TIMING_STAGES
@@ -83,7 +84,7 @@ class FrameHandoff:
             frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
         frame.planned_at, frame.rendered_at = c.planned_at, now
         with self._lock:
-            if c.generation != self.generation or self.closed or c.frame < self._out_next:
+            if c.generation != self.generation or self.closed or c.frame < self._out_next or self._superseded(c):
                 release()
                 return
             old = self._rendered.get(c.frame)
@@ -120,6 +121,25 @@ class FrameHandoff:
             self._drop_rendered()
             self._out_next = at_frame
             self._restart_at = at_frame
+
+    def rewind(self, at_frame: int, number: int) -> None:
+        """Camera cut `number`: frames from `at_frame` on planned before it are rendered again (those
+        before it stay, and so do the frames planned after it). Encoded ones are encoded again (the
+        encoders start again at `at_frame`, with an IDR); the playout takes each new frame in the place
+        of the one it had. Called under the request's lock, before any frame is planned with the cut."""
+        with self._lock:
+            self._cuts.append((number, at_frame))
+            for f in [f for f, (c, _, _) in self._rendered.items() if self._superseded(c)]:
+                release = self._rendered.pop(f)[2]
+                if release is not None:
+                    release()
+            if self._out_next > at_frame:
+                self._out_next = at_frame
+                self._restart_at = at_frame
+
+    def _superseded(self, c: Candidate) -> bool:
+        """Under the lock: planned before a cut that lands at or before its frame (the wrong avatar's picture)."""
+        return any(number > c.cut and at <= c.frame for number, at in self._cuts)
 
     def _drop_rendered(self) -> None:
         """Under the lock: the frames waiting for the copy-out go, their host buffers back to the engine unread."""

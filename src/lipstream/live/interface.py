@@ -18,7 +18,6 @@ from lipstream.errors import LipStreamError
 from lipstream.live.items import LiveFrame, SessionStats, SpeechEvent
 
 
-
 class SessionRefused(LipStreamError):
     """A session could not be opened, said in one line: the live engine's, the server's and a remote client's.
 
@@ -48,6 +47,11 @@ class SpeakingSession(Protocol):
 
     def clear(self) -> None:
         """Interrupt: queued speech dropped, the next frame handed out is idle."""
+
+    def switch(self, avatar: int | str) -> int | None:
+        """A camera cut to another resident avatar of the same frame size, with the speech going on: the
+        frame it lands on where known at once (a local session), else None (a remote one: its server
+        answers on the speech socket)."""
 
     @property
     def stats(self) -> SessionStats:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -25,6 +26,18 @@ from lipstream.live.items import SessionClock
 from lipstream.live.options import LiveOptions
 from lipstream.live.utterance import Utterance
 from lipstream.models.config import FEATURE_RATE, SAMPLES_PER_FEATURE, WINDOW_STEPS
+
+
+@dataclass(frozen=True)
+class Cut:
+    """From `frame` on, the session's pictures come from this resident avatar (a camera cut). Its loop
+    goes on where the session's loop position is: cameras filmed together stay in step."""
+
+    frame: int
+    number: int  # the session's cuts are numbered from 0 (the avatar it opened on)
+    avatar: int  # the engine's index
+    avatar_fps: Fraction
+    loop_frames: int
 
 
 @dataclass
@@ -44,6 +57,7 @@ class Candidate:
     # the utterance itself (None when idle): a frame that comes back after its utterance has played out
     # and left the request still has its audio and its push times (late frames' account)
     speech: Utterance | None = None
+    cut: int = 0  # the number of the session's latest cut when it was planned (a later cut may supersede it)
 
 
 class SpeechRequest:
@@ -51,8 +65,8 @@ class SpeechRequest:
 
     def __init__(self, sid: int, ring: int, avatar: int, avatar_fps: Fraction, loop_frames: int, start_frame: int,
                  clock: SessionClock, options: LiveOptions, table: FeatureTable):
-        self.id, self.ring, self.avatar = sid, ring, avatar
-        self.avatar_fps, self.loop_frames, self.start_frame = Fraction(avatar_fps), loop_frames, start_frame
+        self.id, self.ring, self.start_frame = sid, ring, start_frame
+        self._cuts = [Cut(0, 0, avatar, Fraction(avatar_fps), loop_frames)]  # by frame; the first from frame 0
         self.clock, self.o, self.table = clock, options, table
         self.fps = clock.fps
         self._lock = threading.Lock()
@@ -92,6 +106,58 @@ class SpeechRequest:
             self.generation += 1
             self.next_frame = min(self.next_frame, at_frame)
             return self.generation
+
+    def cut(self, avatar: int, avatar_fps: Fraction, loop_frames: int, now: float,
+            rewind: Callable[[int, int], None]) -> int:
+        """From the frame where speech pushed now begins (so a cut and a push at one moment land
+        together), pictures come from `avatar`; the frame it lands on. Speech frames from there on
+        rendered ahead with the avatar before are planned again (superseded); the speech goes on.
+        They play at least the playout delay from now, so there is time to render them again; unless
+        an utterance pushed far ahead has already reused their feature rows: then the cut lands on
+        the next frame not yet planned. `rewind(frame, number)` tells the hand-off, under this lock:
+        no frame is planned with the new cut before it knows."""
+        with self._lock:
+            at = max(self.clock.media_frame(now), self._cuts[-1].frame)
+            if at < self.next_frame and (not self._speaks_between(at, self.next_frame) or not self._rows_kept(at)):
+                at = self.next_frame  # idle frames taken a frame early: where speech pushed now begins too
+            number = self._cuts[-1].number + 1
+            while len(self._cuts) > 1 and self._cuts[-1].frame >= at:
+                self._cuts.pop()  # a cut made before that lands at or after this one's frame: replaced
+            self._cuts.append(Cut(at, number, avatar, Fraction(avatar_fps), loop_frames))
+            self.next_frame = min(self.next_frame, at)
+            rewind(at, number)
+            return at
+
+    def _superseded(self, c: Candidate) -> bool:
+        """A frame planned before a cut that lands at or before it: its picture is the wrong avatar's."""
+        return any(cut.number > c.cut and cut.frame <= c.frame for cut in self._cuts)
+
+    def _speaks_between(self, a: int, b: int) -> bool:
+        """Whether an utterance plays in frames [a, b)."""
+        for u in self._utterances:
+            n = u.frames(self.fps)
+            if u.start_frame < b and (n is None or u.start_frame + n > a):
+                return True
+        return False
+
+    def _rows_kept(self, frame: int) -> bool:
+        """Whether frame's feature rows are still in the ring (none newer has been written over them)."""
+        u = self._utterance_at(frame)
+        if u is None:
+            return True
+        newest = max(v.base + v.final for v in self._utterances)
+        return u.base + self.first_step(frame - u.start_frame) > newest - (self.table.ring_steps - 2 * WINDOW_STEPS)
+
+    @property
+    def avatar(self) -> int:
+        """The avatar of the latest cut (the one new frames come from once it is reached)."""
+        return self._cuts[-1].avatar
+
+    def _cut_at(self, frame: int) -> Cut:
+        for c in reversed(self._cuts):
+            if c.frame <= frame:
+                return c
+        return self._cuts[0]
 
     def _open(self, now: float, rate: int) -> Utterance:
         start = max(self.next_frame, self.clock.media_frame(now))
@@ -181,25 +247,29 @@ class SpeechRequest:
         """The first feature step of frame `local`'s window (its utterance's steps; negative: left padding)."""
         return (local * FEATURE_RATE * self.fps.denominator) // self.fps.numerator - LEFT_PAD_STEPS
 
-    def idle_due(self, frame: int, margin: float, cached: bool = False) -> float:
+    def idle_due(self, frame: int, margin: float, idle_cached: Container[int] = ()) -> float:
         """When an idle frame may be taken. A rendered one: up to one frame (or `margin`) before its media
         time, so the idle frames of sessions opened at different moments share steps; speech pushed
         after it starts a frame later, so the client waits up to two frames past the playout delay.
-        A `cached` one (the avatar's idle loop is kept: no step) at its media time: speech starts at
-        the next frame boundary, within one frame."""
+        A kept one (its avatar's idle loop is in `idle_cached`: no step) at its media time: speech starts
+        at the next frame boundary, within one frame."""
+        cached = self._cut_at(frame).avatar in idle_cached
         return self.clock.t0 + float(frame / self.fps) - (0.0 if cached else min(margin, float(1 / self.fps)))
 
     def candidates(self, now: float, limit: int, margin: float, played: int,
-                   idle_cached: bool = False) -> tuple[list[Candidate], list[Candidate]]:
+                   idle_cached: Container[int] = ()) -> tuple[list[Candidate], list[Candidate]]:
         """Frames that can be rendered now, in order: speech frames whose window is known, idle frames
         once their media time has come (so speech pushed by then can still take them; see idle_due), and
         speech frames due within `margin` whose audio is late (rendered with silence for it). And, first,
         the frames below `played` (the playout's next frame) the core never reached: given up, for the
-        handoff to send their audio on in order."""
+        handoff to send their audio on in order. Idle frames of the avatars in `idle_cached` are kept
+        pictures (no step)."""
         out: list[Candidate] = []
         given_up: list[Candidate] = []
         with self._lock:
             self._retire(played)
+            while len(self._cuts) > 1 and self._cuts[1].frame <= min(self.next_frame, played):
+                self._cuts.pop(0)  # no frame before it is planned again
             if self.next_frame < played:  # the consumer played these (late) before the core reached them
                 for g in range(self.next_frame, played):
                     u = self._utterance_at(g)
@@ -228,16 +298,17 @@ class SpeechRequest:
         return out, given_up
 
     def _candidate(self, frame: int, rows: list[int], u: Utterance | None, underrun: bool, now: float) -> Candidate:
-        step = self.start_frame + math.floor(Fraction(frame) / self.fps * self.avatar_fps)
-        loop_frame = int(ping_pong(step, self.loop_frames))
-        return Candidate(self.id, frame, self.clock.deadline(frame), rows, self.avatar, loop_frame,
-                         None if u is None else u.id, self.generation, underrun, now, u)
+        cut = self._cut_at(frame)
+        step = self.start_frame + math.floor(Fraction(frame) / self.fps * cut.avatar_fps)
+        loop_frame = int(ping_pong(step, cut.loop_frames))
+        return Candidate(self.id, frame, self.clock.deadline(frame), rows, cut.avatar, loop_frame,
+                         None if u is None else u.id, self.generation, underrun, now, u, self._cuts[-1].number)
 
     def take(self, taken: list[Candidate], skipped: list[Candidate]) -> None:
         """The core renders `taken` and gives up on `skipped` (their deadlines passed)."""
         with self._lock:
             for c in sorted(taken + skipped, key=lambda c: c.frame):
-                if c.generation == self.generation and c.frame == self.next_frame:
+                if c.generation == self.generation and c.frame == self.next_frame and not self._superseded(c):
                     self.next_frame += 1
             self.skipped += len(skipped)
             self.underruns += sum(c.underrun for c in taken)

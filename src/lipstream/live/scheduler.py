@@ -144,15 +144,14 @@ class Scheduler:
         skipped: list[Candidate] = []
         per_session = []
         for s in sessions:
-            cached = s.avatar in idle_cached
-            mine, given_up = s.request.candidates(now, self.max_batch, margin, s.playout.play_frame, cached)
+            mine, given_up = s.request.candidates(now, self.max_batch, margin, s.playout.play_frame, idle_cached)
             if given_up:  # played before the core reached them: their audio still goes to the encoder
                 s.handoff.skip(given_up)
             per_session.append((s, mine))
             for c in mine:
                 if c.deadline < now:
                     skipped.append(c)
-                elif not (c.utterance is None and cached):
+                elif not (c.utterance is None and c.avatar in idle_cached):
                     frames.append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
         live = frames[:self.max_batch]
@@ -167,7 +166,7 @@ class Scheduler:
             for c in mine:
                 if c.deadline < now or id(c) in chosen:
                     continue
-                if c.utterance is None and s.avatar in idle_cached:
+                if c.utterance is None and c.avatar in idle_cached:
                     cached_frames.append(c)
                 else:
                     break
@@ -198,7 +197,7 @@ class Scheduler:
         """Until the next idle frame falls due (a push wakes the core earlier), rounded up to a tick
         of half the idle lead, so the idle frames of sessions opened moments apart share a step."""
         margin = self.step_estimate() + UNDERRUN_SLACK_S  # what plan() passes the sessions
-        due = [s.request.idle_due(max(s.request.next_frame, s.playout.play_frame), margin, s.avatar in idle_cached)
+        due = [s.request.idle_due(max(s.request.next_frame, s.playout.play_frame), margin, idle_cached)
                for s in sessions]
         if not due:
             return 0.01

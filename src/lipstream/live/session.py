@@ -40,11 +40,17 @@ class Session:
 
     def __init__(self, request: SpeechRequest, handoff: FrameHandoff, playout: Playout, options: LiveOptions,
                  size: tuple[int, int], wake_core: Callable[[], None], now: Callable[[], float],
-                 matrix: str = "bt601", release: Callable[[Session], None] = lambda session: None):
+                 matrix: str = "bt601", release: Callable[[Session], None] = lambda session: None,
+                 switch: Callable[[Session, int | str], int] | None = None):
         self.request, self.handoff, self.playout = request, handoff, playout
-        self.id, self.avatar, self.clock, self.fps = request.id, request.avatar, request.clock, request.fps
+        self.id, self.clock, self.fps = request.id, request.clock, request.fps
         self.o, self.size, self.matrix = options, size, matrix  # size: (width, height); matrix: its I420's
-        self._wake_core, self._now, self._release = wake_core, now, release
+        self._wake_core, self._now, self._release, self._switch = wake_core, now, release, switch
+
+    @property
+    def avatar(self) -> int:
+        """The engine's index of the avatar its pictures come from (the latest cut's, once reached)."""
+        return self.request.avatar
 
     @property
     def t0(self) -> float:
@@ -85,6 +91,17 @@ class Session:
         self.handoff.restart(at, generation)
         self.playout.interrupt(generation)
         self._wake_core()
+
+    def switch(self, avatar: int | str) -> int:
+        """A camera cut: from the next frame not yet rendered, pictures come from another resident avatar
+        (its index or name) of the same frame size, with no gap and the speech going on. A cut and a push
+        made at one moment land on the same frame; returns that frame. ValueError: not resident, or
+        another frame size or colour matrix."""
+        if self._switch is None:
+            raise RuntimeError("this session was not opened by a LiveEngine: it cannot switch avatars")
+        if self.playout.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        return self._switch(self, avatar)
 
     def request_keyframe(self) -> None:
         """The next frame handed to the encoder is an IDR (a viewer lost packets)."""

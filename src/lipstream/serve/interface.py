@@ -30,6 +30,8 @@ class SpeechLink(Protocol):
 
     async def command(self, kind: str) -> None: ...  # "end" (the utterance) or "interrupt"
 
+    async def switch(self, avatar: str) -> None: ...  # a camera cut; answered by a "switched" or "switch_refused" event
+
     def events(self) -> AsyncIterator[dict]: ...  # speech events as the socket sends them
 
 

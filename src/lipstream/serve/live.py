@@ -155,6 +155,23 @@ class LocalSpeech:
         elif kind == "interrupt":
             session.clear()
 
+    async def switch(self, avatar: str) -> None:
+        """A camera cut; its answer goes out with the speech events, in order with them."""
+        session = self._session()
+        live = self.live
+        try:
+            if avatar not in self.sessions.s.avatars:
+                raise ValueError(f"avatar: {avatar!r} is not resident on this server")
+            frame = session.switch(self.sessions.s.avatars[avatar])
+        except ValueError as e:
+            answer = {"type": "switch_refused", "avatar": avatar, "message": str(e)}
+        else:
+            live.avatar = avatar
+            answer = {"type": "switched", "avatar": avatar, "frame": frame}
+        if live.events.full():
+            live.events.get_nowait()
+        live.events.put_nowait(answer)
+
     async def events(self):
         """Speech events until the session ends; then, if the server ended it, an 'ended' event with why."""
         while (event := await self.live.events.get()) is not None:

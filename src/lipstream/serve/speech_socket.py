@@ -3,7 +3,7 @@ before it reaches a session, so a malformed one is an error message and a close,
 The one check for a plain server and a fleet's front alike (both run routes/sessions.py's route).
 
 Close codes (docs/serve.md, "Limits a client meets"):
-  1003  a message of a type the socket does not take (a command other than start, end, interrupt)
+  1003  a message of a type the socket does not take (a command other than start, end, interrupt, switch)
   1007  a malformed message: text that is not a JSON object, a bad field, PCM of an odd byte count
   1009  a message over its size limit
   4401  no key, or not a valid one
@@ -23,7 +23,8 @@ MAX_PCM_BYTES = 512 * 1024
 MAX_COMMAND_CHARS = 4096  # one JSON command: {"type": "start", "rate": 16000} is 33
 MIN_RATE, MAX_RATE = 8000, 192_000
 DEFAULT_RATE = 16_000
-COMMANDS = ("start", "end", "interrupt")
+COMMANDS = ("start", "end", "interrupt", "switch")
+MAX_AVATAR_CHARS = 200
 
 UNSUPPORTED, INVALID, TOO_BIG = 1003, 1007, 1009
 NO_KEY, NO_SESSION, ENDED = 4401, 4404, 4410
@@ -63,6 +64,11 @@ class Command:
     kind: str  # "end" or "interrupt"
 
 
+@dataclass(frozen=True)
+class Switch:
+    avatar: str  # a camera cut to this resident avatar
+
+
 def _shown(value: object) -> str:
     """A client's value in an error message, cut short (a rate of 1e300 is 354 digits as an int)."""
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
@@ -78,10 +84,11 @@ def check_rate(value: object) -> int:
     return int(value)
 
 
-def speech_message(message: dict) -> Audio | Start | Command:
+def speech_message(message: dict) -> Audio | Start | Command | Switch:
     """One received ASGI websocket.receive message as what it asks for; BadMessage if it is not one the
     socket takes. Binary: PCM16 mono (an even byte count, at most MAX_PCM_BYTES); text: a JSON object
-    {"type": "start", "rate": N} (rate optional: 16000), {"type": "end"} or {"type": "interrupt"}."""
+    {"type": "start", "rate": N} (rate optional: 16000), {"type": "end"}, {"type": "interrupt"} or
+    {"type": "switch", "avatar": NAME}."""
     data = message.get("bytes")
     if data is not None:
         if len(data) > MAX_PCM_BYTES:
@@ -99,7 +106,8 @@ def speech_message(message: dict) -> Audio | Start | Command:
         command = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         command = None
-    allowed = '{"type": "start", "rate": 16000}, {"type": "end"} or {"type": "interrupt"}'
+    allowed = ('{"type": "start", "rate": 16000}, {"type": "end"}, {"type": "interrupt"} or '
+               '{"type": "switch", "avatar": "NAME"}')
     if not isinstance(command, dict):
         raise BadMessage(INVALID, f"a text message that is not a JSON object; {allowed} is allowed")
     kind = command.get("type")
@@ -107,4 +115,9 @@ def speech_message(message: dict) -> Audio | Start | Command:
         raise BadMessage(UNSUPPORTED, f"type: {_shown(kind)}; {allowed} is allowed")
     if kind == "start":
         return Start(check_rate(command.get("rate", DEFAULT_RATE)))
+    if kind == "switch":
+        avatar = command.get("avatar")
+        if not isinstance(avatar, str) or not 0 < len(avatar) <= MAX_AVATAR_CHARS:
+            raise BadMessage(INVALID, f"avatar: {_shown(avatar)}; a resident avatar's name is allowed")
+        return Switch(avatar)
     return Command(kind)

@@ -89,6 +89,17 @@ class AvatarSession(BaseAvatarSession):
         token = dispatch_token(room_name, agent_identity, self._api_key, self._api_secret)
         return await _call(self.worker_url, "POST", "/sessions", token, self._timeout_s, body)
 
+    async def swap_avatar(self, avatar: str) -> int:
+        """A camera cut: the worker's session for this room switches to another of its resident avatars of
+        the same frame size, with the speech going on; the frame it lands on. AvatarError if refused."""
+        if not self._room_name:
+            raise AvatarError("the avatar has not been started (`await avatar.start(agent_session, room)`)")
+        token = dispatch_token(self._room_name, "agent", self._api_key, self._api_secret)
+        reply = await _call(self.worker_url, "POST", f"/sessions/{self._room_name}/avatar", token, self._timeout_s,
+                            {"avatar": avatar})
+        self.avatar = avatar
+        return int(reply["frame"])
+
     async def aclose(self) -> None:
         """Remove the avatar from the room (the worker frees its session when it leaves)."""
         if self._room_name:
@@ -153,6 +164,11 @@ class LocalAvatar:
     generator: LipStreamVideoGenerator
     audio: QueueAudioOutput
     session: object  # the SpeakingSession
+
+    def swap_avatar(self, avatar: int | str) -> int:
+        """A camera cut to another resident avatar of the same frame size, with the speech going on; the
+        frame it lands on. ValueError if refused."""
+        return self.session.switch(avatar)
 
     async def aclose(self) -> None:
         await self.runner.aclose()

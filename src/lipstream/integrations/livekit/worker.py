@@ -77,6 +77,7 @@ class AvatarWorker:
         app = web.Application()
         app.router.add_post("/sessions", self._post_session)
         app.router.add_delete("/sessions/{room}", self._delete_session)
+        app.router.add_post("/sessions/{room}/avatar", self._switch_avatar)
         app.router.add_get("/health", self._health)
         return app
 
@@ -124,6 +125,30 @@ class AvatarWorker:
         except DispatchError as e:
             return web.json_response({"error": str(e)}, status=e.status)
         return web.json_response({"room": room, "left": await self.leave(room)})
+
+    async def _switch_avatar(self, request: web.Request) -> web.Response:
+        """A camera cut in a room: {"avatar": NAME} -> {"room", "avatar", "frame": the frame it lands on}."""
+        room = request.match_info["room"]
+        try:
+            self._authorise(request, room)
+            try:
+                body = await request.json()
+            except ValueError:
+                raise DispatchError(400, "the body is not JSON") from None
+            avatar = body.get("avatar") if isinstance(body, dict) else None
+            if not isinstance(avatar, str) or not 0 < len(avatar) <= 256:
+                raise DispatchError(400, "avatar: a string of 1 to 256 characters is required")
+            presence = self.rooms.get(room)
+            if presence is None:
+                raise DispatchError(404, f"no avatar in room {room!r}")
+            try:
+                frame = presence.session.switch(avatar)
+            except ValueError as e:
+                raise DispatchError(422, str(e)) from None
+        except DispatchError as e:
+            return web.json_response({"error": str(e)}, status=e.status)
+        presence.avatar = avatar
+        return web.json_response({"room": room, "avatar": avatar, "frame": frame})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"avatars": [a.name for a in self.engine.engine.avatars], "rooms": len(self.rooms),

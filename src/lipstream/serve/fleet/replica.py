@@ -138,8 +138,8 @@ class EngineReplica:
     async def speak_many(self, batch: dict[str, list[tuple]]) -> list[str]:
         """What the front's speech sockets sent since its last call, for every session of this replica with
         something new (serve/fleet/speech.py's ReplicaSpeech), each session's items in order: ("audio",
-        PCM16 bytes, rate), ("end",), ("interrupt",). The ids of those sessions that have ended. Called by
-        the front's connection (SpeechListener) or, where it has none, through the handle."""
+        PCM16 bytes, rate), ("end",), ("interrupt",), ("switch", avatar). The ids of those sessions that have
+        ended. Called by the front's connection (SpeechListener) or, where it has none, through the handle."""
         from lipstream.serve.live import LocalSpeech
 
         self.speech_calls += 1
@@ -155,6 +155,8 @@ class EngineReplica:
                 for item in items:
                     if item[0] == "audio":
                         await link.push(item[1], item[2])
+                    elif item[0] == "switch":
+                        await link.switch(item[1])
                     else:
                         await link.command(item[0])
             except SessionGone:

@@ -46,6 +46,9 @@ class FleetSpeech:
     async def command(self, kind: str) -> None:
         self.speech.put(self, (kind,))
 
+    async def switch(self, avatar: str) -> None:
+        self.speech.put(self, ("switch", avatar))
+
     async def events(self):
         try:
             async for event in self._events():

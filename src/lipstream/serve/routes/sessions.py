@@ -18,7 +18,7 @@ from lipstream.serve.offers import offer_problem
 from lipstream.serve.options import RETRY_AFTER_S
 from lipstream.serve.routes.avatars import known_avatar
 from lipstream.serve.speech_socket import (DEFAULT_RATE, ENDED, NO_KEY, NO_SESSION, Audio, BadMessage, Start,
-                                           close_reason, speech_message)
+                                           Switch, close_reason, speech_message)
 from lipstream.serve.state import get_service
 
 router = APIRouter()
@@ -89,8 +89,9 @@ async def close_session(sid: str, who: Caller = Depends(caller),
 async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKeys = Depends(api_keys),
                  service: ServerHost = Depends(get_service)) -> None:
     """Binary messages: PCM16 mono at `rate` (a first {"type": "start", "rate": 16000}; 16 kHz if
-    none); {"type": "end"} ends an utterance, {"type": "interrupt"} cuts it off; speech events
-    (started / finished / interrupted, at playout) come back as JSON. A refused socket (4401, 4404) or a
+    none); {"type": "end"} ends an utterance, {"type": "interrupt"} cuts it off, {"type": "switch",
+    "avatar": NAME} cuts to another camera (answered {"type": "switched"} or {"type": "switch_refused"});
+    speech events (started / finished / interrupted, at playout) come back as JSON. A refused socket (4401, 4404) or a
     malformed message (1003, 1007, 1009: serve/speech_socket.py) gets {"type": "error"} and a close
     with that code and a reason."""
     who = keys.caller(ws.headers.get("authorization", ""), token)
@@ -126,6 +127,8 @@ async def speech(ws: WebSocket, sid: str, token: str | None = None, keys: ApiKey
                 await link.push(said.pcm16, rate)
             elif isinstance(said, Start):
                 rate = said.rate
+            elif isinstance(said, Switch):
+                await link.switch(said.avatar)
             else:
                 await link.command(said.kind)
     except SessionGone:  # the session ended under the socket (its client left, its replica died)

@@ -1,0 +1,170 @@
+"""Camera cuts in a live session (tiny networks on the CPU): another resident avatar of the same frame
+size from the next frame not yet rendered, mid-utterance, with no gap in frames or audio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from lipstream.fixtures import speech_like
+from lipstream.fixtures.avatar import tracked_avatar
+from lipstream.fixtures.stream import nal_types
+from lipstream.live import LiveEngine, LiveFrame, LiveOptions, SpeechEvent
+from lipstream.media.rates import AUDIO_RATE
+
+FPS = Fraction(4)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("cuts")
+    made = [tracked_avatar(root, name, tiny_models.vae, tiny_models.fingerprints["vae"], width=w, height=h, seed=seed)
+            for name, w, h, seed in (("wide", 320, 180, 0), ("close", 320, 180, 5), ("big", 480, 270, 1))]
+    live = LiveEngine(tiny_models, LiveOptions(playout_delay_s=3.0, buckets=(1, 2, 4), encode=False, max_sessions=4,
+                                               capacity_fps=100.0, idle_cache_gib=1.0))
+    for folder in made:
+        live.add_avatar(folder)
+    with live.start():
+        yield live
+
+
+def _shows(live: LiveEngine, frame: LiveFrame) -> int:
+    """Which resident avatar a frame's picture is of: its top rows (outside the face) equal one of its loop frames."""
+    rows = frame.i420[:16]
+    for index, a in enumerate(live.engine.avatars):
+        loops = a.frames[:, :16].cpu().numpy() if a.frames.shape[-1] == rows.shape[-1] else None
+        if loops is not None and any(np.array_equal(rows, x) for x in loops):
+            return index
+    raise AssertionError(f"frame {frame.frame} is none of the resident avatars' loop frames")
+
+
+def test_a_cut_mid_utterance_changes_the_picture_at_its_frame_and_the_speech_goes_on(engine):
+    """Speech pushed ahead is rendered ahead: a cut lands where speech pushed at that moment would
+    (the playout delay ahead), and the frames from there on rendered with the avatar before are
+    rendered again."""
+    speech = speech_like(5.0, 16_000, seed=3)
+
+    async def run():
+        s = engine.open_session("wide", fps=FPS)
+        items, cut, ahead = [], None, None
+        try:
+            s.push_audio(speech, 16_000)
+            s.end_utterance()
+            reader = asyncio.ensure_future(_read_until_finished(s, items))
+            await _rendered_ahead(s, 3)
+            ahead = s.request.next_frame
+            cut = s.switch("close")
+            assert s.avatar == 1
+            await reader
+            return items, cut, ahead, s.stats
+        finally:
+            engine.close_session(s)
+
+    items, cut, ahead, stats = asyncio.run(run())
+    assert cut < ahead  # frames of the old avatar had been rendered past it
+    frames = [i for i in items if isinstance(i, LiveFrame)]
+    assert [f.frame for f in frames] == list(range(frames[0].frame, frames[-1].frame + 1))  # no gap
+    assert stats.late == 0 and stats.skipped == 0
+    shows = [_shows(engine, f) for f in frames]
+    assert shows == [0] * (cut - frames[0].frame) + [1] * (frames[-1].frame - cut + 1), (cut, shows)
+    # the utterance goes on across the cut: every frame of it played, with its audio
+    spoken = [f for f in frames if f.utterance is not None]
+    assert {f.utterance for f in spoken} == {0}
+    assert spoken[0].frame < cut < spoken[-1].frame
+    heard = np.concatenate([f.audio for f in spoken])
+    assert len(heard) == pytest.approx(speech.size * AUDIO_RATE / 16_000, abs=float(AUDIO_RATE / FPS))
+    after = next(f for f in spoken if f.frame == cut)
+    assert np.abs(after.audio).max() > 0.01
+
+
+async def _rendered_ahead(session, frames: int) -> None:
+    """Until the core has planned `frames` past where speech pushed now would start (a loaded machine is slow)."""
+    await asyncio.sleep(0.6)  # the speech has begun to play on the session's timeline (2 frames at 4 fps)
+    while session.request.next_frame < session.clock.media_frame(time.monotonic()) + frames:
+        await asyncio.sleep(0.05)
+
+
+async def _read_until_finished(session, items: list) -> None:
+    async for item in session:
+        items.append(item)
+        if isinstance(item, SpeechEvent) and item.kind == "finished":
+            return
+
+
+def test_a_cut_and_a_push_at_one_moment_land_on_the_same_frame(engine):
+    speech = speech_like(0.5, 16_000, seed=4)
+
+    async def run():
+        s = engine.open_session("wide", fps=FPS)
+        try:
+            await asyncio.sleep(0.3)
+            cut = s.switch("close")
+            s.push_audio(speech, 16_000)
+            s.end_utterance()
+            async for item in s:
+                if isinstance(item, SpeechEvent) and item.kind == "started":
+                    return cut, item.frame
+        finally:
+            engine.close_session(s)
+
+    cut, started = asyncio.run(run())
+    assert cut == started
+
+
+def test_a_cut_to_another_frame_size_or_an_unknown_avatar_is_refused(engine):
+    s = engine.open_session("wide", fps=FPS)
+    try:
+        with pytest.raises(ValueError, match="'big' is 480x270; a cut keeps the session's frame size, 320x180"):
+            s.switch("big")
+        with pytest.raises(ValueError, match="'nobody' is not resident; resident: wide, close, big"):
+            s.switch("nobody")
+        assert s.avatar == 0
+        assert s.switch(0) >= 0  # back to the one it shows: allowed, nothing changes
+    finally:
+        engine.close_session(s)
+    with pytest.raises(RuntimeError, match="is closed"):
+        s.switch("close")
+
+
+def test_an_encoded_session_cut_mid_utterance_is_one_decodable_stream(engine):
+    """Frames encoded ahead with the avatar before are encoded again: an IDR at the cut, each frame's video
+    once with rising timestamps, the audio on, and the whole stream decodes."""
+    import av
+
+    speech = speech_like(4.0, 16_000, seed=5)
+
+    async def run():
+        s = engine.open_session("wide", fps=FPS, encode=True)
+        items = []
+        try:
+            s.push_audio(speech, 16_000)
+            s.end_utterance()
+            reader = asyncio.ensure_future(_read_until_finished(s, items))
+            await _rendered_ahead(s, 3)
+            ahead = s.request.next_frame
+            cut = s.switch("close")
+            await reader
+            return items, cut, ahead
+        finally:
+            engine.close_session(s)
+
+    items, cut, ahead = asyncio.run(run())
+    assert cut < ahead
+    frames = [i for i in items if isinstance(i, LiveFrame)]
+    video = [p for f in frames for p in f.packets if p.kind == "video"]
+    audio = [p for f in frames for p in f.packets if p.kind == "audio"]
+    assert [p.pts for p in video] == list(range(video[0].pts, video[-1].pts + 1))  # each frame once, in order
+    at_cut = next(p for p in video if p.pts == cut)
+    assert at_cut.keyframe and 5 in nal_types(at_cut.data)
+    assert all(b.pts > a.pts for a, b in zip(audio, audio[1:]))
+    codec = av.CodecContext.create("h264", "r")
+    decoded = [f for p in video for f in codec.decode(av.Packet(p.data))] + list(codec.decode(None))
+    assert len(decoded) == len(video)
+    # the pictures after the cut are the close-up's (lossy: near its loop frames, far from the wide one's)
+    close, wide = (engine.engine.avatars[i].frames[:, :16].float().numpy() for i in (1, 0))
+    last = decoded[-1].to_ndarray(format="yuv420p")[:16].astype(np.float32)
+    assert np.abs(close - last).mean(axis=(1, 2)).min() < np.abs(wide - last).mean(axis=(1, 2)).min()
