@@ -43,8 +43,9 @@
 # serve         (carry .whl) plain `lipstream serve` on 4 avatars of 1280x720@25 (Inductor, cache in
 #               .inductor): start to /readyz, `lipstream serve-bench` rows of NS (8,16,20,24) sessions, each
 #               client in its own process, a 20 s render job beside each row (JOB=0: none), nvidia-smi samples,
-#               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), PROF_AT=S (py-spy of every
-#               server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
+#               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), LATENCY="default low" (a
+#               serve-bench run per sessions' latency choice, on one server; out sb_default/, sb_low/), PROF_AT=S
+#               (py-spy of every server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
 # soak          (carry .whl; SOAK_MIN + ~3 min) plain `lipstream serve` on the serve stage's 4 avatars of 1280x720@25,
 #               then `lipstream serve-bench --soak SOAK_MIN` (60): SOAK_K (4) sessions at a time, each opening,
 #               speaking SOAK_SPEAK_S (4) s and closing; a render job of 20 s of speech every SOAK_JOB_S (60) s
@@ -393,8 +394,14 @@ stage_serve() {
       -d 10 -o "$W/idle.txt" > /dev/null 2>&1) &
   fi
   local job=(--render-audio "$A/job.wav"); [ "${JOB:-1}" = 0 ] && job=()
-  timeout ${SB_T:-400} $PY -m lipstream.cli serve-bench --sessions ${NS:-8,16,20,24} --seconds 12 "${job[@]}" \
-    --server-pid $SPID ${PLAYOUT:+--playout-delay-ms $PLAYOUT} -o "$OUT/sb" 2>&1 | grep -v "^report" | tail -8
+  local lat
+  for lat in ${LATENCY:-server}; do  # each session's latency choice, a serve-bench run each, on one server
+    local more=(); [ "$lat" != server ] && more=(--latency "$lat")
+    echo "== sessions' latency: $lat"
+    timeout ${SB_T:-400} $PY -m lipstream.cli serve-bench --sessions ${NS:-8,16,20,24} --seconds 12 "${job[@]}" \
+      --server-pid $SPID ${PLAYOUT:+--playout-delay-ms $PLAYOUT} "${more[@]}" -o "$OUT/sb${LATENCY:+_$lat}" 2>&1 \
+      | grep -v "^report" | tail -8
+  done
   kill $gpid 2>/dev/null
   serve_stop
   [ -f "$W/idle.txt" ] && pyspy_summary "$W/idle.txt" > "$OUT/idle_summary.txt"

@@ -195,6 +195,28 @@ def test_a_remote_session_cuts_to_another_camera_mid_utterance(server):
     assert shown == expected, (cut, [x.frame for x in frames], shown)
 
 
+@pytest.mark.slow
+def test_a_low_latency_session_is_a_choice_of_the_client(server):
+    from lipstream.client import SessionRefused, connect
+
+    url, _ = server
+
+    async def run():
+        session = await connect(url, "anna", api_key=KEY, fps=FPS, latency="low", playout_delay_s=DELAY_S)
+        try:
+            status = httpx.get(f"{url}/v1/sessions/{session.id}", headers={"Authorization": f"Bearer {KEY}"}).json()
+        finally:
+            await session.aclose()
+        with pytest.raises(SessionRefused) as e:
+            await connect(url, "anna", api_key=KEY, latency="fast")
+        return status, e.value
+
+    status, refused = asyncio.run(run())
+    assert status["window_ahead_ms"] == 40 and status["playout_delay_ms"] == DELAY_S * 1000
+    assert refused.status == 422 and "latency: 'fast'; 'default' or 'low' is allowed" in str(refused)
+    assert _listed(url) == []
+
+
 def test_pictures_at_a_size_asked_for(server):
     from lipstream.client import connect
 

@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 
 from lipstream.fixtures import speech_like
 from lipstream.fixtures.avatar import tracked_avatar
@@ -168,3 +169,67 @@ def test_an_encoded_session_cut_mid_utterance_is_one_decodable_stream(engine):
     close, wide = (engine.engine.avatars[i].frames[:, :16].float().numpy() for i in (1, 0))
     last = decoded[-1].to_ndarray(format="yuv420p")[:16].astype(np.float32)
     assert np.abs(close - last).mean(axis=(1, 2)).min() < np.abs(wide - last).mean(axis=(1, 2)).min()
+
+
+def _request(options: LiveOptions):
+    """A session's request on its own (no engine) at 25 fps, its timeline starting now."""
+    from lipstream.live.features import FeatureTable
+    from lipstream.live.items import SessionClock
+    from lipstream.live.request import SpeechRequest
+
+    table = FeatureTable(1, 256, torch.device("cpu"), torch.float32)
+    clock = SessionClock(time.monotonic(), options.playout_delay_s, Fraction(25))
+    return SpeechRequest(0, 0, 0, Fraction(25), 10, 0, clock, options, table), table
+
+
+@pytest.mark.parametrize("ahead", [6, 2, 0])
+def test_a_frame_waits_for_its_window_only_as_far_ahead_as_window_ahead_steps(ahead):
+    """Frame f's window is steps 2f-4 .. 2f+5 at 25 fps; with `window_ahead_steps` = a it is rendered once
+    steps up to 2f+a-1 are final, the steps not in yet read the last one that is; with 6 (the default)
+    only once the whole window is in."""
+    request, table = _request(LiveOptions(window_ahead_steps=ahead))
+    request.push(np.zeros(16_000, np.float32), 16_000, request.clock.t0)  # 1 s, still open: frames 0-24
+    u = request._utterances[0]
+    u.final = 20  # features final for steps 0-19 (the audio's first 400 ms)
+    frames, _ = request.candidates(request.clock.t0, 64, 0.0, 0)
+    speaking = [c for c in frames if c.utterance is not None]
+    # the last frame rendered: 2f + ahead <= 20 (ahead 6: its window's end, 2f + 6, is in)
+    assert [c.frame for c in speaking] == list(range(0, (20 - ahead) // 2 + 1))
+    last = speaking[-1]
+    first = 2 * last.frame - 4
+    expected = [table.row(0, k) if 0 <= k < 20 else (table.row(0, 19) if k >= 20 else table.zero)
+                for k in range(first, first + 10)]
+    assert last.rows == expected and not last.underrun
+
+
+def test_a_low_latency_session_renders_a_frame_once_its_own_audio_is_in(engine):
+    """Speech pushed in 20 ms chunks in real time: a default session's speech frame is planned once its
+    window is in (120 ms past the frame's start, at every frame rate), a low-latency one's once the
+    window's first 40 ms past the start are."""
+    speech = speech_like(2.0, 16_000, seed=9)
+
+    async def waits(latency):
+        s = engine.open_session("wide", fps=FPS, latency=latency, playout_delay_s=3.0)
+        items = []
+        try:
+            reader = asyncio.ensure_future(_read_until_finished(s, items))
+            for i in range(0, speech.size, 320):
+                s.push_audio(speech[i:i + 320], 16_000)
+                await asyncio.sleep(0.02)
+            s.end_utterance()
+            await reader
+        finally:
+            engine.close_session(s)
+        frames = [i for i in items if isinstance(i, LiveFrame) and i.utterance is not None and i.pushed_at]
+        return [f.planned_at - f.pushed_at for f in frames[:-2]], s.o
+
+    default, default_o = asyncio.run(waits(None))
+    low, low_o = asyncio.run(waits("low"))
+    assert (default_o.window_ahead_steps, low_o.window_ahead_steps) == (6, 2)
+    assert low_o.playout_delay_s == 3.0  # its own delay goes over the preset's
+    # the default waits for 120 ms of audio past the frame's start, low for 40 ms (each plus the chunk, the
+    # Whisper window's 12.5 ms margin and the core's turn)
+    assert min(default) >= 0.12 and min(low) >= 0.04, (default, low)
+    assert float(np.median(low)) <= float(np.median(default)) - 0.06, (low, default)
+    with pytest.raises(ValueError, match="latency: 'fast'; 'default' or 'low' is allowed"):
+        engine.open_session("wide", latency="fast")

@@ -131,10 +131,11 @@ def latencies(sent: list[list[float]], events: list[dict], video: dict[int, floa
 
 
 async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: float, seed: int,
-              codec: str = "any", chunk_s: float = 0.02, playout_delay_ms: float | None = None) -> dict:
+              codec: str = "any", chunk_s: float = 0.02, playout_delay_ms: float | None = None,
+              latency: str | None = None) -> dict:
     """Connect, wait for the common start, speak for `seconds`, and report what arrived. `codec`: the video
     codec the offer allows ("h264", "vp8"; "any": aiortc's own list, VP8 then H.264); `playout_delay_ms`:
-    the session's own (None: the server's)."""
+    the session's own (None: the server's); `latency`: its latency choice ("low"; None: the server's)."""
     import websockets
     from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
@@ -154,7 +155,8 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
     t_connect = time.monotonic()
     await pc.setLocalDescription(await pc.createOffer())
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
-        params = {"avatar": avatar} | ({} if playout_delay_ms is None else {"playout_delay_ms": playout_delay_ms})
+        params = {"avatar": avatar} | ({} if playout_delay_ms is None else {"playout_delay_ms": playout_delay_ms}) \
+            | ({} if latency is None else {"latency": latency})
         r = await http.post("/v1/sessions", params=params, content=pc.localDescription.sdp,
                             headers={"Content-Type": "application/sdp"})
         if r.status_code != 201:
@@ -214,6 +216,7 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
         "server_frames_late": server.get("stats", {}).get("late"),
         "server_stats": server.get("stats"),
         "server_playout_delay_ms": server.get("playout_delay_ms"),
+        "server_window_ahead_ms": server.get("window_ahead_ms"),
         "server_timings_ms": server.get("timings_ms"),  # per speech frame, by stage (serve/app.py)
         "cpu_s": round(sum(os.times()[:2]), 2),  # this client process: what N of them cost the machine
     }
@@ -229,11 +232,12 @@ def main() -> None:
     p.add_argument("--codec", choices=("any", "h264", "vp8"), default="any")
     p.add_argument("--chunk-ms", type=float, default=20.0, help="speech sent in chunks of this length")
     p.add_argument("--playout-delay-ms", type=float, default=None, help="the session's (default: the server's)")
+    p.add_argument("--latency", default=None, help="the session's latency choice (default: the server's)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     try:
         report = asyncio.run(run(a.url.rstrip("/"), os.environ.get("LIPSTREAM_API_KEY", ""), a.avatar, a.start,
-                                 a.seconds, a.seed, a.codec, a.chunk_ms / 1000, a.playout_delay_ms))
+                                 a.seconds, a.seed, a.codec, a.chunk_ms / 1000, a.playout_delay_ms, a.latency))
     except Exception as e:  # the parent reports it, with the others' figures
         report = {"error": f"{type(e).__name__}: {e}"}
     tmp = a.out.with_suffix(".part")

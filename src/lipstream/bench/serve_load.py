@@ -44,7 +44,7 @@ def submit_render_job(http: httpx.Client, avatar: str, audio: Path) -> str:
 
 def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, render_audio: Path | None = None,
             server_pid: int | None = None, seed: int = 0, codec: str = "any", chunk_ms: float = 20.0,
-            playout_delay_ms: float | None = None) -> dict:
+            playout_delay_ms: float | None = None, latency: str | None = None) -> dict:
     """N client processes for `seconds` (and a render job if asked); the figures of one row."""
     env = {**os.environ, "LIPSTREAM_API_KEY": key, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
@@ -60,6 +60,8 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                    "--seed", str(seed * 1000 + k), "--codec", codec, "--chunk-ms", str(chunk_ms), "--out", str(out)]
             if playout_delay_ms is not None:
                 cmd += ["--playout-delay-ms", str(playout_delay_ms)]
+            if latency is not None:
+                cmd += ["--latency", latency]
             # the load must not take the CPU the server under test needs: clients run at a lower priority
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                            preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
@@ -103,6 +105,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
     row = {
         "sessions": n,
         "playout_delay_ms": next((c["server_playout_delay_ms"] for c in clients), None),
+        "window_ahead_ms": next((c.get("server_window_ahead_ms") for c in clients), None),
         "clients_ok": len(clients),
         "video_codecs": sorted({c["video_codec"] for c in clients}),
         "errors": errors,
@@ -169,7 +172,7 @@ def resident_avatars(url: str, key: str) -> dict[str, dict]:
 def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str] | None = None, *,
         render_audio: Path | None = None, server_pid: int | None = None, warmup: bool = True,
         codec: str = "any", chunk_ms: float = 20.0, playout_delays_ms: list[float | None] | None = None,
-        command: str = "", progress=print) -> dict:
+        latency: str | None = None, command: str = "", progress=print) -> dict:
     """Every row (each playout delay, each N), after a warm-up at the largest N; the report (not written)."""
     known = resident_avatars(url, key)
     chosen = avatars or sorted(known)
@@ -178,7 +181,8 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         raise RuntimeError(f"avatars {missing or chosen} are not resident on {url} (it has {sorted(known)})")
     report = {"command": command, "url": url, "avatars": {a: f"{known[a]['width']}x{known[a]['height']}@{known[a]['fps']}"
                                                           for a in chosen},
-              "seconds": seconds, "codec": codec, "chunk_ms": chunk_ms, "render_audio": str(render_audio) if render_audio else None,
+              "seconds": seconds, "codec": codec, "chunk_ms": chunk_ms, "latency": latency,
+              "render_audio": str(render_audio) if render_audio else None,
               "date": time.strftime("%Y-%m-%d %H:%M"), "commit": os.environ.get("LIPSTREAM_COMMIT", "?"),
               "cpus": os.cpu_count(), "rows": []}
     if warmup:
@@ -188,7 +192,7 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
     rows = [(d, n) for d in (playout_delays_ms or [None]) for n in counts]
     for i, (delay, n) in enumerate(rows):
         row = run_row(url, key, n, seconds, chosen, render_audio=render_audio, server_pid=server_pid, seed=i,
-                      codec=codec, chunk_ms=chunk_ms, playout_delay_ms=delay)
+                      codec=codec, chunk_ms=chunk_ms, playout_delay_ms=delay, latency=latency)
         report["rows"].append(row)
         st = row["server_stages_ms"]
         progress(f"N={n} at {row['playout_delay_ms']} ms: p50/p99 {row['latency_ms'].get('p50')}/"

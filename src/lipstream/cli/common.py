@@ -48,8 +48,9 @@ X264PresetOpt = Annotated[Optional[str], typer.Option(
     help="x264 preset: ultrafast, superfast, veryfast, faster, fast, medium, slow, slower, veryslow. Default: "
          "ultrafast with a GPU (the engine outruns x264), veryfast on a CPU.")]
 LivePresetOpt = Annotated[str, typer.Option(
-    "--live-preset", help="Live options preset: realtime (plays 250 ms behind the speech), accurate (350 ms), "
-                          "utterance (1 s), cpu (1 s, Whisper every 200 ms: a machine without a GPU).")]
+    "--live-preset", help="Live options preset: realtime (plays 250 ms behind the speech), lowlatency (120 ms, "
+                          "each frame once its own audio is in), accurate (350 ms), utterance (1 s), cpu (1 s, "
+                          "Whisper every 200 ms: a machine without a GPU).")]
 OldPresetOpt = Annotated[Optional[str], typer.Option("--preset", hidden=True, help="Deprecated spelling.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
 BatchOpt = Annotated[Optional[int], typer.Option(

@@ -193,6 +193,8 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
                     playout_delay_ms: Annotated[Optional[str], typer.Option(
                         help="Comma-separated playout delays the sessions ask for, each a set of rows "
                              "(default: the server's).")] = None,
+                    latency: Annotated[Optional[str], typer.Option(
+                        help="The sessions' latency choice: low or default (default: the server's).")] = None,
                     soak: Annotated[Optional[float], typer.Option(
                         help="Instead of rows: a soak of this many minutes (sessions opening, speaking and closing, "
                              "jobs arriving) sampling the server's memory, files, threads and late frames; "
@@ -227,13 +229,16 @@ def serve_bench_cmd(url: Annotated[str, typer.Option(help="A running `lipstream 
         raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: expected e.g. 200,250") from None
     if not delays or any(d is not None and not 50 <= d <= 5000 for d in delays):
         raise UsageError(f"--playout-delay-ms {playout_delay_ms!r}: 50 to 5000 ms each")
+    if latency is not None and latency not in ("low", "default"):
+        raise UsageError(f"--latency {latency!r}: expected low or default")
     key = _bench_checks(url, render_audio, out_dir)
 
     from lipstream.bench.serve_load import run, write
 
     with _server_errors(url):
         report = run(url.rstrip("/"), key, counts, seconds, avatar, render_audio=render_audio, server_pid=server_pid,
-                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
+                     warmup=warmup, codec=codec, chunk_ms=chunk_ms, playout_delays_ms=delays, latency=latency,
+                     command=" ".join(["lipstream", *sys.argv[1:]]), progress=out.print)
     write(report, out_dir)
     out.print(f"largest N at p99 <= 250 ms with no frame late: {report['largest_n']}")
     out.print(f"report: {out_dir / 'serve_bench.md'}")

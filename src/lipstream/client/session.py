@@ -103,11 +103,12 @@ def _check_size(size) -> tuple[int, int] | None:
 
 
 async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None,
-                  playout_delay_s: float | None = None, size=None) -> RemoteSession:
+                  playout_delay_s: float | None = None, size=None, latency: str | None = None) -> RemoteSession:
     """Open a live session on `avatar` of the `lipstream serve` at `url` (http://host:port), as a WebRTC
     client. `api_key`: the server's bearer key, if it has keys. `fps` (None: the avatar's): the session's
     frame rate. `playout_delay_s` (None: the server's): how far behind the speech it plays.
-    `size` (width, height; None: the avatar's): the pictures handed out, scaled at the client.
+    `size` (width, height; None: the avatar's): the pictures handed out, scaled at the client. `latency`
+    ("low"; None: the server's): the session's latency choice (docs/live.md, "Low latency").
     Raises SessionRefused (naming the URL and the server's reason) with nothing left open."""
     from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
@@ -142,6 +143,8 @@ async def connect(url: str, avatar: str, *, api_key: str | None = None, fps=None
             params["fps"] = str(rate)
         if playout_delay_s is not None:
             params["playout_delay_ms"] = round(playout_delay_s * 1000, 3)
+        if latency is not None:
+            params["latency"] = latency
         r = await http.post("/v1/sessions", params=params, content=pc.localDescription.sdp,
                             headers={"Content-Type": "application/sdp"})
         if r.status_code != 201:

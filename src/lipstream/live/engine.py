@@ -30,7 +30,7 @@ from lipstream.live.core import EngineStats, LiveCore
 from lipstream.live.handoff import FrameHandoff
 from lipstream.live.interface import SessionRefused
 from lipstream.live.items import SessionClock
-from lipstream.live.options import LiveOptions, preset
+from lipstream.live.options import SESSION_LATENCY, LiveOptions, preset
 from lipstream.live.playout import Playout
 from lipstream.live.request import SpeechRequest
 from lipstream.live.runner import StepRunner
@@ -246,17 +246,22 @@ class LiveEngine:
         return int(avatar)
 
     def open_session(self, avatar: int | str = 0, *, fps: Fraction | float | None = None, encode: bool | None = None,
-                     start_frame: int = 0, playout_delay_s: float | None = None) -> Session:
+                     start_frame: int = 0, playout_delay_s: float | None = None,
+                     latency: str | None = None) -> Session:
         """A new session on a resident avatar (its index or name), idle until speech is pushed;
         SessionRefused (503) if full. `encode` (None: the engine's `LiveOptions.encode`): H.264 + audio
         packets with each frame, for a WebRTC sender; the integrations, which hand out pictures, pass
         False. `playout_delay_s` (None: the engine's) is this session's own: a client may trade latency
         for fewer late frames; the scheduler orders every frame by its own session's deadline.
+        `latency` ("default" or None: the engine's options): "low" takes the `lowlatency` preset's delay
+        and window (docs/live.md, "Low latency"); `playout_delay_s` goes over it.
         Close it with `session.close()` (or `with`)."""
         self._raise_error()
         avatar = self.avatar_index(avatar)
         if playout_delay_s is not None and not 0.05 <= playout_delay_s <= 5:
             raise ValueError(f"playout_delay_s: {playout_delay_s:g}; 0.05 to 5 s is allowed")
+        if latency is not None and latency not in SESSION_LATENCY:
+            raise ValueError(f"latency: {latency!r}; {' or '.join(map(repr, SESSION_LATENCY))} is allowed")
         if not 0 <= avatar < len(self.engine.avatars):
             raise ValueError(f"avatar: index {avatar}; {len(self.engine.avatars)} avatars are resident")
         a = self.engine.avatars[avatar]
@@ -273,7 +278,8 @@ class LiveEngine:
             self._next_id += 1
         try:
             rest = self._rest_frame(avatar, int(ping_pong(start_frame, a.num_frames)))  # before frame 0 is ready
-            o = self.o if playout_delay_s is None else self.o.replace(playout_delay_s=playout_delay_s)
+            o = self.o if latency is None else self.o.replace(**SESSION_LATENCY[latency])
+            o = o if playout_delay_s is None else o.replace(playout_delay_s=playout_delay_s)
             session = self._new_session(sid, ring, avatar, fps, o, rest, start_frame)
             if self.o.encode if encode is None else encode:
                 w, h = a.size

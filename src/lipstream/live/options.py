@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 FEATURE_MODES = ("stream", "utterance")
+WINDOW_AHEAD_STEPS = 6  # a frame's window: 4 feature steps before its start, 6 from it (audio/windows.py)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class LiveOptions:
     `idle_cache_gib`: the idle loop of each avatar (every loop frame with the mouth at rest) is
     rendered once and kept in host memory, up to this much over all avatars, so silent sessions
     cost no GPU time; 0 renders every idle frame in the steps.
+    `window_ahead_steps`: how much of a frame's window past its start (20 ms steps; 6: all of it,
+    120 ms) a speech frame waits for. Fewer renders it sooner, the steps not in yet repeating the
+    last one that is: the mouth does not see the next 80 ms coming (docs/live.md, "Low latency").
     """
 
     playout_delay_s: float = 0.25
@@ -58,6 +62,7 @@ class LiveOptions:
     fill_slack_s: float = 0.0
     feature_tick_s: float = 0.02
     trace_whisper: bool = True
+    window_ahead_steps: int = WINDOW_AHEAD_STEPS
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
@@ -70,6 +75,8 @@ class LiveOptions:
             raise ValueError("idle_cache_gib must be >= 0")
         if self.playout_delay_s <= 0 or self.context_s < 0 or self.lookahead_steps < 0 or self.hop_steps < 1:
             raise ValueError("playout_delay_s > 0, context_s >= 0, lookahead_steps >= 0 and hop_steps >= 1 are required")
+        if not 0 <= self.window_ahead_steps <= WINDOW_AHEAD_STEPS:
+            raise ValueError(f"window_ahead_steps must be 0 to {WINDOW_AHEAD_STEPS}")
         if not self.buckets or min(self.buckets) < 1:
             raise ValueError("buckets must be batch sizes >= 1")
 
@@ -84,6 +91,9 @@ class LiveOptions:
 PRESETS: dict[str, LiveOptions] = {
     # p99 <= 250 ms from sample to encoded frame: the window's own 120 ms look-ahead and no more
     "realtime": LiveOptions(),
+    # speech to mouth at the client in about 150 ms: 120 ms behind the speech, a frame rendered once its
+    # own 40 ms of audio is in (not the window's 120 ms), Whisper every 10 ms
+    "lowlatency": LiveOptions(playout_delay_s=0.12, window_ahead_steps=2, feature_tick_s=0.01),
     # more context and 80 ms of Whisper look-ahead: closer to the offline features, 80 ms later
     "accurate": LiveOptions(playout_delay_s=0.35, context_s=2.0, lookahead_steps=4),
     # whole utterances (a TTS that hands over complete sentences): the offline features exactly
@@ -93,6 +103,11 @@ PRESETS: dict[str, LiveOptions] = {
     # frames (a CPU runs no more frames/s at 16, and measuring the 16-frame step at start takes 30 s)
     "cpu": LiveOptions(playout_delay_s=1.0, context_s=0.5, hop_steps=10, buckets=(1, 2, 4)),
 }
+
+
+# what a session may choose on any engine (open_session(latency=...)): its own fields of a preset
+SESSION_LATENCY = {"default": {}, "low": {"playout_delay_s": PRESETS["lowlatency"].playout_delay_s,
+                                          "window_ahead_steps": PRESETS["lowlatency"].window_ahead_steps}}
 
 
 def preset(name: str) -> LiveOptions:

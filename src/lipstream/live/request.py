@@ -287,11 +287,16 @@ class SpeechRequest:
                     first = self.first_step(f - u.start_frame)
                     known = u.final if not (u.ended and u.final >= u.steps) else u.steps
                     limit_steps = u.steps if u.ended else None
-                    ready = known >= first + WINDOW_STEPS or (limit_steps is not None and known >= limit_steps)
-                    underrun = not ready
+                    whole = known >= first + WINDOW_STEPS or (limit_steps is not None and known >= limit_steps)
+                    # window_ahead_steps < 6: rendered once the window is in up to that far past the frame's
+                    # start, the steps not in yet repeating the last that is (the mouth goes on as it was)
+                    soon = not whole and known >= first + LEFT_PAD_STEPS + self.o.window_ahead_steps
+                    underrun = not (whole or soon)
                     if underrun and self.clock.deadline(f) - now > margin:
                         break
-                    rows = [self.table.row(self.ring, u.base + k) if 0 <= k < known else self.table.zero
+                    last = self.table.row(self.ring, u.base + known - 1) if soon and known > 0 else self.table.zero
+                    rows = [self.table.row(self.ring, u.base + k) if 0 <= k < known else
+                            (last if known <= k < (limit_steps or k + 1) else self.table.zero)
                             for k in range(first, first + WINDOW_STEPS)]
                 out.append(self._candidate(f, rows, u, underrun, now))
                 f += 1

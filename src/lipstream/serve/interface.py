@@ -39,7 +39,7 @@ class SessionHost(Protocol):
     """The live sessions of a server: a session id is all a later request needs to reach its session."""
 
     async def open_for(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
-                       fps: Fraction | None) -> tuple[str, str]:
+                       fps: Fraction | None, latency: str | None = None) -> tuple[str, str]:
         """(session id, SDP answer); SessionRefused when it cannot be opened."""
         ...
 

@@ -195,14 +195,14 @@ class LiveSessions:
     def count(self, owner: str) -> int:
         return sum(x.owner == owner for x in self.open.values())
 
-    async def start(self, owner: str, avatar: str, offer_sdp: str,
-                    playout_delay_s: float | None = None, fps: Fraction | None = None) -> tuple[LiveSession, str]:
+    async def start(self, owner: str, avatar: str, offer_sdp: str, playout_delay_s: float | None = None,
+                    fps: Fraction | None = None, latency: str | None = None) -> tuple[LiveSession, str]:
         """Open an engine session (SessionRefused when full) and answer the client's offer (ValueError:
         a bad offer; RuntimeError: no WebRTC worker could take it)."""
         h264_offer = prefer_h264(offer_sdp)
         encoded = h264_offer is not None
         session = self.s.live.open_session(self.s.avatars[avatar], fps=fps, encode=encoded,
-                                           playout_delay_s=playout_delay_s)
+                                           playout_delay_s=playout_delay_s, latency=latency)
         live = LiveSession(self.id_prefix + secrets.token_hex(8), owner, avatar, session, encoded=encoded,
                            observe_latency=self.s.metrics.frame_latency.observe)
         self.open[live.id] = live
@@ -250,9 +250,9 @@ class LiveSessions:
     # the SessionHost interface (serve/interface.py), what the routes use
 
     async def open_for(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
-                       fps: Fraction | None) -> tuple[str, str]:
+                       fps: Fraction | None, latency: str | None = None) -> tuple[str, str]:
         try:
-            live, answer = await self.start(owner, avatar, offer, playout_delay_s, fps)
+            live, answer = await self.start(owner, avatar, offer, playout_delay_s, fps, latency)
         except SessionRefused:  # the engine is full
             raise
         except ValueError as e:  # the WebRTC stack's own words (such as "None is not in list") stay in the log
@@ -279,6 +279,7 @@ class LiveSessions:
             return None
         s = live.session
         return {"id": live.id, "avatar": live.avatar, "playout_delay_ms": round(s.o.playout_delay_s * 1000, 1),
+                "window_ahead_ms": s.o.window_ahead_steps * 20,
                 "video": "h264" if live.encoded else "vp8", "stats": dataclasses.asdict(s.stats),
                 "timings_ms": s.timings_ms()}
 

@@ -81,7 +81,7 @@ class FleetSessions:
         return out
 
     async def open_for(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
-                       fps: Fraction | None) -> tuple[str, str]:
+                       fps: Fraction | None, latency: str | None = None) -> tuple[str, str]:
         """The replicas by the room they last reported (every second), most first; each one's own admission
         decides. A replica reported full is still asked (it may have closed sessions since), so the fleet
         refuses only when every replica has refused."""
@@ -92,7 +92,7 @@ class FleetSessions:
         for name in ranked:
             try:
                 answer = await asyncio.wait_for(self.front.replica(name).open_session.remote(
-                    owner, avatar, offer, playout_delay_s, fps), CALL_TIMEOUT_S)
+                    owner, avatar, offer, playout_delay_s, fps, latency), CALL_TIMEOUT_S)
             except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                 tried.append(f"{name}: {type(e).__name__}")
                 continue

@@ -111,11 +111,11 @@ class EngineReplica:
     # --- live sessions: serve/interface.py's SessionHost, over the handle ---------------------------
 
     async def open_session(self, owner: str, avatar: str, offer: str, playout_delay_s: float | None,
-                           fps: Fraction | None) -> dict:
+                           fps: Fraction | None, latency: str | None = None) -> dict:
         """{"sid", "answer"}, or {"status", "detail"} when refused (an exception's class would not cross
         the handle reliably)."""
         try:
-            sid, answer = await self.service.sessions.open_for(owner, avatar, offer, playout_delay_s, fps)
+            sid, answer = await self.service.sessions.open_for(owner, avatar, offer, playout_delay_s, fps, latency)
         except SessionRefused as e:
             return {"status": e.status, "detail": e.detail}
         return {"sid": sid, "answer": answer}

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, WebSocket, WebSo
 from fastapi.responses import Response
 from starlette.websockets import WebSocketState
 
+from lipstream.live.options import SESSION_LATENCY
 from lipstream.media.rates import as_fps
 from lipstream.serve.auth import ApiKeys, Caller, api_keys, caller
 from lipstream.live.interface import SessionRefused
@@ -26,15 +27,20 @@ router = APIRouter()
 
 @router.post("/v1/sessions", status_code=201)
 async def open_session(request: Request, avatar: str, playout_delay_ms: float | None = None, fps: str | None = None,
-                       who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> Response:
+                       latency: str | None = None, who: Caller = Depends(caller),
+                       service: ServerHost = Depends(get_service)) -> Response:
     """A live presenter over WebRTC: the body is the client's SDP offer (application/sdp), the
     answer comes back with the session's Location (DELETE it to end); speech goes to
     /v1/sessions/{id}/speech (a WebSocket) or comes as the offer's own audio track.
     `playout_delay_ms`: how far behind the speech this session plays (default: the server's);
     less is sooner, with more frames at risk of being late under load. `fps` ("25", "30000/1001"; default:
-    the avatar's): the session's own frame rate."""
+    the avatar's): the session's own frame rate. `latency` ("low"; default: the server's): "low" plays
+    0.12 s behind the speech and renders a frame once its own audio is in (docs/live.md, "Low latency");
+    `playout_delay_ms` goes over its delay."""
     sessions = service.sessions
     known_avatar(service, avatar)
+    if latency is not None and latency not in SESSION_LATENCY:
+        raise HTTPException(422, f"latency: {latency!r}; {' or '.join(map(repr, SESSION_LATENCY))} is allowed")
     if playout_delay_ms is not None and not 50 <= playout_delay_ms <= 5000:
         raise HTTPException(422, f"playout_delay_ms: {playout_delay_ms:g}; 50 to 5000 is allowed")
     try:
@@ -53,7 +59,8 @@ async def open_session(request: Request, avatar: str, playout_delay_ms: float | 
                                  "(Content-Type: application/sdp)")
     try:
         sid, answer = await sessions.open_for(who.owner, avatar, offer,
-                                              None if playout_delay_ms is None else playout_delay_ms / 1000, rate)
+                                              None if playout_delay_ms is None else playout_delay_ms / 1000, rate,
+                                              latency)
     except SessionRefused as e:  # 503 (full: every replica of a fleet; or no WebRTC worker) or 422
         raise HTTPException(e.status, e.detail,
                             headers={"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None) from None
