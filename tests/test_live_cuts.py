@@ -221,10 +221,12 @@ def test_a_low_latency_session_renders_a_frame_once_its_own_audio_is_in(engine):
         finally:
             engine.close_session(s)
         frames = [i for i in items if isinstance(i, LiveFrame) and i.utterance is not None and i.pushed_at]
-        return [f.planned_at - f.pushed_at for f in frames[:-2]], s.o
+        audio = [f.audio_at - f.pushed_at for f in frames[:-2]]  # the stage "audio": the window's part waited for
+        return [f.planned_at - f.pushed_at for f in frames[:-2]], s.o, float(np.median(audio))
 
-    default, default_o = asyncio.run(waits(None))
-    low, low_o = asyncio.run(waits("low"))
+    default, default_o, default_audio = asyncio.run(waits(None))
+    low, low_o, low_audio = asyncio.run(waits("low"))
+    assert default_audio >= 0.12 and 0.04 <= low_audio <= 0.08, (default_audio, low_audio)
     assert (default_o.window_ahead_steps, low_o.window_ahead_steps) == (6, 2)
     assert low_o.playout_delay_s == 3.0  # its own delay goes over the preset's
     # the default waits for 120 ms of audio past the frame's start, low for 40 ms (each plus the chunk, the

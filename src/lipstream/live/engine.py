@@ -319,7 +319,7 @@ class LiveEngine:
             playout.arrive(kind, generation, item)
 
         handoff = FrameHandoff(sid, clock, request.first_step, request.frame_audio, to_playout, self.core.copy.submit,
-                               time.monotonic)
+                               time.monotonic, o.window_ahead_steps)
         playout = Playout(clock, request, rest, handoff.want_keyframe, time.monotonic)
         return Session(request, handoff, playout, o, a.size, self.core.wake.set, time.monotonic,
                        matrix=a.meta.get("colour_matrix", "bt601"), release=self._release, switch=self._switch)

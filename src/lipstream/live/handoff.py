@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lipstream.audio.windows import LEFT_PAD_STEPS
 from lipstream.live.features import MARGIN
 from lipstream.live.items import LiveFrame, SessionClock
 from lipstream.live.request import Candidate
@@ -45,8 +46,10 @@ class FrameHandoff:
 
     def __init__(self, sid: int, clock: SessionClock, first_step: Callable[[int], int],
                  frame_audio: Callable[[Candidate], tuple[np.ndarray, int]], to_playout: ToPlayout,
-                 submit: Callable[[Callable[[], None]], object], now: Callable[[], float]):
+                 submit: Callable[[Callable[[], None]], object], now: Callable[[], float],
+                 window_ahead_steps: int = WINDOW_STEPS - LEFT_PAD_STEPS):
         self.id, self.clock = sid, clock
+        self._window_ahead = window_ahead_steps  # how far past its start a frame's window is waited for
         self._first_step, self._frame_audio, self._to_playout = first_step, frame_audio, to_playout
         self._submit, self._now = submit, now
         self._lock = threading.Lock()
@@ -80,7 +83,7 @@ class FrameHandoff:
             local = c.frame - u.start_frame
             fps = self.clock.fps
             frame.pushed_at = u.pushed_at((local * SAMPLE_RATE * fps.denominator) // fps.numerator)
-            last = (self._first_step(local) + WINDOW_STEPS) * SAMPLES_PER_FEATURE + MARGIN
+            last = (self._first_step(local) + LEFT_PAD_STEPS + self._window_ahead) * SAMPLES_PER_FEATURE + MARGIN
             frame.audio_at = u.pushed_at(min(last, u.n16 - 1))
         frame.planned_at, frame.rendered_at = c.planned_at, now
         with self._lock:
