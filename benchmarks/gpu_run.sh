@@ -73,7 +73,8 @@
 # integrations  (carry .whl or .whl-base, and .whl-pipecat; then .whl-livekit alone in a second call, the
 #               machine still warm) benchmarks/integrations.py: N Pipecat pipelines / LiveKit generators on one
 #               engine. STACKS (pipecat), NS (8,16,20,24), SECONDS_ (12), SIZE (1280x720), SERVE=1 (Pipecat
-#               against a `lipstream serve` of its own). Out: integrations/integrations.json, pip_list.txt.
+#               against a `lipstream serve` of its own), BOTS=1 (with SERVE=1: a process per bot, each through
+#               SmallWebRTC to a viewer of its own). Out: integrations/integrations.json, pip_list.txt.
 # suite         (carry .whl .whl-suite; up to 500 s) the test suite on the image, SUITE_N workers (12) of
 #               SUITE_THREADS (2) threads, or the files in SUITE_ARGS; SUITE_T (500 s). dlib's 68-point model
 #               cannot travel: its tests skip. Out: suite.txt, failures.txt.
@@ -538,7 +539,7 @@ stage_integrations() {
     $PY -c "import importlib; importlib.import_module('lipstream.bench.${s}_load'); print('$s: its load module imports')" 2>&1 | tail -2
   done
   export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-  $PY benchmarks/integrations.py --stacks "$stacks" ${SERVE:+--serve} --sessions ${NS:-8,16,20,24} "${dev[@]}" \
+  $PY benchmarks/integrations.py --stacks "$stacks" ${SERVE:+--serve} ${BOTS:+--bots} --sessions ${NS:-8,16,20,24} "${dev[@]}" \
     --size ${SIZE:-1280x720} --seconds ${SECONDS_:-12} --out "$OUT/integrations" --work "$W/integrations-work" 2>&1 \
     | grep -v "| DEBUG" | tail -40
 }

@@ -15,7 +15,9 @@ On the CPU (`--device cpu --random-size tiny --size 320x180 --fps 4 --sessions 2
 smoke run of the same code. `--serve` (Pipecat only): the engine in a `lipstream serve` process of
 its own on loopback, the pipelines in this one over `url=` (lipstream.client, WebRTC), so the
 pipelines' Python no longer shares a GIL with the engine's core thread; frames late are counted at
-the clients.
+the clients. `--serve --bots`: as bots are deployed, a process per pipeline, each through a real
+transport (SmallWebRTC) to a viewer of its own (bench/pipecat_load.py's `bots`); a row then also
+needs every viewer to receive the pictures at the frame rate.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ HOLD_FPS = 0.98  # the slowest pipeline's share of the session fps for a row to 
 
 def holds(row: dict, fps: float) -> bool:
     return (row["fps_min"] >= HOLD_FPS * fps and row["misaligned"] == 0 and row["late_speech"] == 0
-            and row["errors"] == 0)
+            and row["errors"] == 0 and row.get("client_fps_min", fps) >= HOLD_FPS * fps
+            and not row.get("processes_failed"))
 
 
 def main() -> None:
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--random-size", default="full")
     ap.add_argument("--out", type=Path, default=Path("integrations-bench"))
     ap.add_argument("--serve", action="store_true", help="the engine in a lipstream serve process (pipecat only)")
+    ap.add_argument("--bots", action="store_true", help="with --serve: a process per pipeline, through a transport")
     ap.add_argument("--work", type=Path, default=None, help="where the generated avatar is kept (default: OUT/work)")
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
@@ -135,17 +139,22 @@ def serve_rows(a, stacks: list[str], counts: list[int], work: Path, name: str, s
         report = {"device": a.device, "command": " ".join(["python3", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
                   "commit": os.environ.get("LIPSTREAM_COMMIT", ""), "size": a.size, "fps": a.fps,
                   "seconds": a.seconds, "server_ready_s": round(time.perf_counter() - t, 1), "rows": [], "largest": {}}
+        def rows_of(n: int, seconds: float) -> dict:
+            if a.bots:
+                return pipecat_load.bots(url, name, n, seconds, size, fps=a.fps)
+            return pipecat_load.run(None, name, n, seconds, size=size, fps=a.fps, url=url)
+
+        stack = "pipecat-bots" if a.bots else "pipecat-url"
         if a.warmup:
-            pipecat_load.run(None, name, max(counts), a.warmup, size=size, fps=a.fps, url=url)
+            rows_of(max(counts), a.warmup)
         for n in counts:
-            row = {"stack": "pipecat-url", "n": n, **pipecat_load.run(None, name, n, a.seconds, size=size, fps=a.fps,
-                                                                      url=url)}
+            row = {"stack": stack, "n": n, **rows_of(n, a.seconds)}
             row["holds"] = holds(row, a.fps)
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
             (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
         held = [r["n"] for r in report["rows"] if r["holds"]]
-        report["largest"]["pipecat-url"] = max(held) if held else None
+        report["largest"][stack] = max(held) if held else None
         (a.out / "integrations.json").write_text(json.dumps(report, indent=1))
         print("largest N that holds:", report["largest"])
     finally:

@@ -528,3 +528,17 @@ def test_load_bench_against_a_server(server):
     assert row["opened"] == 1 and row["errors"] == 0, row["first_error"]
     assert row["images"] >= 10 and row["speech_images"] > 0 and row["misaligned"] == 0
     assert row["audio_frames"] == row["speech_images"]
+
+
+def test_bots_in_processes_of_their_own_through_a_transport_against_a_server(server):
+    """bench/pipecat_load.py's `bots`: a process per bot against one `lipstream serve`, each pipeline's output
+    through SmallWebRTC to a viewer of its own: every bot opened, its pictures reached its viewer, each
+    speech picture with its audio (the path the GPU figure takes, forced here on 2 cores)."""
+    from lipstream.bench.pipecat_load import bots
+
+    row = bots(server, "anna", 2, 4.0, SIZE, fps=REMOTE_FPS, api_key=REMOTE_KEY, playout_delay_s=1.5)
+    assert row["processes"] == 2 and row["processes_failed"] == 0, row["first_failure"]
+    assert row["opened"] == 2 and row["errors"] == 0, row["first_error"]
+    assert row["speech_images"] > 0 and row["misaligned"] == 0 and row["audio_frames"] == row["speech_images"]
+    assert row["fps_min"] > 0 and row["client_fps_min"] > 0
+    assert all(p["client_images"] > 5 and p["client_audio_frames"] > 50 for p in row["pipelines"]), row["pipelines"]
