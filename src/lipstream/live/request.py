@@ -294,13 +294,20 @@ class SpeechRequest:
                     underrun = not (whole or soon)
                     if underrun and self.clock.deadline(f) - now > margin:
                         break
-                    last = self.table.row(self.ring, u.base + known - 1) if soon and known > 0 else self.table.zero
-                    rows = [self.table.row(self.ring, u.base + k) if 0 <= k < known else
-                            (last if known <= k < (limit_steps or k + 1) else self.table.zero)
-                            for k in range(first, first + WINDOW_STEPS)]
+                    rows = [self._row(u, k, known, soon, limit_steps) for k in range(first, first + WINDOW_STEPS)]
                 out.append(self._candidate(f, rows, u, underrun, now))
                 f += 1
         return out, given_up
+
+    def _row(self, u: Utterance, k: int, known: int, soon: bool, limit: int | None) -> int:
+        """The table row of step k of u's features as a frame planned now reads it: its own once final; past
+        the end of an ended utterance, or before its start, zeros (as offline); not in yet, zeros (audio
+        late), or for a frame rendered `soon` the last step that is in."""
+        if 0 <= k < known:
+            return self.table.row(self.ring, u.base + k)
+        if soon and known > 0 and k >= known and (limit is None or k < limit):
+            return self.table.row(self.ring, u.base + known - 1)
+        return self.table.zero
 
     def _candidate(self, frame: int, rows: list[int], u: Utterance | None, underrun: bool, now: float) -> Candidate:
         cut = self._cut_at(frame)
