@@ -48,24 +48,7 @@ def test_a_cut_mid_utterance_changes_the_picture_at_its_frame_and_the_speech_goe
     (the playout delay ahead), and the frames from there on rendered with the avatar before are
     rendered again."""
     speech = speech_like(5.0, 16_000, seed=3)
-
-    async def run():
-        s = engine.open_session("wide", fps=FPS)
-        items, cut, ahead = [], None, None
-        try:
-            s.push_audio(speech, 16_000)
-            s.end_utterance()
-            reader = asyncio.ensure_future(_read_until_finished(s, items))
-            await _rendered_ahead(s, 3)
-            ahead = s.request.next_frame
-            cut = s.switch("close")
-            assert s.avatar == 1
-            await reader
-            return items, cut, ahead, s.stats
-        finally:
-            engine.close_session(s)
-
-    items, cut, ahead, stats = asyncio.run(run())
+    items, cut, ahead, stats = asyncio.run(_cut_mid_utterance(engine, speech, encode=False))
     assert cut < ahead  # frames of the old avatar had been rendered past it
     frames = [i for i in items if isinstance(i, LiveFrame)]
     assert [f.frame for f in frames] == list(range(frames[0].frame, frames[-1].frame + 1))  # no gap
@@ -80,6 +63,25 @@ def test_a_cut_mid_utterance_changes_the_picture_at_its_frame_and_the_speech_goe
     assert len(heard) == pytest.approx(speech.size * AUDIO_RATE / 16_000, abs=float(AUDIO_RATE / FPS))
     after = next(f for f in spoken if f.frame == cut)
     assert np.abs(after.audio).max() > 0.01
+
+
+async def _cut_mid_utterance(engine, speech: np.ndarray, encode: bool):
+    """A session on "wide" speaks `speech` pushed at once; once frames are rendered ahead, a cut to "close".
+    Its items until the utterance finished, the frame the cut landed on, the next frame to plan before it."""
+    s = engine.open_session("wide", fps=FPS, encode=encode)
+    items: list = []
+    try:
+        s.push_audio(speech, 16_000)
+        s.end_utterance()
+        reader = asyncio.ensure_future(_read_until_finished(s, items))
+        await _rendered_ahead(s, 3)
+        ahead = s.request.next_frame
+        cut = s.switch("close")
+        assert s.avatar == 1
+        await reader
+        return items, cut, ahead, s.stats
+    finally:
+        engine.close_session(s)
 
 
 async def _rendered_ahead(session, frames: int) -> None:
@@ -136,24 +138,7 @@ def test_an_encoded_session_cut_mid_utterance_is_one_decodable_stream(engine):
     once with rising timestamps, the audio on, and the whole stream decodes."""
     import av
 
-    speech = speech_like(4.0, 16_000, seed=5)
-
-    async def run():
-        s = engine.open_session("wide", fps=FPS, encode=True)
-        items = []
-        try:
-            s.push_audio(speech, 16_000)
-            s.end_utterance()
-            reader = asyncio.ensure_future(_read_until_finished(s, items))
-            await _rendered_ahead(s, 3)
-            ahead = s.request.next_frame
-            cut = s.switch("close")
-            await reader
-            return items, cut, ahead
-        finally:
-            engine.close_session(s)
-
-    items, cut, ahead = asyncio.run(run())
+    items, cut, ahead, _ = asyncio.run(_cut_mid_utterance(engine, speech_like(4.0, 16_000, seed=5), encode=True))
     assert cut < ahead
     frames = [i for i in items if isinstance(i, LiveFrame)]
     video = [p for f in frames for p in f.packets if p.kind == "video"]
