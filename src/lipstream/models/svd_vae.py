@@ -1,0 +1,179 @@
+"""The SVD VAE (Stable Video Diffusion's AutoencoderKLTemporalDecoder), the VAE KeySync samples in.
+
+The encoder is the SD VAE's, frame by frame (models/vae.py). The decoder decodes a clip's frames
+together: after every ResNet block a temporal one (convolutions over 3 neighbouring frames, with
+GroupNorm statistics over the whole clip) and a learned blend of the two; after the last
+convolution, one more over 3 frames. So a clip decoded in one call differs from its frames decoded
+one at a time, as the reference's does.
+
+Parameter names are diffusers' (the `vae/` folder of stable-video-diffusion and of KeySync's
+checkpoints), so the file loads key for key. Latents are unscaled here: callers apply 0.18215.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lipstream.models.blocks import Attention, GroupNorm, ResnetBlock, Upsample
+from lipstream.models.config import check_keys
+from lipstream.models.vae import EPS, Encoder, VAEConfig
+
+FIXED = {"down_block_types": ["DownEncoderBlock2D"]}
+INFORMATIONAL = {"sample_size", "scaling_factor", "force_upcast", "in_channels", "out_channels", "latent_channels",
+                 "block_out_channels", "layers_per_block"}
+TEMPORAL_EPS = 1e-5  # the temporal blocks' GroupNorm epsilon (the spatial ones' is 1e-6)
+GROUPS = 32
+
+
+@dataclass(frozen=True)
+class SVDVAEConfig:
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 4
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> SVDVAEConfig:
+        """From vae/config.json; ValueError naming the first key this VAE does not implement."""
+        check_keys(cfg, FIXED, INFORMATIONAL)
+        return cls(cfg.get("in_channels", 3), cfg.get("out_channels", 3), cfg.get("latent_channels", 4),
+                   tuple(cfg.get("block_out_channels", cls.block_out_channels)), cfg.get("layers_per_block", 2))
+
+    @property
+    def encoder(self) -> VAEConfig:
+        return VAEConfig(self.in_channels, self.out_channels, self.latent_channels, self.block_out_channels,
+                         self.layers_per_block, GROUPS)
+
+
+def clip(x: torch.Tensor, frames: int) -> torch.Tensor:
+    """[B*T, C, H, W] -> [B, C, T, H, W]."""
+    bt, c, h, w = x.shape
+    return x.reshape(bt // frames, frames, c, h, w).permute(0, 2, 1, 3, 4)
+
+
+def unclip(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B*T, C, H, W]."""
+    b, c, t, h, w = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+
+
+class TemporalResnetBlock(nn.Module):
+    """The ResNet block over time: GroupNorm -> SiLU -> conv over 3 frames, twice, plus the input."""
+
+    def __init__(self, channels: int, out_channels: int, eps: float = TEMPORAL_EPS, temb_channels: int | None = None):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(GROUPS, channels, eps=eps)
+        self.conv1 = nn.Conv3d(channels, out_channels, (3, 1, 1), padding=(1, 0, 0))
+        self.time_emb_proj = nn.Linear(temb_channels, out_channels) if temb_channels else None
+        self.norm2 = nn.GroupNorm(GROUPS, out_channels, eps=eps)
+        self.conv2 = nn.Conv3d(out_channels, out_channels, (3, 1, 1), padding=(1, 0, 0))
+        self.conv_shortcut = nn.Conv3d(channels, out_channels, 1) if channels != out_channels else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, C, T, H, W]; `temb` [B, T, temb_channels] where the block has a time embedding."""
+        h = self.conv1(F.silu(self.norm1(x)))
+        if self.time_emb_proj is not None:
+            h = h + self.time_emb_proj(F.silu(temb)).permute(0, 2, 1)[:, :, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+
+
+class Blend(nn.Module):
+    """The learned mix of a block's spatial and temporal outputs: sigmoid(mix_factor) of the temporal one."""
+
+    def __init__(self, alpha: float = 0.0):
+        super().__init__()
+        self.mix_factor = nn.Parameter(torch.tensor([alpha]))
+
+    def forward(self, spatial: torch.Tensor, temporal: torch.Tensor) -> torch.Tensor:
+        a = torch.sigmoid(self.mix_factor)
+        return (1.0 - a) * spatial + a * temporal
+
+
+class SpatioTemporalResBlock(nn.Module):
+    """A frame's ResNet block, then the clip's temporal one, blended."""
+
+    def __init__(self, channels: int, out_channels: int, temb_channels: int | None = None):
+        super().__init__()
+        self.spatial_res_block = ResnetBlock(channels, out_channels, GROUPS, EPS, temb_channels)
+        self.temporal_res_block = TemporalResnetBlock(out_channels, out_channels, TEMPORAL_EPS, temb_channels)
+        self.time_mixer = Blend()
+
+    def forward(self, x: torch.Tensor, frames: int, temb: torch.Tensor | None = None) -> torch.Tensor:
+        """[B*T, C, H, W] -> [B*T, C', H, W]; `temb` [B*T, temb_channels] where the blocks have one."""
+        spatial = clip(self.spatial_res_block(x, temb), frames)
+        t = None if temb is None else temb.reshape(spatial.shape[0], frames, -1)
+        return unclip(self.time_mixer(spatial, self.temporal_res_block(spatial, t)))
+
+
+class MidBlock(nn.Module):
+    def __init__(self, channels: int, layers: int):
+        super().__init__()
+        self.resnets = nn.ModuleList([SpatioTemporalResBlock(channels, channels) for _ in range(layers)])
+        self.attentions = nn.ModuleList([Attention(channels, 1, bias=True, groups=GROUPS)])
+
+    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:
+        x = self.resnets[0](x, frames)
+        for resnet, attention in zip(self.resnets[1:], self.attentions):
+            x = resnet(attention(x), frames)
+        return x
+
+
+class UpBlock(nn.Module):
+    def __init__(self, channels: int, out: int, layers: int, upsample: bool):
+        super().__init__()
+        self.resnets = nn.ModuleList([SpatioTemporalResBlock(channels if i == 0 else out, out) for i in range(layers)])
+        self.upsamplers = nn.ModuleList([Upsample(out)]) if upsample else None
+
+    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, frames)
+        return x if self.upsamplers is None else self.upsamplers[0](x)
+
+
+class TemporalDecoder(nn.Module):
+    def __init__(self, c: SVDVAEConfig):
+        super().__init__()
+        ch = c.block_out_channels[::-1]
+        self.conv_in = nn.Conv2d(c.latent_channels, ch[0], 3, padding=1)
+        self.mid_block = MidBlock(ch[0], c.layers_per_block)
+        self.up_blocks = nn.ModuleList([UpBlock(ch[max(i - 1, 0)], ch[i], c.layers_per_block + 1, i < len(ch) - 1)
+                                        for i in range(len(ch))])
+        self.conv_norm_out = GroupNorm(GROUPS, ch[-1], eps=EPS)
+        self.conv_out = nn.Conv2d(ch[-1], c.out_channels, 3, padding=1)
+        self.time_conv_out = nn.Conv3d(c.out_channels, c.out_channels, (3, 1, 1), padding=(1, 0, 0))
+
+    def forward(self, z: torch.Tensor, frames: int) -> torch.Tensor:
+        """[B*T, 4, h, w] latents of B clips of T frames -> [B*T, 3, 8h, 8w] in about [-1, 1]."""
+        x = self.mid_block(self.conv_in(z), frames)
+        for up in self.up_blocks:
+            x = up(x, frames)
+        x = self.conv_out(F.silu(self.conv_norm_out(x)))
+        return unclip(self.time_conv_out(clip(x, frames)))
+
+
+class SVDVAE(nn.Module):
+    """Frames in [-1, 1] <-> latents (unscaled); a clip's frames decode together."""
+
+    def __init__(self, config: SVDVAEConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config.encoder)
+        self.quant_conv = nn.Conv2d(2 * config.latent_channels, 2 * config.latent_channels, 1)
+        self.decoder = TemporalDecoder(config)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, 4, H/8, W/8]: the mean of the latent distribution, frame by frame."""
+        return self.quant_conv(self.encoder(x))[:, :self.config.latent_channels]
+
+    def decode(self, z: torch.Tensor, frames: int) -> torch.Tensor:
+        """[B*T, 4, h, w] -> [B*T, 3, 8h, 8w]; `frames` = T, the frames of each clip decoded together."""
+        if z.shape[0] % frames:
+            raise ValueError(f"latents: {z.shape[0]} frames are not whole clips of {frames}")
+        return self.decoder(z, frames)
