@@ -1,13 +1,15 @@
 """The SVD VAE (Stable Video Diffusion's AutoencoderKLTemporalDecoder), the VAE KeySync samples in.
 
-The encoder is the SD VAE's, frame by frame (models/vae.py). The decoder decodes a clip's frames
+The encoder is the SD VAE's, frame by frame (models/vae.py). The decoder decodes `frames` frames
 together: after every ResNet block a temporal one (convolutions over 3 neighbouring frames, with
-GroupNorm statistics over the whole clip) and a learned blend of the two; after the last
-convolution, one more over 3 frames. So a clip decoded in one call differs from its frames decoded
-one at a time, as the reference's does.
+GroupNorm statistics over all of them) and a learned blend of the two; after the last convolution,
+one more over 3 frames. So frames decoded together differ from frames decoded one at a time.
+KeySync's inference decodes one at a time (`--decoding_t 1`); its latents were encoded with this
+VAE (diffusers', from stable-video-diffusion-img2vid).
 
-Parameter names are diffusers' (the `vae/` folder of stable-video-diffusion and of KeySync's
-checkpoints), so the file loads key for key. Latents are unscaled here: callers apply 0.18215.
+Parameter names are diffusers' (the `vae/` folder of stable-video-diffusion), so that file loads key
+for key; KeySync's own checkpoints hold the decoder under sgm's names (`first_stage_model.decoder.*`).
+Latents are unscaled here: callers apply 0.18215.
 """
 
 from __future__ import annotations
