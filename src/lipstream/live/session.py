@@ -95,8 +95,8 @@ class Session:
     def switch(self, avatar: int | str) -> int:
         """A camera cut: from the next frame not yet rendered, pictures come from another resident avatar
         (its index or name) of the same frame size, with no gap and the speech going on. A cut and a push
-        made at one moment land on the same frame; returns that frame. ValueError: not resident, or
-        another frame size or colour matrix."""
+        made at one moment land on the same frame (docs/live.md, "Camera cuts"); returns that frame.
+        ValueError: not resident, or another frame size or colour matrix."""
         if self._switch is None:
             raise RuntimeError("this session was not opened by a LiveEngine: it cannot switch avatars")
         if self.playout.closed:
