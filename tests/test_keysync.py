@@ -48,3 +48,83 @@ def test_the_svd_vae_config_refuses_what_it_does_not_implement():
         SVDVAEConfig.from_dict({"down_block_types": ["DownEncoderBlock3D"]})
     with pytest.raises(ValueError, match="unknown key 'mid_block_type'"):
         SVDVAEConfig.from_dict({"mid_block_type": "x"})
+
+
+# --- the UNet and the sampler against KeySync's own code: stored outputs always, the checkout where named
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from safetensors.torch import load_file  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import keysync_reference as ref  # noqa: E402
+
+from lipstream.keysync.sampler import Conditions, sample, sigmas  # noqa: E402
+from lipstream.models.keysync import TINY, KeySyncNet  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "data" / "keysync_reference.safetensors"
+KINDS = (("keyframe", 8), ("interpolation", 9))
+
+
+def _ours(kind: str, channels: int, scale: float) -> tuple[KeySyncNet, dict]:
+    config = type(TINY)(**{**TINY.to_dict(), "in_channels": channels})
+    inp = ref.inputs(kind)
+    net = KeySyncNet(config, features=inp["speech"].shape[-1], latent_size=inp["x"].shape[-1]).eval()
+    net.load_state_dict(ref.seeded(net.state_dict(), scale=scale), strict=True)
+    return net, inp
+
+
+def _sampled(net: KeySyncNet, inp: dict) -> torch.Tensor:
+    cond = Conditions(inp["speech"], inp["latents"], inp["mask"], inp["reference"])
+    with torch.no_grad():
+        return sample(net, cond, inp["noise"])
+
+
+@pytest.mark.parametrize("kind,channels", KINDS)
+def test_the_keysync_unet_equals_the_reference_outputs(kind, channels):
+    net, inp = _ours(kind, channels, 0.2)
+    with torch.no_grad():
+        got = net.unet(inp["x"], inp["c_noise"], inp["audio"])
+    want = load_file(GOLDEN)[f"unet_{kind}"]
+    assert want.abs().max() > 1.0  # not a map of zeros
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,channels", KINDS)
+def test_a_keysync_sampling_run_equals_the_reference_outputs(kind, channels):
+    net, inp = _ours(kind, channels, 0.05)
+    got = _sampled(net, inp)
+    want = load_file(GOLDEN)[f"sample_{kind}"]
+    outside = (1 - inp["mask"]).bool().expand_as(got)
+    # the frames' own latents outside the mouth (the last Euler step lands on the denoised latents, rounded)
+    torch.testing.assert_close(got[outside], inp["latents"][outside], rtol=0, atol=1e-5)
+    assert (got - inp["latents"])[~outside].abs().mean() > 0.1  # and new ones inside
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(ref.checkout() is None, reason=f"no KeySync checkout: set {ref.ENV_VAR}")
+@pytest.mark.parametrize("kind,channels", KINDS)
+def test_the_keysync_unet_and_sampler_equal_the_checkouts_code(kind, channels):
+    """The stored outputs are still what the reference computes (rerun keysync_golden.py when this fails)."""
+    net, inp = _ours(kind, channels, 0.2)
+    network = ref.unet(net.unet.config)
+    network.load_state_dict(net.unet.state_dict(), strict=True)  # key for key: the checkpoint's names
+    with torch.no_grad():
+        want = ref.run_unet(network, inp["x"], inp["c_noise"], inp["audio"])
+        torch.testing.assert_close(net.unet(inp["x"], inp["c_noise"], inp["audio"]), want, rtol=1e-4, atol=1e-4)
+    net, inp = _ours(kind, channels, 0.05)
+    want = ref.sample(net.unet.config, net.state_dict(), inp["speech"], inp["latents"], inp["mask"],
+                      inp["reference"], inp["noise"])
+    torch.testing.assert_close(_sampled(net, inp), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_noise_table_is_the_reference_one():
+    levels = sigmas(10)
+    assert levels.dtype == torch.float64 and len(levels) == 12  # 11 Euler steps
+    assert levels[0] == 700.0 and levels[-2] == 0.002 and levels[-1] == 0.0
+    assert torch.all(levels[:-1] > levels[1:])
+    more = sigmas(20)
+    assert len(more) == 21 and more[0] == pytest.approx(700.0) and more[-2] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="steps: 5"):
+        sigmas(5)
