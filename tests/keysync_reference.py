@@ -6,7 +6,7 @@ diffusers' SVD blocks still run. The sgm packages' own __init__ files (Lightning
 skipped, and the third-party modules its files import only for other paths (moviepy, kornia, open_clip,
 omegaconf, torchaudio, ...) are stand-ins for the import alone. The released configs attend through
 xformers (`softmax-xformers`; sgm's plain `softmax` class fails on a batch without its skip mask): xformers'
-`memory_efficient_attention` is given here as plain softmax attention in float64-free PyTorch, written out.
+`memory_efficient_attention` is given here as plain softmax attention, written out.
 Needs einops (the test extra).
 """
 
@@ -33,7 +33,7 @@ class _StandIn(types.ModuleType):
 
 
 def _xformers() -> tuple[types.ModuleType, types.ModuleType]:
-    """xformers.ops.memory_efficient_attention over [N, L, K] queries, keys and values, as softmax(q k^T / sqrt(K)) v."""
+    """xformers.ops.memory_efficient_attention over [N, L, K] queries, keys and values: softmax(q k^T / sqrt(K)) v."""
     xformers, ops = types.ModuleType("xformers"), types.ModuleType("xformers.ops")
     xformers.__version__ = "0.0.28"
     xformers.ops = ops
