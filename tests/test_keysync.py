@@ -128,3 +128,36 @@ def test_the_noise_table_is_the_reference_one():
     assert len(more) == 21 and more[0] == pytest.approx(700.0) and more[-2] == pytest.approx(0.002)
     with pytest.raises(ValueError, match="steps: 5"):
         sigmas(5)
+
+
+# --- the speech encoders
+
+def _randomised(module: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return module
+
+
+def test_hubert_equals_transformers_hubert_key_for_key():
+    transformers = pytest.importorskip("transformers")
+    from lipstream.models.hubert import HuBERT, HuBERTConfig
+
+    torch.manual_seed(0)
+    config = transformers.HubertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                                       conv_dim=(32,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+    reference = _randomised(transformers.HubertModel(config).eval())
+    ours = HuBERT(HuBERTConfig.from_dict(json.loads(reference.config.to_json_string(use_diff=True)))).eval()
+    # transformers now keeps the weight-normalised convolution as a parametrisation; its files, as the model's
+    # published ones, store weight_g and weight_v
+    renamed = {k.replace("parametrizations.weight.original0", "weight_g")
+               .replace("parametrizations.weight.original1", "weight_v"): v for k, v in reference.state_dict().items()}
+    ours.load_state_dict(renamed, strict=True)
+    wave = torch.randn(2, 16000 + 640 * 3)
+    with torch.no_grad():
+        want = reference(wave).last_hidden_state
+        got = ours(wave)
+    assert got.shape == (2, (wave.shape[1] - 400) // 320 + 1, 64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="feat_extract_norm 'layer' is not supported"):
+        HuBERTConfig.from_dict({"feat_extract_norm": "layer"})
