@@ -35,6 +35,11 @@ def reference_outputs() -> dict[str, torch.Tensor]:
             out[f"unet_{kind}"] = ref.run_unet(network, inp["x"], inp["c_noise"], inp["audio"])
         out[f"sample_{kind}"] = ref.sample(config, ref.seeded(names, scale=0.05), inp["speech"], inp["latents"],
                                            inp["mask"], inp["reference"], inp["noise"])
+    from lipstream.models.wavlm import WavLM, WavLMConfig
+
+    names = WavLM(WavLMConfig.from_dict(ref.WAVLM_CONFIG)).state_dict()
+    with torch.no_grad():
+        out["wavlm"] = ref.wavlm(ref.wavlm_state(names)).extract_features(ref.wavlm_speech()[None])[0]
     return out
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 ENV_VAR = "LIPSTREAM_KEYSYNC_REFERENCE"
 # imported only for code paths the tests do not run
 STAND_INS = ("fsspec", "torchaudio", "torchvision", "moviepy", "moviepy.editor", "omegaconf", "kornia", "open_clip",
-             "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning")
+             "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning", "clint", "clint.textui",
+             "requests")
 
 
 class _StandIn(types.ModuleType):
@@ -72,7 +73,8 @@ def load(*names: str) -> list[types.ModuleType] | None:
         sys.modules["xformers"], sys.modules["xformers.ops"] = _xformers()
         added += ["xformers", "xformers.ops"]
     try:
-        for package in ("sgm", "sgm.modules"):  # their __init__ files import the training stack
+        # sgm's and sgm.modules' __init__ files import the training stack; scripts/ has none
+        for package in ("sgm", "sgm.modules", "scripts", "scripts.util", "scripts.util.audio"):
             if package not in sys.modules:
                 module = types.ModuleType(package)
                 module.__path__ = [str(root / package.replace(".", "/"))]
@@ -172,3 +174,31 @@ def sample(config, state: dict, speech, latents, mask, reference, noise, steps: 
               "masks": mask}
         extra = {"image_only_indicator": torch.zeros(3 * clips, frames), "num_video_frames": frames}
         return sampler(lambda x, sigma, cond: dub(wrapper, x, sigma, cond, **extra), noise.clone(), cond=c, uc=uc)
+
+
+WAVLM_CONFIG = {"encoder_layers": 2, "encoder_embed_dim": 64, "encoder_ffn_embed_dim": 96, "encoder_attention_heads": 4,
+                "conv_feature_layers": "[(32,10,5)] + [(32,3,2)] * 4 + [(32,2,2)] * 2", "conv_pos": 16,
+                "conv_pos_groups": 4, "relative_position_embedding": True, "num_buckets": 320, "max_distance": 800,
+                "gru_rel_pos": True, "layer_norm_first": False, "extractor_mode": "default", "normalize": False,
+                "dropout": 0.0}  # a tiny WavLM of Base+'s kind
+
+
+def wavlm_state(names: dict) -> dict:
+    """Seeded weights for a tiny WavLM, the distance bias larger so that a wrong bucket shows."""
+    state = seeded(names, seed=3, scale=0.2)
+    state["encoder.layers.0.self_attn.relative_attention_bias.weight"] *= 10
+    return state
+
+
+def wavlm_speech(seconds: float = 3.0):
+    import torch
+
+    return torch.randn(int(16000 * seconds), generator=torch.Generator().manual_seed(4))
+
+
+def wavlm(state: dict):
+    """The reference WavLM (scripts/util/audio/WavLM.py) at WAVLM_CONFIG with `state`."""
+    module, = load("scripts.util.audio.WavLM")
+    network = module.WavLM(module.WavLMConfig(WAVLM_CONFIG)).eval()
+    network.load_state_dict(state, strict=True)
+    return network

@@ -161,3 +161,67 @@ def test_hubert_equals_transformers_hubert_key_for_key():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="feat_extract_norm 'layer' is not supported"):
         HuBERTConfig.from_dict({"feat_extract_norm": "layer"})
+
+
+def _wavlm():
+    from lipstream.models.wavlm import WavLM, WavLMConfig
+
+    ours = WavLM(WavLMConfig.from_dict(ref.WAVLM_CONFIG)).eval()
+    ours.load_state_dict(ref.wavlm_state(ours.state_dict()), strict=True)
+    return ours
+
+
+def test_wavlm_equals_the_reference_outputs_and_the_checkouts_code():
+    ours = _wavlm()
+    speech = ref.wavlm_speech()  # 3 s: 149 tokens, distances past the exact buckets (80) and their log range
+    with torch.no_grad():
+        got = ours(speech[None])
+    want = load_file(GOLDEN)["wavlm"]
+    assert got.shape == want.shape == (1, 149, 64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if ref.checkout() is not None:
+        with torch.no_grad():
+            torch.testing.assert_close(got, ref.wavlm(ours.state_dict()).extract_features(speech[None])[0],
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_wavlm_config_reads_the_checkpoint_cfg_and_refuses_other_kinds():
+    from lipstream.models.wavlm import WavLMConfig
+
+    c = WavLMConfig.from_dict({**ref.WAVLM_CONFIG, "mask_prob": 0.65, "encoder_layerdrop": 0.05})
+    assert c.conv_layers == [(32, 10, 5)] + [(32, 3, 2)] * 4 + [(32, 2, 2)] * 2
+    with pytest.raises(ValueError, match="extractor_mode 'layer_norm' is not supported"):
+        WavLMConfig.from_dict({"extractor_mode": "layer_norm"})
+    with pytest.raises(ValueError, match="layer_norm_first True"):
+        WavLMConfig.from_dict({"layer_norm_first": True})
+    with pytest.raises(ValueError, match="conv_feature_layers"):
+        WavLMConfig(conv_feature_layers="[(1, 2)]").conv_layers
+    with pytest.raises(ValueError):
+        WavLMConfig(conv_feature_layers="__import__('os')").conv_layers  # parsed, never evaluated
+
+
+def test_speech_features_are_two_tokens_a_frame_as_the_reference_pairs_them():
+    from lipstream.keysync.speech import frames_of, hubert_features, piece_sizes, wavlm_features
+
+    frames = frames_of(torch.randn(640 * 7 + 100))  # 7 frames and a bit: 8, the last padded
+    assert frames.shape == (8, 640) and torch.all(frames[-1, 100:] == 0)
+    seen = []
+
+    def encoder(wave):  # stands for HuBERT / WavLM: a token every 320 samples, after a 400-sample window
+        seen.append(wave)
+        n = (wave.shape[1] - 400) // 320 + 1
+        return torch.arange(n, dtype=torch.float32)[None, :, None].expand(1, n, 3) + 1
+
+    hubert = hubert_features(encoder, frames)
+    assert hubert.shape == (8, 2, 3) and torch.all(hubert[-1, 1] == 0)  # 15 tokens and a zero one
+    assert torch.equal(hubert[:, 0, 0], torch.arange(1, 16, 2, dtype=torch.float32))
+    wave = seen[0][0]
+    assert abs(float(wave.mean())) < 1e-5 and abs(float(wave.std()) - 1) < 1e-3  # normalised first
+    seen.clear()
+    wavlm = wavlm_features(encoder, frames[:7])  # odd: a zero frame appended
+    assert wavlm.shape == (8, 2, 3)
+    assert torch.equal(seen[0][0, -640:], torch.zeros(640)) and torch.equal(seen[0][0, :640], frames[0])
+    # 15 tokens stretched to 16 by nearest: token i of 16 is token floor(i * 15 / 16)
+    assert torch.equal(wavlm.flatten(0, 1)[:, 0], torch.tensor([i * 15 // 16 + 1 for i in range(16)],
+                                                               dtype=torch.float32))
+    assert piece_sizes(1500, 500) == [333, 333, 834] and piece_sizes(700000, 320000) == [190000, 510000]
