@@ -22,8 +22,8 @@ from pathlib import Path
 ENV_VAR = "LIPSTREAM_KEYSYNC_REFERENCE"
 # imported only for code paths the tests do not run
 STAND_INS = ("fsspec", "torchaudio", "torchvision", "moviepy", "moviepy.editor", "omegaconf", "kornia", "open_clip",
-             "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning", "clint", "clint.textui",
-             "requests")
+             "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning", "clint",
+             "clint.textui", "requests")
 
 
 class _StandIn(types.ModuleType):
