@@ -23,7 +23,7 @@ ENV_VAR = "LIPSTREAM_KEYSYNC_REFERENCE"
 # imported only for code paths the tests do not run
 STAND_INS = ("fsspec", "torchaudio", "torchvision", "moviepy", "moviepy.editor", "omegaconf", "kornia", "open_clip",
              "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning", "clint",
-             "clint.textui", "requests")
+             "clint.textui", "requests", "fire", "torchvision.io")
 
 
 class _StandIn(types.ModuleType):
@@ -63,7 +63,7 @@ def load(*names: str) -> list[types.ModuleType] | None:
         return None
     for probing in ("diffusers.utils", "diffusers.models.modeling_utils", "transformers"):
         importlib.import_module(probing)  # before the stand-ins: these look up which packages exist as they load
-    added = []
+    added, path = [], list(sys.path)
     for name in STAND_INS:
         top = name.split(".")[0]
         if name not in sys.modules and (top in added or importlib.util.find_spec(top) is None):
@@ -83,6 +83,7 @@ def load(*names: str) -> list[types.ModuleType] | None:
     finally:
         for name in added:
             sys.modules.pop(name, None)
+        sys.path[:] = path  # the pipeline script appends the checkout to it
 
 
 # --- what the tests run on both sides: weights and inputs made from seeds, so the reference's outputs can be

@@ -225,3 +225,78 @@ def test_speech_features_are_two_tokens_a_frame_as_the_reference_pairs_them():
     assert torch.equal(wavlm.flatten(0, 1)[:, 0], torch.tensor([i * 15 // 16 + 1 for i in range(16)],
                                                                dtype=torch.float32))
     assert piece_sizes(1500, 500) == [333, 333, 834] and piece_sizes(700000, 320000) == [190000, 510000]
+
+
+# --- the schedule and the masks
+
+def test_the_schedule_samples_keyframes_every_13_frames_in_clips_led_by_frame_0():
+    from lipstream.keysync.schedule import plan
+
+    s = plan(183)
+    assert s.frames == 183 and len(s.chunks) == 1
+    first, second = s.chunks[0].clips
+    assert [x.frame for x in first] == [0, 0, 13, 26, 39, 52, 65, 78, 91, 104, 117, 130, 143, 156]
+    assert [x.kept for x in first] == [False] + [True] * 13
+    assert [x.frame for x in second] == [0, 169, 182] + [182] * 11
+    assert [x.kept for x in second] == [False, True, True] + [False] * 11
+    assert s.segments == [(13 * i, 13 * i + 13) for i in range(14)]
+    assert plan(200).frames == 196  # frames after the last whole segment are not generated
+    long = plan(650)
+    assert long.frames == 638 and len(long.chunks) == 2 and len(long.segments) == 49
+    # the second chunk starts where the first ended: its first segment begins at the carried keyframe
+    assert long.chunks[0].segments[-1][1] == long.chunks[1].segments[0][0]
+    with pytest.raises(ValueError, match="at least 14 frames, not 13"):
+        plan(13)
+
+
+def test_box_masks_cover_the_lower_face_from_the_nose_bridge_down():
+    import numpy as np
+
+    from lipstream.keysync.schedule import box_masks
+
+    points = np.full((1, 68, 2), 256.0)
+    points[0, :, 0] = np.linspace(100.7, 300.2, 68)  # x from 100 to 300
+    points[0, 28, 1] = 200.9  # the nose bridge at row 200
+    mask = box_masks(points)[0]
+    rows, cols = np.nonzero(mask)
+    assert rows.min() == 25 and rows.max() == 63  # 8 * 25 = 200 is the first sampled row at or below 200
+    assert cols.min() == 13 and cols.max() == 37  # 104 ... 296: the sampled columns within [100, 300]
+
+
+@pytest.mark.skipif(ref.checkout() is None, reason=f"no KeySync checkout: set {ref.ENV_VAR}")
+@pytest.mark.parametrize("frames", [14, 27, 28, 183, 200, 365, 366, 378, 650])
+def test_the_schedule_and_masks_equal_the_reference_pipeline_inputs(frames):
+    import numpy as np
+
+    from lipstream.keysync.schedule import box_masks, plan
+
+    pipeline, = ref.load("scripts.sampling.dubbing_pipeline")
+    marks = torch.arange(frames, dtype=torch.float32)  # each frame's speech and latent carry its number
+    landmarks = np.random.default_rng(frames).uniform(100, 400, (frames, 68, 2))
+    out = pipeline.create_pipeline_inputs(torch.zeros(frames, 3, 512, 512), marks[:, None, None], marks[:, None, None],
+                                          14, marks[:, None, None, None].expand(frames, 4, 2, 2), landmarks,
+                                          overlap=1, add_zero_flag=True, what_mask="box", nose_index=28)
+    _, _, _, keyframe_speech, _, _, _, segment_masks, to_remove, segments, slot_frames = out
+    s = plan(frames)
+    slots = [x for chunk in s.chunks for clip in chunk.clips for x in clip]
+    assert [x.frame for x in slots] == [int(a[0, 0]) for a in keyframe_speech][:len(slots)]
+    assert [not x.kept for x in slots] == to_remove[:len(slots)]
+    assert s.segments == [tuple(p) for p in segments]
+    ours = box_masks(landmarks)
+    for k, (a, _) in enumerate(segments):
+        assert np.array_equal(segment_masks[k][:, 0].numpy(), ours[a:a + 14])
+    # the reference's walk over chunks of two clips (dubbing_pipeline.sample): which segments each interpolates
+    ids = [slot_frames[i:i + 14] for i in range(0, len(slot_frames), 14)]
+    carried, walked = None, []
+    for c in range(0, len(ids), 2):
+        own = [i for clip in ids[c:c + 2] for i in clip]
+        seen = ([carried] if carried is not None else []) + own
+        carried = own[-1]
+        first = next(i for i in seen if i is not None)
+        last = next(i for i in reversed(seen) if i is not None)
+        start = next((n for n, p in enumerate(segments) if p[0] == first), None)
+        if start is None:
+            break
+        end = len(segments) - next(n for n, p in enumerate(reversed(segments)) if p[1] == last)
+        walked.append([tuple(p) for p in segments[start:end]])
+    assert [list(chunk.segments) for chunk in s.chunks] == walked
