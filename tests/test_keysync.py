@@ -300,3 +300,43 @@ def test_the_schedule_and_masks_equal_the_reference_pipeline_inputs(frames):
         end = len(segments) - next(n for n, p in enumerate(reversed(segments)) if p[1] == last)
         walked.append([tuple(p) for p in segments[start:end]])
     assert [list(chunk.segments) for chunk in s.chunks] == walked
+
+
+# --- the pipeline: chunks of keyframes and the frames between, decoded
+
+def _tiny_networks():
+    from lipstream.keysync.pipeline import KeySyncNetworks
+    from lipstream.models.svd_vae import SVDVAE, SVDVAEConfig
+
+    torch.manual_seed(0)
+    interpolation = type(TINY)(**{**TINY.to_dict(), "in_channels": 9})
+    return KeySyncNetworks(KeySyncNet(TINY, latent_size=8).eval(), KeySyncNet(interpolation, latent_size=8).eval(),
+                           SVDVAE(SVDVAEConfig(block_out_channels=(32,) * 4, layers_per_block=1)).eval())
+
+
+def test_the_pipeline_gives_every_scheduled_frame_once_in_order_across_chunks():
+    from lipstream.keysync.options import KeySyncOptions
+    from lipstream.keysync.pipeline import Inputs, generate
+    from lipstream.keysync.schedule import plan
+
+    nets = _tiny_networks()
+    frames = 380  # two chunks: the second starts at the first's last keyframe
+    g = torch.Generator().manual_seed(5)
+    inputs = Inputs(torch.randn(frames, 4, 8, 8, generator=g), (torch.rand(frames, 1, 8, 8, generator=g) > 0.5).float(),
+                    torch.randn(frames, 2, 768, generator=g), torch.randn(frames, 2, 768, generator=g))
+    options = KeySyncOptions(interpolation_dtype="float32", clips_per_call=16)
+    schedule = plan(frames)
+    assert len(schedule.chunks) == 2
+    parts = list(generate(nets, schedule, inputs, options))
+    starts = [start for start, _ in parts]
+    assert starts == sorted(starts) and starts[0] == 0
+    assert all(a + p.shape[0] == b for (a, p), b in zip(parts, starts[1:]))  # no frame twice, none missing
+    video = torch.cat([p for _, p in parts])
+    assert video.shape == (schedule.frames, 3, 64, 64) and schedule.frames == 378
+    assert video.min() >= 0 and video.max() <= 1
+    short = plan(40)  # one chunk, three segments
+    once = torch.cat([p for _, p in generate(nets, short, inputs, options)])
+    again = torch.cat([p for _, p in generate(nets, short, inputs, options.replace(clips_per_call=1))])
+    torch.testing.assert_close(again, once, rtol=1e-4, atol=1e-5)  # only the speed depends on the batching
+    other = torch.cat([p for _, p in generate(nets, short, inputs, options.replace(seed=24))])
+    assert (other - once).abs().max() > 1e-3  # the seed is the noise

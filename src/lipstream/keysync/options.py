@@ -1,0 +1,47 @@
+"""How KeySync samples: one options object (maths and speed) with named presets. Free of torch, so the CLI
+checks a user's choices before anything heavy loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class KeySyncOptions:
+    """`steps`: Euler steps over the noise table (10: its own 11 levels, as the reference; more: the table
+    resampled). `audio_scale`, `reference_scale`: the guidance (5 and 2 in the reference). `seed`: the noise
+    (23 in the reference), drawn in the reference's order. `keyframe_dtype`, `interpolation_dtype`: the UNets'
+    (the reference samples keyframes in fp32 and the frames between under fp16 autocast); the VAE decodes in
+    fp32 as the reference does. `clips_per_call`: 14-frame clips per UNet call (each call runs three guidance
+    passes of them) and per VAE call; only memory and speed depend on it."""
+
+    steps: int = 10
+    audio_scale: float = 5.0
+    reference_scale: float = 2.0
+    seed: int = 23
+    keyframe_dtype: str = "float32"
+    interpolation_dtype: str = "float16"
+    clips_per_call: int = 2
+
+    def check(self) -> None:
+        """ValueError naming the field and what is allowed."""
+        if self.steps < 10 or self.steps > 100:
+            raise ValueError(f"steps {self.steps}: 10 to 100 are allowed (KeySync's noise table has 11 levels)")
+        for name in ("keyframe_dtype", "interpolation_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} {getattr(self, name)!r}: one of {', '.join(DTYPES)} is allowed")
+        if not 1 <= self.clips_per_call <= 64:
+            raise ValueError(f"clips_per_call {self.clips_per_call}: 1 to 64 are allowed")
+
+    def replace(self, **changes) -> KeySyncOptions:
+        return replace(self, **changes)
+
+
+KEYSYNC_PRESETS: dict[str, KeySyncOptions] = {
+    # the reference inference's precision: keyframes in fp32, the frames between in fp16
+    "reference": KeySyncOptions(),
+    # both UNets in bf16, more clips a call
+    "fast": KeySyncOptions(keyframe_dtype="bfloat16", interpolation_dtype="bfloat16", clips_per_call=4),
+}
