@@ -340,3 +340,79 @@ def test_the_pipeline_gives_every_scheduled_frame_once_in_order_across_chunks():
     torch.testing.assert_close(again, once, rtol=1e-4, atol=1e-5)  # only the speed depends on the batching
     other = torch.cat([p for _, p in generate(nets, short, inputs, options.replace(seed=24))])
     assert (other - once).abs().max() > 1e-3  # the seed is the noise
+
+
+# --- the published files, key for key
+
+def _write_keysync_folder(root, models):
+    """random_keysync's tiny networks written as KeySync's files are (models/layout.py's KEYSYNC_FILES)."""
+    import types
+    from collections import OrderedDict
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    from lipstream.models.layout import KEYSYNC_FILES
+
+    paths = [root / f.path for f in KEYSYNC_FILES]
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    for path, net in zip(paths[:2], (models.networks.keyframe, models.networks.interpolation)):
+        module = {"_forward_module." + k: v for k, v in net.state_dict().items()}
+        module["_forward_module.first_stage_model.decoder.conv_in.weight"] = torch.zeros(2, 2)  # the VAE: not read
+        torch.save({"module": module, "buffer_names": [], "ds_version": "0.14.0", "global_steps": 1000,
+                    "param_shapes": [OrderedDict((k, v.shape) for k, v in net.state_dict().items())],
+                    "client_state": types.SimpleNamespace(note="an object the restricted reader must not build")},
+                   path)
+    cfg = {**asdict(models.wavlm.config), "extractor_mode": "default", "relative_position_embedding": True,
+           "gru_rel_pos": True, "mask_prob": 0.65, "dropout": 0.1}
+    torch.save({"cfg": cfg, "model": models.wavlm.state_dict()}, paths[2])
+    hubert = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(models.hubert.config).items()}
+    paths[3].write_text(json.dumps({**hubert, "architectures": ["HubertModel"], "model_type": "hubert"}))
+    save_file(models.hubert.state_dict(), str(paths[4]))
+    vae = models.networks.vae
+    paths[5].write_text(json.dumps({"_class_name": "AutoencoderKLTemporalDecoder", "block_out_channels": [32] * 4,
+                                    "layers_per_block": 1, "latent_channels": 4, "scaling_factor": 0.18215}))
+    save_file({k: v.half() for k, v in vae.state_dict().items()}, str(paths[6]))
+    return paths
+
+
+def test_keysync_loads_its_published_files_key_for_key(tmp_path):
+    from lipstream.keysync.load import load_keysync, random_keysync
+
+    models = random_keysync("tiny", "cpu", seed=7)
+    _write_keysync_folder(tmp_path, models)
+    loaded = load_keysync(tmp_path, "cpu", size="tiny")
+    for a, b in ((models.networks.keyframe, loaded.networks.keyframe),
+                 (models.networks.interpolation, loaded.networks.interpolation),
+                 (models.hubert, loaded.hubert), (models.wavlm, loaded.wavlm)):
+        mine, theirs = a.state_dict(), b.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    vae = loaded.networks.vae.state_dict()  # stored in fp16, as the hub's fp16 variant; run in fp32
+    assert all(v.dtype == torch.float32 for v in vae.values())
+    assert all(torch.equal(v, models.networks.vae.state_dict()[k].half().float()) for k, v in vae.items())
+    assert loaded.size == models.size == 128
+
+
+def test_keysync_file_errors_are_one_line_and_name_the_file(tmp_path):
+    from lipstream.errors import WeightsError
+    from lipstream.keysync.load import load_keysync, random_keysync
+
+    models = random_keysync("tiny", "cpu")
+    paths = _write_keysync_folder(tmp_path, models)
+    keyframe, interpolation = paths[0], paths[1]
+    paths[2].unlink()
+    with pytest.raises(WeightsError, match=r"missing .*WavLM-Base\+\.pt.*weights download") as e:
+        load_keysync(tmp_path, "cpu", size="tiny")
+    assert "\n" not in str(e.value)
+    _write_keysync_folder(tmp_path, models)
+    swapped = keyframe.read_bytes()
+    keyframe.write_bytes(interpolation.read_bytes())
+    with pytest.raises(WeightsError, match="holds the interpolation model, not the keyframe one"):
+        load_keysync(tmp_path, "cpu", size="tiny")
+    keyframe.write_bytes(swapped[: len(swapped) // 2])
+    with pytest.raises(WeightsError, match="keyframe_dub.pt: cannot read weights"):
+        load_keysync(tmp_path, "cpu", size="tiny")
+    keyframe.write_bytes(swapped)
+    with pytest.raises(WeightsError, match="keyframe_dub.pt: does not match its config: .*other shapes"):
+        load_keysync(tmp_path, "cpu", size="full")  # tiny files where the published shapes are expected

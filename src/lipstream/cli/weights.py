@@ -13,14 +13,19 @@ from lipstream.errors import LipStreamError
 
 @weights_app.command("download")
 def weights_download(models: ModelsOpt = None,
-                     force: Annotated[bool, typer.Option(help="Download again even if present.")] = False) -> None:
-    """Fetch musetalkV15/, sd-vae/, whisper/ and dwpose/ (compile's face tracker) from Hugging Face into the
-    models folder."""
-    from lipstream.models.download import download
+                     force: Annotated[bool, typer.Option(help="Download again even if present.")] = False,
+                     model: Annotated[str, typer.Option(
+                         help="musetalk: musetalkV15/, sd-vae/, whisper/ and dwpose/ (compile's face tracker); "
+                              "keysync: keysync/ (its checkpoints, HuBERT, the SVD VAE: accept that gated "
+                              "repository's licence on Hugging Face and log in first).")] = "musetalk") -> None:
+    """Fetch a model's files from Hugging Face into the models folder."""
+    from lipstream.cli.checks import one_of
+    from lipstream.models.download import MODEL_FILES, download
     from lipstream.models.layout import models_dir
 
+    one_of("--model", model, tuple(MODEL_FILES))
     root = models_dir(models)
-    fetched = download(root, force=force, report=lambda s: err.print(s))
+    fetched = download(root, force=force, report=lambda s: err.print(s), files=MODEL_FILES[model])
     out.print(f"{len(fetched)} files downloaded; models folder: {root}")
 
 

@@ -35,6 +35,12 @@ class KeySyncOptions:
         if not 1 <= self.clips_per_call <= 64:
             raise ValueError(f"clips_per_call {self.clips_per_call}: 1 to 64 are allowed")
 
+    def for_device(self, device_type: str) -> KeySyncOptions:
+        """On a CPU both UNets run in fp32 (its half-precision kernels are slow or missing)."""
+        if device_type == "cuda":
+            return self
+        return replace(self, keyframe_dtype="float32", interpolation_dtype="float32")
+
     def replace(self, **changes) -> KeySyncOptions:
         return replace(self, **changes)
 

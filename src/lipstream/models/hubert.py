@@ -97,7 +97,8 @@ class WeightNormConv1d(nn.Module):
     def __init__(self, channels: int, kernel: int, groups: int):
         super().__init__()
         self.weight_g = nn.Parameter(torch.ones(1, 1, kernel))
-        self.weight_v = nn.Parameter(torch.zeros(channels, channels // groups, kernel))
+        # drawn as fairseq draws it (a zero v has no direction: random networks need one)
+        self.weight_v = nn.Parameter(torch.randn(channels, channels // groups, kernel) * (4 / (kernel * channels)) ** 0.5)
         self.bias = nn.Parameter(torch.zeros(channels))
         self.groups, self.padding = groups, kernel // 2
 

@@ -43,6 +43,27 @@ DWPOSE_FILE = UpstreamFile("dwpose/dw-ll_ucoco_384.pth", "yzd-v/DWPose", "dw-ll_
                            alternatives=("dwpose/dw-ll_ucoco_384.safetensors",))
 TRACKER_FILES: tuple[UpstreamFile, ...] = (DWPOSE_FILE,)
 
+# KeySync (`--model keysync`): its two checkpoints and WavLM from its own repository (under checkpoints/, where
+# its README's `git clone` puts them), HuBERT from facebook, the SVD VAE as its pipeline loads it (the fp16
+# variant; a gated repository: accept its licence on the hub and log in first). Each local path ends with
+# the repository's path, as `weights download` places files.
+KEYSYNC_DIR = "keysync"
+_SVD = f"{KEYSYNC_DIR}/stable-video-diffusion-img2vid"
+_HUBERT = f"{KEYSYNC_DIR}/hubert-base-ls960"
+KEYSYNC_FILES: tuple[UpstreamFile, ...] = (
+    UpstreamFile(f"{KEYSYNC_DIR}/checkpoints/keyframe_dub.pt", "toninio19/keysync", "checkpoints/keyframe_dub.pt"),
+    UpstreamFile(f"{KEYSYNC_DIR}/checkpoints/interpolation_dub.pt", "toninio19/keysync",
+                 "checkpoints/interpolation_dub.pt"),
+    UpstreamFile(f"{KEYSYNC_DIR}/checkpoints/WavLM-Base+.pt", "toninio19/keysync", "checkpoints/WavLM-Base+.pt"),
+    UpstreamFile(f"{_HUBERT}/config.json", "facebook/hubert-base-ls960", "config.json"),
+    UpstreamFile(f"{_HUBERT}/model.safetensors", "facebook/hubert-base-ls960", "model.safetensors",
+                 alternatives=(f"{_HUBERT}/pytorch_model.bin",)),
+    UpstreamFile(f"{_SVD}/vae/config.json", "stabilityai/stable-video-diffusion-img2vid", "vae/config.json"),
+    UpstreamFile(f"{_SVD}/vae/diffusion_pytorch_model.fp16.safetensors", "stabilityai/stable-video-diffusion-img2vid",
+                 "vae/diffusion_pytorch_model.fp16.safetensors",
+                 alternatives=(f"{_SVD}/vae/diffusion_pytorch_model.safetensors",)),
+)
+
 HOW_TO_GET = "run `lipstream weights download` (needs internet), or pass --models DIR / set LIPSTREAM_MODELS"
 
 
@@ -56,7 +77,7 @@ def models_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def upstream_file(rel_path: str) -> UpstreamFile:
-    for f in (*UPSTREAM_FILES, *TRACKER_FILES):
+    for f in (*UPSTREAM_FILES, *TRACKER_FILES, *KEYSYNC_FILES):
         if f.path == rel_path:
             return f
     raise KeyError(rel_path)

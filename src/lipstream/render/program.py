@@ -175,9 +175,11 @@ def render_program(program: Program, output: str | Path, networks: MuseTalk | Co
 
 
 def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: FrameEngine, options: RenderOptions, *,
-            windows: Windows = audio_windows, t0: float | None = None) -> RenderPlan:
-    """The speech decoded, its features and per-frame windows (`windows` builds them), the avatars
-    resident on `engine` (their frames decoding in the background), every frame planned.
+            windows: Windows = audio_windows, features: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            t0: float | None = None) -> RenderPlan:
+    """The speech decoded, its features (`features` of the 16 kHz samples: Whisper's by default) and
+    per-frame windows (`windows` builds them), the avatars resident on `engine` (their frames decoding in
+    the background), every frame planned.
 
     The steps overlap where they can: the audio decodes on a thread (CPU) while the avatars load and the
     engine captures its graphs (GPU); the Whisper features (GPU) follow the capture."""
@@ -215,12 +217,13 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
         t_decoded = time.perf_counter()
         speech = [resample(mono.to(device), rate, SAMPLE_RATE) for mono, rate, _ in decoded]
         bounds = scene_bounds([s48.size for _, _, s48 in decoded], fps)
-        scene_windows = [windows(whisper_features(s16, networks), fps, max(1, bounds[k + 1] - bounds[k]))
+        features = features or functools.partial(whisper_features, networks=networks)
+        scene_windows = [windows(features(s16), fps, max(1, bounds[k + 1] - bounds[k]))
                          for k, s16 in enumerate(speech)]
         silence = None  # the mouth at rest, for the outgoing scene of a crossfade
         if crossfades:
-            quiet = whisper_features(torch.zeros(SAMPLE_RATE, device=device), networks)
-            silence = audio_windows(quiet, fps)[int(fps) // 2]
+            quiet = features(torch.zeros(SAMPLE_RATE, device=device))  # 1 s: 50 steps (both kinds are 50 Hz)
+            silence = windows(quiet, fps, math.ceil(Fraction(quiet.shape[0]) * fps / 50))[int(fps) // 2]
         t_audio = time.perf_counter()
         items = plan(program, indices, engine, fps, scene_windows, bounds, silence)
         t_plan = time.perf_counter()

@@ -1,0 +1,209 @@
+"""KeySync as a FrameEngine: the same avatars, programs and render loop as MuseTalk, frames from whole scenes.
+
+A request's `window` here is its frame's speech: two HuBERT and two WavLM tokens ([4, 768], `windows`).
+KeySync needs a scene's frames ahead of the one it shows (a chunk of keyframes spans up to 27 clips of 13
+frames), so the render's plan is handed over first (`schedule`) and `render` then serves the requests in
+that order, generating each scene chunk by chunk as the requests reach it.
+
+For each avatar a square around its face (the landmarks' box over the loop, `CROP_SCALE` times its size,
+inside the frame: LipStream's choice, the reference takes videos already cropped) is cut from every frame
+the scene shows, resized to 512x512 and encoded by the SVD VAE (the posterior mean, where the reference
+draws a sample). The masks are the reference's boxes from the landmarks in that square. The generated
+square is pasted back through a feathered copy of the mask: every pixel outside the generated region
+keeps its exact Y, U and V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lipstream.avatar import Avatar
+from lipstream.avatar.colour import i420_to_rgb
+from lipstream.engine.blend import blend_into
+from lipstream.engine.interface import FrameRequest
+from lipstream.keysync.options import KeySyncOptions
+from lipstream.keysync.pipeline import SCALE, Inputs, KeySyncNetworks, generate
+from lipstream.keysync.schedule import STEP, box_masks, plan
+from lipstream.keysync.speech import frames_of, hubert_features, wavlm_features
+
+CROP_SCALE = 2.0  # the square's side over the face landmarks' size
+TOKEN_RATE = 50  # speech tokens a second
+FEATHER = 32  # the blur on the mask's edges where the generated square is pasted back: its size / FEATHER
+
+
+@dataclass
+class KeySyncModels:
+    """Everything KeySync runs: its two UNets and the SVD VAE, and the two speech encoders."""
+
+    networks: KeySyncNetworks
+    hubert: torch.nn.Module
+    wavlm: torch.nn.Module
+    device: torch.device
+    size: int = 512  # the square the networks see, pixels (the latents are size / 8)
+    note: str = ""  # where the weights came from, for the CLI
+    fingerprints: dict = field(default_factory=dict)  # no MuseTalk VAE: avatars load without a latent check
+
+    def features(self, speech16: torch.Tensor) -> torch.Tensor:
+        """16 kHz samples -> [T, 2, 768] tokens at 50 Hz: HuBERT's and WavLM's."""
+        frames = frames_of(speech16.to(self.device, torch.float32))
+        with torch.inference_mode():
+            hubert = hubert_features(self.hubert, frames).flatten(0, 1)
+            wavlm = wavlm_features(self.wavlm, frames).flatten(0, 1)
+        t = min(hubert.shape[0], wavlm.shape[0])
+        return torch.stack([hubert[:t], wavlm[:t]], dim=1)
+
+
+def windows(features: torch.Tensor, fps: float | Fraction, frames: int) -> torch.Tensor:
+    """[T, 2, 768] tokens -> [frames, 4, 768]: each frame's two HuBERT then two WavLM tokens (at 25 fps
+    frame i has tokens 2i and 2i + 1, as the reference pairs them); past the speech's end, zeros."""
+    fps = Fraction(fps)
+    first = torch.tensor([int(Fraction(i) * TOKEN_RATE / fps) for i in range(frames)], device=features.device)
+    index = torch.stack([first, first + 1], dim=1)  # [frames, 2]
+    padded = torch.cat([features, features.new_zeros(index.max().item() + 1, *features.shape[1:])])
+    pair = padded[index]  # [frames, 2 tokens, 2 models, 768]
+    return pair.transpose(1, 2).flatten(1, 2)
+
+
+def crop_square(landmarks: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
+    """The square (x1, y1, x2, y2) KeySync sees of an avatar: around the landmarks' box over the loop (frames
+    without a face left out), CROP_SCALE times its size, even-sided and inside the frame."""
+    seen = landmarks[~np.isnan(landmarks).any(axis=(1, 2))]
+    if len(seen) == 0:
+        side = min(width, height) // 2 * 2
+        return (width - side) // 2, (height - side) // 2, (width + side) // 2, (height + side) // 2
+    low, high = seen.min(axis=1), seen.max(axis=1)  # [N, 2] per frame
+    centre = np.median((low + high) / 2, axis=0)
+    face = np.median((high - low).max(axis=1))  # the face's size in one frame
+    travel = (high.max(axis=0) - low.min(axis=0)).max() - face  # how far it moves over the loop
+    side = int(min(CROP_SCALE * face + travel, width, height)) // 2 * 2
+    x1 = int(np.clip(round(centre[0] - side / 2), 0, width - side))
+    y1 = int(np.clip(round(centre[1] - side / 2), 0, height - side))
+    return x1, y1, x1 + side, y1 + side
+
+
+class KeySyncEngine:
+    """FrameEngine over KeySync (engine/interface.py); `schedule` the render's requests before `render`."""
+
+    buckets = (16,)
+
+    def __init__(self, models: KeySyncModels, options: KeySyncOptions | None = None):
+        self.models = models
+        self.device = models.device
+        self.options = (options or KeySyncOptions()).for_device(models.device.type)
+        nets = models.networks  # each UNet in the dtype it samples in; the VAE decodes in fp32
+        nets.keyframe.to(getattr(torch, self.options.keyframe_dtype))
+        nets.interpolation.to(getattr(torch, self.options.interpolation_dtype))
+        self.avatars: list[Avatar] = []
+        self._squares: list[tuple[int, int, int, int]] = []
+        self._scenes: list[list[FrameRequest]] = []
+        self._frames: Iterator[torch.Tensor] | None = None
+        self._queue: list[torch.Tensor] = []
+        self._served = 0
+
+    def add_avatar(self, avatar: Avatar) -> int:
+        self.avatars.append(avatar)
+        self._squares.append(crop_square(avatar.landmarks.float().cpu().numpy(), *avatar.size))
+        return len(self.avatars) - 1
+
+    def clear_avatars(self) -> None:
+        self.avatars.clear()
+        self._squares.clear()
+
+    def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
+        return {}
+
+    def uncaptured(self) -> tuple[int, ...]:
+        return ()
+
+    def prefetch(self, requests: list[FrameRequest]) -> None:
+        pass
+
+    def schedule(self, scenes: list[list[FrameRequest]]) -> None:
+        """The render's requests, scene by scene, in the order `render` will be asked for them."""
+        self._scenes = [list(s) for s in scenes if s]
+        self._frames, self._queue, self._served = self._all_frames(), [], 0
+
+    @torch.inference_mode()
+    def render(self, requests: list[FrameRequest]) -> torch.Tensor:
+        if self._frames is None:
+            raise RuntimeError("KeySyncEngine.render: schedule() the render's requests first")
+        while sum(f.shape[0] for f in self._queue) < len(requests):
+            self._queue.append(next(self._frames))
+        frames = torch.cat(self._queue)
+        self._queue = [frames[len(requests):]]
+        self._served += len(requests)
+        return frames[:len(requests)]
+
+    def _all_frames(self) -> Iterator[torch.Tensor]:
+        for scene in self._scenes:
+            yield from self._scene_frames(scene)
+
+    def _scene_frames(self, scene: list[FrameRequest]) -> Iterator[torch.Tensor]:
+        """I420 frames of one scene, a chunk at a time. The scene is padded to whole segments (its last frame
+        held, silent) and the padding dropped: the reference instead leaves up to 12 frames ungenerated."""
+        n = len(scene)
+        padded = max(n, 14)
+        padded += (STEP - (padded - 1) % STEP) % STEP
+        steps = scene + [FrameRequest(scene[-1].avatar, scene[-1].frame, torch.zeros_like(scene[-1].window))] * (
+            padded - n)
+        for a in {r.avatar for r in steps}:
+            self.avatars[a].wait_frames()
+        inputs = self._inputs(steps)
+        for start, video in generate(self.models.networks, plan(padded), inputs, self.options):
+            keep = video[:max(0, n - start)]
+            if keep.shape[0]:
+                yield self._paste(steps[start:start + keep.shape[0]], keep, inputs.masks[start:start + keep.shape[0]])
+
+    def _inputs(self, steps: list[FrameRequest]) -> Inputs:
+        vae = self.models.networks.vae
+        latents, masks = [], []
+        for i in range(0, len(steps), 16):
+            part = steps[i:i + 16]
+            crops = torch.stack([self._crop(r) for r in part])
+            latents.append(vae.encode(crops * 2.0 - 1.0) * SCALE)
+            masks.append(torch.from_numpy(np.stack([self._mask(r) for r in part])))
+        speech = torch.stack([r.window for r in steps]).to(self.device, torch.float32)
+        return Inputs(torch.cat(latents), torch.cat(masks)[:, None].to(self.device), speech[:, :2], speech[:, 2:])
+
+    def _crop(self, r: FrameRequest) -> torch.Tensor:
+        """[3, 512, 512] float RGB in [0, 1]: the avatar's square of this frame."""
+        a = self.avatars[r.avatar]
+        w, h = a.size
+        x1, y1, x2, y2 = self._squares[r.avatar]
+        rgb = i420_to_rgb(a.frames[r.frame].to(self.device), h, w, a.meta["colour_matrix"])[y1:y2, x1:x2]
+        square = rgb.permute(2, 0, 1)[None].float() / 255.0
+        size = self.models.size
+        return F.interpolate(square, size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
+
+    def _mask(self, r: FrameRequest) -> np.ndarray:
+        """[size/8, size/8] the generated region of this frame (none where the tracker found no face)."""
+        size = self.models.size
+        x1, y1, x2, _ = self._squares[r.avatar]
+        points = self.avatars[r.avatar].landmarks[r.frame].float().cpu().numpy()
+        if np.isnan(points).any():
+            return np.zeros((size // 8, size // 8), np.float32)
+        scaled = (points - np.array([x1, y1])) * (size / (x2 - x1))
+        return box_masks(scaled[None], size, size // 8)[0]
+
+    def _paste(self, steps: list[FrameRequest], faces: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """The generated squares blended into copies of their frames through feathered masks: [n, H*3/2, W]."""
+        size = self.models.size
+        alpha = F.interpolate(masks.float(), size=(size, size), mode="nearest")
+        k = size // FEATHER // 2 * 2 + 1
+        kernel = torch.ones(1, 1, k, k, device=alpha.device) / k ** 2
+        alpha = F.conv2d(alpha, kernel, padding=k // 2) * alpha  # soft inside its edges, 0 outside the region
+        alpha = (alpha[:, 0] * 255).round().to(torch.uint8)
+        out = []
+        for r, face, a in zip(steps, faces, alpha):
+            avatar = self.avatars[r.avatar]
+            w, h = avatar.size
+            frame = avatar.frames[r.frame].to(self.device).clone()
+            blend_into(frame, face, a, self._squares[r.avatar], h, w, avatar.meta["colour_matrix"])
+            out.append(frame)
+        return torch.stack(out)

@@ -1,0 +1,79 @@
+"""`render` with KeySync end to end on tiny random networks: the MP4's length, its sound, and every pixel
+outside the generated region exactly the avatar's."""
+
+from __future__ import annotations
+
+import math
+
+import av
+import numpy as np
+import pytest
+
+from lipstream.avatar import load_avatar, ping_pong
+from lipstream.engine.blend import untouched
+from lipstream.fixtures.avatar import tracked_avatar
+from lipstream.fixtures.media import write_audio
+from lipstream.fixtures.speech import speech_like
+from lipstream.render.options import RenderOptions
+from lipstream.render.script import single_scene
+
+W, H, FPS = 320, 240, 10
+
+
+@pytest.fixture(scope="module")
+def keysync_models():
+    from lipstream.keysync.load import random_keysync
+
+    return random_keysync("tiny", "cpu")
+
+
+@pytest.fixture(scope="module")
+def anchor(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("keysync")
+    folder = tracked_avatar(root, "kay", tiny_models.vae, tiny_models.fingerprints["vae"], width=W, height=H,
+                            seconds=1.0, fps=FPS, seed=3)
+    write_audio(root / "speech.wav", speech_like(2.0, 16000, seed=1), 16000)
+    return folder, root / "speech.wav"
+
+
+def test_a_keysync_render_has_every_frame_and_the_speech_and_repaints_only_the_mouth(anchor, keysync_models, tmp_path):
+    from lipstream.keysync.engine import crop_square
+    from lipstream.keysync.render import render_keysync
+
+    folder, speech = anchor
+    out = tmp_path / "kay.mp4"
+    report = render_keysync(single_scene(str(folder), speech, start_frame=2), out, keysync_models,
+                            RenderOptions(crf=0, progress=False))  # crf 0: lossless, so pixels compare exactly
+    with av.open(str(out)) as c:
+        stream = c.streams.audio[0]
+        audio_s = float(stream.duration * stream.time_base)
+        frames = [f.to_ndarray() for f in c.decode(video=0)]
+    assert len(frames) == report.frames == math.ceil(2.0 * FPS)  # all of them: KeySync's schedule padded, not cut
+    assert abs(audio_s - 2.0) < 0.03
+    avatar = load_avatar(folder)
+    square = crop_square(avatar.landmarks.numpy(), W, H)
+    keep = untouched(H, W, [list(square)])
+    changed = 0
+    for j, frame in enumerate(frames):
+        source = avatar.frames[ping_pong(2 + j, avatar.num_frames)].numpy()
+        assert np.array_equal(frame[keep], source[keep]), j
+        x1, y1, x2, y2 = square
+        upper = slice(y1, y1 + (y2 - y1) // 4)  # above the nose: outside KeySync's mask, kept
+        assert np.array_equal(frame[upper, x1:x2], source[upper, x1:x2]), j
+        changed += not np.array_equal(frame, source)
+    assert changed == len(frames)  # every frame's mouth region generated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kay.mp4"]
+
+
+def test_keysync_refuses_crossfades_in_one_line(anchor, keysync_models, tmp_path):
+    from lipstream.errors import LipStreamError
+    from lipstream.keysync.render import render_keysync
+    from lipstream.render.script import Program, Scene, Shot
+
+    folder, speech = anchor
+    program = single_scene(str(folder), speech)
+    scene = program.scenes[0]
+    crossfaded = Program([scene, Scene(audio=scene.audio, shots=scene.shots, crossfade=3)])
+    with pytest.raises(LipStreamError, match="crossfades are not supported"):
+        render_keysync(crossfaded, tmp_path / "x.mp4", keysync_models, RenderOptions(progress=False))
+    assert not list(tmp_path.iterdir())
