@@ -98,7 +98,8 @@ class WeightNormConv1d(nn.Module):
         super().__init__()
         self.weight_g = nn.Parameter(torch.ones(1, 1, kernel))
         # drawn as fairseq draws it (a zero v has no direction: random networks need one)
-        self.weight_v = nn.Parameter(torch.randn(channels, channels // groups, kernel) * (4 / (kernel * channels)) ** 0.5)
+        scale = (4 / (kernel * channels)) ** 0.5
+        self.weight_v = nn.Parameter(torch.randn(channels, channels // groups, kernel) * scale)
         self.bias = nn.Parameter(torch.zeros(channels))
         self.groups, self.padding = groups, kernel // 2
 
