@@ -77,3 +77,21 @@ def test_keysync_refuses_crossfades_in_one_line(anchor, keysync_models, tmp_path
     with pytest.raises(LipStreamError, match="crossfades are not supported"):
         render_keysync(crossfaded, tmp_path / "x.mp4", keysync_models, RenderOptions(progress=False))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_cli_renders_with_keysync_and_refuses_what_does_not_apply(anchor, tmp_path, capsys):
+    from lipstream.cli import main
+
+    folder, speech = anchor
+    out = tmp_path / "cli.mp4"
+    args = ["render", "--avatar", str(folder), "--audio", str(speech), "-o", str(out), "--device", "cpu"]
+    assert main([*args, "--model", "keysync", "--random-weights"]) == 0
+    printed = capsys.readouterr()
+    assert "KeySync: tiny random networks" in printed.err and "[KeySync]" in printed.out
+    with av.open(str(out)) as c:
+        assert c.streams.video[0].frames == 20
+    for extra, message in ((["--model", "keysync", "--batch", "8"], "--batch applies to --model musetalk"),
+                           (["--model", "kesync"], "--model 'kesync': expected one of musetalk, keysync"),
+                           (["--model", "keysync", "--models", str(tmp_path)], "KeySync's weights are not in")):
+        assert main([*args, *extra]) != 0
+        assert message in capsys.readouterr().err

@@ -68,6 +68,21 @@ def render_options(fps: str | None, crf: int, x264_preset: str | None, batch: in
                          encoder_processes=encoder_processes)
 
 
+def model_options(model: str, keysync_preset: str, *, server: str | None, reference: bool, batch: int | None,
+                  compile: bool | None, decode_rows: str) -> None:
+    """--model and the flags that apply to one model only, checked."""
+    from lipstream.keysync.options import KEYSYNC_PRESETS
+
+    one_of("--model", model, ("musetalk", "keysync"))
+    one_of("--keysync-preset", keysync_preset, tuple(KEYSYNC_PRESETS))
+    if model != "keysync":
+        return
+    for flag, given in (("--server", server), ("--reference", reference), ("--batch", batch is not None),
+                        ("--compile/--no-compile", compile is not None), ("--decode-rows", decode_rows != "auto")):
+        if given:
+            raise UsageError(f"{flag} applies to --model musetalk; KeySync runs here with its --keysync-preset")
+
+
 def machine_options(device: str, random_size: str) -> None:
     """--device and --random-size, checked."""
     device_option(device)

@@ -53,6 +53,12 @@ LivePresetOpt = Annotated[str, typer.Option(
                           "Whisper every 200 ms: a machine without a GPU).")]
 OldPresetOpt = Annotated[Optional[str], typer.Option("--preset", hidden=True, help="Deprecated spelling.")]
 ReferenceOpt = Annotated[bool, typer.Option("--reference", help="Plain eager fp32 + numpy blending (for equivalence).")]
+ModelOpt = Annotated[str, typer.Option(
+    "--model", help="musetalk (real time, a 256x256 face) or keysync (a 512x512 face: keyframes, then the frames "
+                    "between; slower, sharper; `lipstream weights download --model keysync`).")]
+KeySyncPresetOpt = Annotated[str, typer.Option(
+    "--keysync-preset", help="With --model keysync: reference (its own precision: keyframes in fp32, the frames "
+                             "between in fp16) or fast (both in bf16).")]
 BatchOpt = Annotated[Optional[int], typer.Option(
     show_default=False, help="Frames per engine batch, 1-256. Default: 32 with a GPU, 16 on a CPU.")]
 CompileOpt = Annotated[Optional[bool], typer.Option(

@@ -13,14 +13,15 @@ from typing import Annotated, Optional
 import typer
 
 from lipstream.cli.common import (
-    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncoderProcessesOpt, EncodersOpt, FpsOpt, ModelsOpt,
+    AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncoderProcessesOpt, EncodersOpt, FpsOpt,
+    KeySyncPresetOpt, ModelOpt, ModelsOpt,
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
     avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, start_without_collections,
     warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, require
 from lipstream.files import check_file
 from lipstream.render.options import RenderOptions
-from lipstream.cli.checks import check_models, fps_option, in_range, machine_options, render_options
+from lipstream.cli.checks import check_models, fps_option, in_range, machine_options, model_options, render_options
 from lipstream.files import check_output_path
 from lipstream.render.checks import check_program
 from lipstream.models.config import random_size_for
@@ -160,7 +161,8 @@ def _import_quietly(module: str) -> None:
 
 
 def _render(program, output: Path, options: RenderOptions, device: str, random_size: str, compile: str, models,
-            random_weights: bool, timings: bool = False) -> None:
+            random_weights: bool, timings: bool = False, model: str = "musetalk",
+            keysync_preset: str = "reference") -> None:
     """Check everything a user typed (no torch yet: a mistake costs a fraction of a second), then render."""
     machine_options(device, random_size)
     metas = check_program(program, options.avatars_dir, output)
@@ -169,6 +171,9 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
         from lipstream.show.tts import pick_voice
 
         err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
+    if model == "keysync":
+        _render_keysync(program, output, options, device, random_size, models, random_weights, keysync_preset)
+        return
     check_models(models, random_weights)
     with start_without_collections():  # the start makes what lives as long as the process
         from lipstream.engine.cuda_context import start_primary_context
@@ -236,6 +241,46 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     mark_finished()
 
 
+def _render_keysync(program, output: Path, options: RenderOptions, device: str, random_size: str, models,
+                    random_weights: bool, preset: str) -> None:
+    """`render`/`broadcast --model keysync`: the files checked before anything loads, then KeySync's render."""
+    if any(scene.crossfade for scene in program.scenes):
+        raise LipStreamError("--model keysync cuts between scenes: set every crossfade to 0")
+    if not random_weights:
+        from lipstream.models.download import MODEL_FILES, missing_files
+        from lipstream.models.layout import HOW_TO_GET, models_dir
+
+        missing = missing_files(models_dir(models), MODEL_FILES["keysync"])
+        if missing:
+            raise LipStreamError(f"KeySync's weights are not in {models_dir(models)} (missing {missing[0].path}); "
+                                 f"{HOW_TO_GET.replace('download', 'download --model keysync')}; or try it without "
+                                 "them: --random-weights (untrained networks, the mouth is noise)")
+    import torch  # noqa: F401
+
+    from lipstream.engine.networks import pick_device
+    from lipstream.keysync.load import load_keysync, random_keysync
+    from lipstream.keysync.options import KEYSYNC_PRESETS
+    from lipstream.keysync.render import render_keysync
+    from lipstream.models.layout import models_dir
+
+    dev = pick_device(device)
+    if random_weights:
+        warn_random_weights()
+        keysync = random_keysync(random_size_for(random_size, dev.type), dev)
+    else:
+        keysync = load_keysync(models_dir(models), dev)
+    err.print(f"{keysync.note} on {dev}, preset {preset}", highlight=False)
+    report = render_keysync(program, output, keysync, options, KEYSYNC_PRESETS[preset])
+    out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
+              f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
+              f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
+              " [KeySync]")
+    out.print(f"process: {process_age():.2f} s", highlight=False)
+    if random_weights:
+        out.print("[bold red]random weights: the mouth is noise, not speech[/]")
+    mark_finished()
+
+
 def _print_timings(report, nets, before: dict[str, float]) -> None:
     """--timings: where the process's time went, from its start to the finished MP4."""
     from rich.table import Table
@@ -294,11 +339,14 @@ def render_cmd(ctx: typer.Context,
                reference: ReferenceOpt = False, batch: BatchOpt = None, encoders: EncodersOpt = None,
                encoder_processes: EncoderProcessesOpt = None, compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None,
                random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto",
-               timings: TimingsOpt = False, server: ServerOpt = None, api_key: ServerKeyOpt = None) -> None:
+               timings: TimingsOpt = False, server: ServerOpt = None, api_key: ServerKeyOpt = None,
+               model: ModelOpt = "musetalk", keysync_preset: KeySyncPresetOpt = "reference") -> None:
     """Make an avatar speak an audio file: one lip-synced MP4 (here, or on a server with --server)."""
     from lipstream.render.script import single_scene
 
     in_range("--start-frame", start_frame, 0, 10**9, "a loop frame")
+    model_options(model, keysync_preset, server=server, reference=reference, batch=batch, compile=compile,
+                  decode_rows=decode_rows)
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
                              decode_rows, reference, encoder_processes)
     program = single_scene(avatar, audio, start_frame)
@@ -310,7 +358,7 @@ def render_cmd(ctx: typer.Context,
                    timings=timings)
         return
     _render(program, output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
-            compile_choice(compile), models, random_weights, timings)
+            compile_choice(compile), models, random_weights, timings, model, keysync_preset)
 
 
 @app.command("broadcast")
@@ -322,11 +370,14 @@ def broadcast_cmd(ctx: typer.Context,
                   encoders: EncodersOpt = None, encoder_processes: EncoderProcessesOpt = None,
                   compile: CompileOpt = None, decode_rows: DecodeRowsOpt = "auto", models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
                   device: DeviceOpt = "auto", timings: TimingsOpt = False, server: ServerOpt = None,
-                  api_key: ServerKeyOpt = None) -> None:
+                  api_key: ServerKeyOpt = None, model: ModelOpt = "musetalk",
+                  keysync_preset: KeySyncPresetOpt = "reference") -> None:
     """Render a multi-scene script (several presenters, camera cuts) into one continuous MP4 (here, or on a
     server with --server: the script and every audio file it names are uploaded)."""
     from lipstream.render.script import load_script
 
+    model_options(model, keysync_preset, server=server, reference=reference, batch=batch, compile=compile,
+                  decode_rows=decode_rows)
     options = render_options(fps, crf, renamed("--preset", "--x264-preset", preset, x264_preset), batch, encoders,
                              decode_rows, reference, encoder_processes)
     if server:
@@ -337,7 +388,7 @@ def broadcast_cmd(ctx: typer.Context,
                    timings=timings)
         return
     _render(load_script(script), output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
-            compile_choice(compile), models, random_weights, timings)
+            compile_choice(compile), models, random_weights, timings, model, keysync_preset)
 
 
 def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: RenderOptions, start_frame: int,
