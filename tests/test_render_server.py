@@ -266,12 +266,31 @@ def test_the_server_and_key_variables_and_the_flag_over_them(server, desk, tmp_p
     assert not out.exists()
 
 
+def test_a_keysync_render_on_the_server_is_the_local_one(server, desk, presenter, tmp_path):
+    """--model keysync goes with the job: the server loads KeySync (random, as its networks) on the first such
+    job and renders it beside its live engine; the frames are a local KeySync render's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code, stdout, stderr = cli(["render", "--server", server, "--avatar", "p", "--audio", desk / "hello.wav",
+                                "-o", out / "remote.mp4", "--crf", "0", "--model", "keysync"], desk,
+                               {"LIPSTREAM_API_KEY": KEY})
+    assert code == 0, stderr
+    job = httpx.get(f"{server}/v1/jobs/{_job_id(stderr)}", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert job["options"] == {"crf": 0, "model": "keysync"}
+    local = tmp_path / "local.mp4"
+    assert main(["render", "--avatar", "p", "--avatars", str(presenter.parent), "--audio", str(desk / "hello.wav"),
+                 "-o", str(local), "--crf", "0", "--model", "keysync", *LOCAL]) == 0
+    remote, here = _frames(out / "remote.mp4"), _frames(local)
+    assert len(remote) == len(here) == 16
+    assert _max_difference(remote, here) <= 1
+
+
 def test_the_jobs_api_refuses_output_options_it_does_not_allow(server, desk):
     """fps, crf, x264_preset and start_frame are checked as the CLI checks them: 422 naming the field,
     no job made."""
     before = len(_jobs(server))
     for field, value in (("fps", "abc"), ("fps", "500"), ("crf", "99"), ("x264_preset", "warp"),
-                         ("start_frame", "-1")):
+                         ("start_frame", "-1"), ("model", "keysnyc")):
         with open(desk / "hello.wav", "rb") as f:
             r = httpx.post(f"{server}/v1/jobs/render", data={"avatar": "p", field: value},
                            files={"audio": ("hello.wav", f, "audio/wav")}, headers={"Authorization": f"Bearer {KEY}"})

@@ -77,10 +77,12 @@ def model_options(model: str, keysync_preset: str, *, server: str | None, refere
     one_of("--keysync-preset", keysync_preset, tuple(KEYSYNC_PRESETS))
     if model != "keysync":
         return
-    for flag, given in (("--server", server), ("--reference", reference), ("--batch", batch is not None),
+    for flag, given in (("--reference", reference), ("--batch", batch is not None),
                         ("--compile/--no-compile", compile is not None), ("--decode-rows", decode_rows != "auto")):
         if given:
-            raise UsageError(f"{flag} applies to --model musetalk; KeySync runs here with its --keysync-preset")
+            raise UsageError(f"{flag} applies to --model musetalk; KeySync takes --keysync-preset")
+    if server and keysync_preset != "reference":
+        raise UsageError("--keysync-preset: a server renders KeySync with its own preset (reference)")
 
 
 def machine_options(device: str, random_size: str) -> None:

@@ -81,7 +81,7 @@ class JobProgress:
 
 
 def render_on_server(program: Program, kind: str, output: Path, options: RenderOptions, start_frame: int,
-                     server: str, api_key: str | None) -> None:
+                     server: str, api_key: str | None, model: str = "musetalk") -> None:
     """Hand the render to the server: checks, upload, progress, the MP4 written as a local render writes it."""
     from lipstream.client.jobs import JobServer, OutputOptions, run_job
     from lipstream.client.upload import prepare_upload
@@ -89,7 +89,8 @@ def render_on_server(program: Program, kind: str, output: Path, options: RenderO
     upload = prepare_upload(program, kind, output)
     for note in upload.notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    wanted = OutputOptions(fps=options.fps, crf=options.crf, x264_preset=options.x264_preset, start_frame=start_frame)
+    wanted = OutputOptions(fps=options.fps, crf=options.crf, x264_preset=options.x264_preset, start_frame=start_frame,
+                           model=model)
 
     def uploading(upload) -> None:
         files = len(upload.audio) + len(upload.files) + (upload.script is not None)

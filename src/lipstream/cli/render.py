@@ -355,7 +355,7 @@ def render_cmd(ctx: typer.Context,
                    reference=reference, batch=batch, encoders=encoders,
                    encoder_processes=encoder_processes, compile=compile, decode_rows=decode_rows,
                    models=models, random_weights=random_weights, random_size=random_size, device=device,
-                   timings=timings)
+                   timings=timings, model=model)
         return
     _render(program, output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
             compile_choice(compile), models, random_weights, timings, model, keysync_preset)
@@ -385,7 +385,7 @@ def broadcast_cmd(ctx: typer.Context,
                    reference=reference, batch=batch, encoders=encoders,
                    encoder_processes=encoder_processes, compile=compile, decode_rows=decode_rows,
                    models=models, random_weights=random_weights, random_size=random_size, device=device,
-                   timings=timings)
+                   timings=timings, model=model)
         return
     _render(load_script(script), output, options.replace(avatars_dir=avatars_dir(avatars)), device, random_size,
             compile_choice(compile), models, random_weights, timings, model, keysync_preset)
@@ -393,7 +393,8 @@ def broadcast_cmd(ctx: typer.Context,
 
 def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: RenderOptions, start_frame: int,
                server: str, api_key: str | None, *, script: Path | None = None, avatars, reference, batch, encoders,
-               encoder_processes, compile, decode_rows, models, random_weights, random_size, device, timings) -> None:
+               encoder_processes, compile, decode_rows, models, random_weights, random_size, device, timings,
+               model: str = "musetalk") -> None:
     """--server: the address checked, every flag only a local render takes refused (one line naming it),
     then the job handed over (cli/remote.py). Never a local render instead."""
     require("serve", f"lipstream {kind} --server", "httpx")
@@ -412,7 +413,7 @@ def _on_server(ctx: typer.Context, program, kind: str, output: Path, options: Re
         from lipstream.render.script import load_script
 
         program = load_script(script)
-    render_on_server(program, kind, output, options, start_frame, url, api_key or None)
+    render_on_server(program, kind, output, options, start_frame, url, api_key or None, model)
 
 
 @app.command("warmup")

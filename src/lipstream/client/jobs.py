@@ -42,7 +42,8 @@ EVENTS_READ_S = 60.0  # the events stream sends a keep-alive every 15 s: this lo
 RECONNECTS = 5  # the events stream broken this many times in a row: the server is gone
 CANCEL_TIMEOUT_S = 5.0
 # a job's output options as the jobs API names them -> the flag a user typed
-FLAGS = {"fps": "--fps", "crf": "--crf", "x264_preset": "--x264-preset", "start_frame": "--start-frame"}
+FLAGS = {"fps": "--fps", "crf": "--crf", "x264_preset": "--x264-preset", "start_frame": "--start-frame",
+         "model": "--model"}
 DEFAULT_CRF = 18
 # how a user of `lipstream render | broadcast --server` gives the server's key
 KEY_OPTION = "pass --api-key KEY (or set LIPSTREAM_API_KEY)"
@@ -70,6 +71,7 @@ class OutputOptions:
     crf: int = DEFAULT_CRF
     x264_preset: str | None = None
     start_frame: int = 0
+    model: str = "musetalk"
 
     def form(self, kind: str) -> dict[str, str]:
         """The form fields to send: only what differs from the defaults (start_frame: render jobs only)."""
@@ -82,6 +84,8 @@ class OutputOptions:
             out["x264_preset"] = self.x264_preset
         if kind == "render" and self.start_frame:
             out["start_frame"] = str(self.start_frame)
+        if self.model != "musetalk":
+            out["model"] = self.model
         return out
 
 

@@ -253,6 +253,16 @@ class JobRunner:
                                 fps=Fraction(params["fps"]) if "fps" in params else None, crf=params.get("crf", 18),
                                 x264_preset=params.get("x264_preset"), encoders=encoders,
                                 encoder_processes=None if encoders is None else encoders > 1)
+        if params.get("model") == "keysync":  # on the same GPU, beside the live sessions
+            from lipstream.keysync.render import render_keysync
+
+            def checked(done: int, total: int) -> None:  # the live engine's lane asks before each batch; here
+                if cancelled():
+                    raise JobCancelled("the job was cancelled")
+                progress(done, total)
+
+            render_keysync(program, output, self.s.keysync_models(), options, on_progress=checked)
+            return
         render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
 

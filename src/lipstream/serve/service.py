@@ -61,6 +61,7 @@ class Service:
         self.live = LiveEngine(models, live_options, inductor=inductor, compiled=compiled,
                                encode_processes=options.encode_workers)
         self.avatars: dict[str, int] = {}
+        self._keysync = None  # model: keysync jobs' networks, loaded by the first
         self._tracker: Tracker | None = None  # compile jobs' face tracker, made by the first
         self.runner = JobRunner(self)
         self.metrics = Metrics(self.live, self.store, lambda: self.closed_late)
@@ -135,6 +136,24 @@ class Service:
                                      "`lipstream weights download` (DWPose) or install the dlib extra") from None
             self._tracker = make_tracker(kind, root, m.random_weights, m.config.name, m.device)
         return self._tracker
+
+    def keysync_models(self):
+        """KeySync for `model: keysync` jobs, loaded on the first one and kept: random like the server's networks
+        (--random-weights), else from its models folder; a one-line error without the server's folders when
+        the files are not there."""
+        if self._keysync is None:
+            from lipstream.keysync.load import load_keysync, random_keysync
+
+            m = self.models
+            if m.random_weights:
+                self._keysync = random_keysync(m.config.name, m.device)
+            else:
+                try:
+                    self._keysync = load_keysync(Path(m.source or "."), m.device)
+                except LipStreamError:
+                    raise LipStreamError("this server has no KeySync weights: its operator can run `lipstream weights "
+                                         "download --model keysync`") from None
+        return self._keysync
 
     def add_avatar(self, name: str) -> int:
         """Keep the compiled avatar --avatars/name resident (its idle loop too, once started)."""

@@ -28,7 +28,8 @@ TERMINAL = ("done", "failed", "cancelled")
 SSE_POLL_S = 0.1
 # what a render or broadcast job may be asked of its output, as `lipstream render` takes it (--fps, --crf,
 # --x264-preset, --start-frame); what is not given is the server's choice, as a local render's is the machine's
-OUTPUT_OPTIONS = ("fps", "crf", "x264_preset", "start_frame")
+OUTPUT_OPTIONS = ("fps", "crf", "x264_preset", "start_frame", "model")
+MODELS = ("musetalk", "keysync")
 TEXT_CHARACTERS_PER_S = 15  # a text scene's length as the --max-audio-s check estimates it (TTS speaks ~15/s)
 
 router = APIRouter()
@@ -49,7 +50,7 @@ def job_json(job: Job) -> dict:
 
 
 def output_options(fps: str | None, crf: int | None, x264_preset: str | None,
-                   start_frame: int | None = None) -> dict:
+                   start_frame: int | None = None, model: str | None = None) -> dict:
     """The output options given (422 naming the first that is not allowed), as the job's params keep them."""
     from lipstream.render.options import X264_PRESETS
     from lipstream.render.options import MAX_FPS
@@ -77,6 +78,10 @@ def output_options(fps: str | None, crf: int | None, x264_preset: str | None,
         if not 0 <= start_frame <= 10**9:
             raise HTTPException(422, f"start_frame {start_frame}: a loop frame from 0 is allowed")
         given["start_frame"] = start_frame
+    if model is not None and model != "musetalk":  # musetalk: the default, not stored
+        if model not in MODELS:
+            raise HTTPException(422, f"model {model!r}: one of {', '.join(MODELS)} is allowed")
+        given["model"] = model
     return given
 
 
@@ -104,11 +109,13 @@ def submitted(service: ServerHost, who: Caller, kind: str, params: dict) -> dict
 async def submit_render(request: Request, avatar: str = Form(...), audio: UploadFile = File(...),
                         fps: str | None = Form(None), crf: int | None = Form(None),
                         x264_preset: str | None = Form(None), start_frame: int | None = Form(None),
+                        model: str | None = Form(None),
                         who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     """An avatar (by name) speaks an uploaded audio file: a job whose result is the MP4. `fps`, `crf`,
-    `x264_preset`, `start_frame`: as `lipstream render` takes them (left out: the server chooses)."""
+    `x264_preset`, `start_frame`, `model`: as `lipstream render` takes them (left out: the server chooses;
+    MuseTalk)."""
     known_avatar(service, avatar)
-    given = output_options(fps, crf, x264_preset, start_frame)
+    given = output_options(fps, crf, x264_preset, start_frame, model)
     suffix = Path(audio.filename or "").suffix.lower()
     if suffix not in AUDIO_SUFFIXES:
         raise HTTPException(422, f"audio: a file ending in one of {sorted(AUDIO_SUFFIXES)} is allowed")
@@ -131,17 +138,17 @@ async def submit_render(request: Request, avatar: str = Form(...), audio: Upload
 async def submit_broadcast(request: Request, script: UploadFile = File(...),
                            audio: list[UploadFile] | None = File(None), files: list[UploadFile] | None = File(None),
                            fps: str | None = Form(None), crf: int | None = Form(None),
-                           x264_preset: str | None = Form(None),
+                           x264_preset: str | None = Form(None), model: str | None = Form(None),
                            who: Caller = Depends(caller), service: ServerHost = Depends(get_service)) -> dict:
     """A broadcast script (YAML, as `lipstream broadcast` reads), the audio files it names (none when every
     scene is a `text:` one) and its show's `files` (logo, pip and cutaway sources, music, font, a Piper
-    voice), each under the name the script gives it. `fps` (over the script's), `crf`, `x264_preset`: as
-    `lipstream broadcast` takes them (left out: the server chooses)."""
+    voice), each under the name the script gives it. `fps` (over the script's), `crf`, `x264_preset`, `model`:
+    as `lipstream broadcast` takes them (left out: the server chooses; MuseTalk)."""
     from lipstream.errors import InputError, LipStreamError
     from lipstream.render.script import load_script
 
     audio, files = audio or [], files or []
-    given = output_options(fps, crf, x264_preset)
+    given = output_options(fps, crf, x264_preset, model=model)
     check_cap(service, who)
     names = [Path(a.filename or "").name for a in audio]
     if any(Path(n).suffix.lower() not in AUDIO_SUFFIXES for n in names):
