@@ -74,7 +74,7 @@ def test_keysync_refuses_crossfades_in_one_line(anchor, keysync_models, tmp_path
     program = single_scene(str(folder), speech)
     scene = program.scenes[0]
     crossfaded = Program([scene, Scene(audio=scene.audio, shots=scene.shots, crossfade=3)])
-    with pytest.raises(LipStreamError, match="crossfades are not supported"):
+    with pytest.raises(LipStreamError, match="scene 2: KeySync scenes cut: a crossfade into or out of one"):
         render_keysync(crossfaded, tmp_path / "x.mp4", keysync_models, RenderOptions(progress=False))
     assert not list(tmp_path.iterdir())
 
@@ -95,3 +95,47 @@ def test_the_cli_renders_with_keysync_and_refuses_what_does_not_apply(anchor, tm
                            (["--model", "keysync", "--models", str(tmp_path)], "KeySync's weights are not in")):
         assert main([*args, *extra]) != 0
         assert message in capsys.readouterr().err
+
+
+def test_a_script_mixes_models_scene_by_scene(anchor, keysync_models, tiny_models, tmp_path):
+    """musetalk, then keysync, then musetalk again (cuts): one MP4, each scene's frames repainted by its own
+    model, everything outside that model's region exactly the avatar's."""
+    from lipstream.keysync.engine import crop_square
+    from lipstream.keysync.render import render_keysync
+    from lipstream.render.script import load_script
+
+    folder, speech = anchor
+    script = tmp_path / "show.yaml"
+    script.write_text(f"avatars: {folder.parent}\nscenes:\n"
+                      f"  - {{avatar: kay, audio: {speech}}}\n"
+                      f"  - {{avatar: kay, audio: {speech}, model: keysync, start_frame: 4}}\n"
+                      f"  - {{avatar: kay, audio: {speech}, model: musetalk}}\n")
+    program = load_script(script)
+    assert [s.model for s in program.scenes] == [None, "keysync", "musetalk"]
+    out = tmp_path / "mixed.mp4"
+    report = render_keysync(program, out, keysync_models, RenderOptions(crf=0, progress=False), default="musetalk",
+                            musetalk=tiny_models)
+    with av.open(str(out)) as c:
+        frames = [f.to_ndarray() for f in c.decode(video=0)]
+    assert len(frames) == report.frames == 3 * 20
+    avatar = load_avatar(folder)
+    square = list(crop_square(avatar.landmarks.numpy(), W, H))
+    for j, frame in enumerate(frames):
+        scene, local = divmod(j, 20)
+        k = ping_pong(local + (4 if scene == 1 else 0), avatar.num_frames)
+        source = avatar.frames[k].numpy()
+        region = square if scene == 1 else avatar.boxes[k].tolist()
+        keep = untouched(H, W, [region])
+        assert np.array_equal(frame[keep], source[keep]), j
+        assert not np.array_equal(frame, source), j
+
+
+def test_a_scene_names_only_a_model_there_is(tmp_path):
+    from lipstream.errors import InputError
+    from lipstream.render.script import load_script
+
+    script = tmp_path / "show.yaml"
+    script.write_text("scenes:\n  - {avatar: kay, audio: a.wav, model: keysnc}\n")
+    (tmp_path / "a.wav").write_bytes(b"")
+    with pytest.raises(InputError, match="scene 1: model must be one of musetalk, keysync"):
+        load_script(script)

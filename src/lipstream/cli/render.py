@@ -171,8 +171,12 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
         from lipstream.show.tts import pick_voice
 
         err.print(f"text scenes spoken by {pick_voice(program.show.voice).name}", highlight=False)
-    if model == "keysync":
-        _render_keysync(program, output, options, device, random_size, models, random_weights, keysync_preset)
+    from lipstream.render.script import scene_models
+
+    kinds = scene_models(program, model)
+    if "keysync" in kinds:
+        _render_keysync(program, output, options, device, random_size, models, random_weights, keysync_preset, kinds,
+                        compile, model)
         return
     check_models(models, random_weights)
     with start_without_collections():  # the start makes what lives as long as the process
@@ -242,10 +246,15 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
 
 
 def _render_keysync(program, output: Path, options: RenderOptions, device: str, random_size: str, models,
-                    random_weights: bool, preset: str) -> None:
-    """`render`/`broadcast --model keysync`: the files checked before anything loads, then KeySync's render."""
-    if any(scene.crossfade for scene in program.scenes):
-        raise LipStreamError("--model keysync cuts between scenes: set every crossfade to 0")
+                    random_weights: bool, preset: str, kinds: list[str], compile: str, model: str) -> None:
+    """`render`/`broadcast` where a scene's model is keysync: the files checked before anything loads, then
+    KeySync's render (MuseTalk's networks beside it for the scenes of that model)."""
+    for k, scene in enumerate(program.scenes):
+        if k and scene.crossfade and "keysync" in (kinds[k], kinds[k - 1]):
+            raise LipStreamError(f"scene {k + 1}: KeySync scenes cut: a crossfade into or out of one is not "
+                                 "supported (transition: cut)")
+    if "musetalk" in kinds:
+        check_models(models, random_weights)
     if not random_weights:
         from lipstream.models.download import MODEL_FILES, missing_files
         from lipstream.models.layout import HOW_TO_GET, models_dir
@@ -264,13 +273,22 @@ def _render_keysync(program, output: Path, options: RenderOptions, device: str, 
     from lipstream.models.layout import models_dir
 
     dev = pick_device(device)
+    size = random_size_for(random_size, dev.type)
     if random_weights:
         warn_random_weights()
-        keysync = random_keysync(random_size_for(random_size, dev.type), dev)
+        keysync = random_keysync(size, dev)
     else:
         keysync = load_keysync(models_dir(models), dev)
     err.print(f"{keysync.note} on {dev}, preset {preset}", highlight=False)
-    report = render_keysync(program, output, keysync, options, KEYSYNC_PRESETS[preset])
+    musetalk = None
+    if "musetalk" in kinds:  # the other scenes' model
+        from lipstream.engine.networks import load_networks
+
+        musetalk = load_networks(models, dev, random_weights, size, compile=compile,
+                                 decode_rows=options.engine.decode_rows,
+                                 report=lambda line: err.print(line, highlight=False)).models
+    report = render_keysync(program, output, keysync, options, KEYSYNC_PRESETS[preset], default=model,
+                            musetalk=musetalk)
     out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
               f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
               f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"

@@ -176,10 +176,11 @@ def render_program(program: Program, output: str | Path, networks: MuseTalk | Co
 
 def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: FrameEngine, options: RenderOptions, *,
             windows: Windows = audio_windows, features: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            t0: float | None = None) -> RenderPlan:
+            per_scene: list[tuple[Callable, Windows]] | None = None, t0: float | None = None) -> RenderPlan:
     """The speech decoded, its features (`features` of the 16 kHz samples: Whisper's by default) and
-    per-frame windows (`windows` builds them), the avatars resident on `engine` (their frames decoding in
-    the background), every frame planned.
+    per-frame windows (`windows` builds them; `per_scene`: each scene's own (features, windows), where the
+    scenes' models differ), the avatars resident on `engine` (their frames decoding in the background),
+    every frame planned.
 
     The steps overlap where they can: the audio decodes on a thread (CPU) while the avatars load and the
     engine captures its graphs (GPU); the Whisper features (GPU) follow the capture."""
@@ -218,7 +219,8 @@ def prepare(program: Program, networks: MuseTalk | CompiledNetworks, engine: Fra
         speech = [resample(mono.to(device), rate, SAMPLE_RATE) for mono, rate, _ in decoded]
         bounds = scene_bounds([s48.size for _, _, s48 in decoded], fps)
         features = features or functools.partial(whisper_features, networks=networks)
-        scene_windows = [windows(features(s16), fps, max(1, bounds[k + 1] - bounds[k]))
+        per_scene = per_scene or [(features, windows)] * len(speech)
+        scene_windows = [per_scene[k][1](per_scene[k][0](s16), fps, max(1, bounds[k + 1] - bounds[k]))
                          for k, s16 in enumerate(speech)]
         silence = None  # the mouth at rest, for the outgoing scene of a crossfade
         if crossfades:

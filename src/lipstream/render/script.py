@@ -32,7 +32,8 @@ from lipstream.show.schema import (SCENE_SHOW_KEYS, TOP_SHOW_KEYS, check_keys, f
 from lipstream.yaml_input import load_yaml_file
 from lipstream.show.spec import Show
 
-SCENE_KEYS = ("avatar", "audio", "text", "cameras", "start_frame", "transition", *SCENE_SHOW_KEYS)
+SCENE_KEYS = ("avatar", "audio", "text", "cameras", "start_frame", "transition", "model", *SCENE_SHOW_KEYS)
+MODELS = ("musetalk", "keysync")  # which lip-sync model renders a scene
 TOP_KEYS = ("fps", "avatars", "scenes", *TOP_SHOW_KEYS)
 MAX_SCENES = 500  # a long show has tens; each scene opens its audio and plans its cameras
 
@@ -50,6 +51,7 @@ class Scene:
     start_frame: int = 0
     crossfade: int = 0  # frames of dissolve from the previous scene; 0 = cut
     text: str | None = None  # what the TTS speaks instead of `audio`: exactly one of the two is set
+    model: str | None = None  # "musetalk" or "keysync"; None: the render's (--model)
 
 
 @dataclass
@@ -59,6 +61,11 @@ class Program:
     avatars_dir: Path | None = None
     source: Path | None = field(default=None, repr=False)
     show: Show = field(default_factory=Show)  # the layers around the presenters; show.scenes[k] is scene k's
+
+
+def scene_models(program: Program, default: str) -> list[str]:
+    """The model each scene renders with: its own `model:`, else `default` (the render's --model)."""
+    return [scene.model or default for scene in program.scenes]
 
 
 def single_scene(avatar: str, audio: Path, start_frame: int = 0) -> Program:
@@ -133,7 +140,10 @@ def _scene(path: Path, base: Path, i: int, s: object) -> Scene:
     if not isinstance(start, int) or start < 0:
         raise InputError(path, f"{where}: start_frame must be a whole number >= 0")
     crossfade = _transition(path, where, s.get("transition", "cut"))
-    return Scene(audio, shots, start, crossfade, text)
+    model = s.get("model")
+    if model is not None and model not in MODELS:
+        raise InputError(path, f"{where}: model must be one of {', '.join(MODELS)}, got {short(model)}")
+    return Scene(audio, shots, start, crossfade, text, model)
 
 
 def avatar_name(path: Path, where: str, value: object) -> str:

@@ -240,7 +240,7 @@ class JobRunner:
 
         from lipstream.render.options import RenderOptions
         from lipstream.render.program import render_program
-        from lipstream.render.script import load_script
+        from lipstream.render.script import load_script, scene_models
 
         if kind == "broadcast":
             program = load_script(self.s.o.data_dir / params["script"])
@@ -253,7 +253,8 @@ class JobRunner:
                                 fps=Fraction(params["fps"]) if "fps" in params else None, crf=params.get("crf", 18),
                                 x264_preset=params.get("x264_preset"), encoders=encoders,
                                 encoder_processes=None if encoders is None else encoders > 1)
-        if params.get("model") == "keysync":  # on the same GPU, beside the live sessions
+        model = params.get("model", "musetalk")
+        if "keysync" in scene_models(program, model):  # on the same GPU, beside the live sessions
             from lipstream.keysync.render import render_keysync
 
             def checked(done: int, total: int) -> None:  # the live engine's lane asks before each batch; here
@@ -261,7 +262,8 @@ class JobRunner:
                     raise JobCancelled("the job was cancelled")
                 progress(done, total)
 
-            render_keysync(program, output, self.s.keysync_models(), options, on_progress=checked)
+            render_keysync(program, output, self.s.keysync_models(), options, default=model, musetalk=self.s.models,
+                           musetalk_engine=OfflineLane(self.s.live, cancelled), on_progress=checked)
             return
         render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
