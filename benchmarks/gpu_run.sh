@@ -28,8 +28,10 @@
 #               DWPose tracking the face on the GPU (random weights: the full-size network, so the time is the
 #               real one and the boxes are not), RUNS (3) times, then once with --track (no tracker) for the rest
 #               of compiling; a run with --timings (its table) and one under cProfile (the top 40); then the
-#               tracker alone in one process, warm: frames/s per batch size. Out: compile.txt (each run's
-#               wall and avatar.json timings, the profile), dwpose_fps.json.
+#               tracker alone in one process, warm: frames/s per batch size. DLIB=1 (carry .whl-suite too):
+#               RUNS more with `--tracker dlib`, a stand-in predictor of the real one's sizes trained there
+#               (benchmarks/dlib_standin.py). Out: compile.txt (each run's wall and avatar.json timings, the
+#               profile), dwpose_fps.json.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
@@ -294,6 +296,19 @@ cProfile.run(\"main(['compile', '$c/anchor.mp4', '-o', '$c/av', '--random-weight
     > /dev/null 2>&1
   $PY -c "import pstats; pstats.Stats('$c/compile.prof').sort_stats('cumulative').print_stats(40)" 2>&1 \
     | tail -50 | cut -c1-200 >> "$OUT/compile.txt"
+  if [ -n "${DLIB:-}" ]; then  # dlib on the same machine: its wheel (.whl-suite) and a stand-in predictor
+    local fr=/tmp/site/face_recognition_models
+    mkdir -p "$fr/models" && touch "$fr/__init__.py"
+    $PY benchmarks/dlib_standin.py "$fr/models/shape_predictor_68_face_landmarks.dat" | tee -a "$OUT/compile.txt"
+    for k in $(seq 1 ${RUNS:-3}); do
+      rm -rf "$c/av"; t=$(date +%s.%N)
+      timeout 300 $PY -m lipstream.cli compile "$c/anchor.mp4" -o "$c/av" --random-weights --tracker dlib \
+        > "$c/compile_dlib_$k.log" 2>&1
+      echo "compile run $k (--tracker dlib): rc $? wall $(secs $t) s" | tee -a "$OUT/compile.txt"
+      $PY -c "import json; m = json.load(open('$c/av/anchor/avatar.json')); print('  tracker', m['tracker'], \
+'timings', m['timings_s'])" 2>&1 | tee -a "$OUT/compile.txt"
+    done
+  fi
   timeout 200 $PY - "$c/anchor.mp4" "$OUT/dwpose_fps.json" <<'PY' 2>&1 | tee -a "$OUT/compile.txt"
 import json, sys, time
 import torch
