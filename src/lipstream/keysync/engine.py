@@ -96,9 +96,6 @@ class KeySyncEngine:
         self.models = models
         self.device = models.device
         self.options = (options or KeySyncOptions()).for_device(models.device.type)
-        nets = models.networks  # each UNet in the dtype it samples in; the VAE decodes in fp32
-        nets.keyframe.to(getattr(torch, self.options.keyframe_dtype))
-        nets.interpolation.to(getattr(torch, self.options.interpolation_dtype))
         self.avatars: list[Avatar] = []
         self._squares: list[tuple[int, int, int, int]] = []
         self._scenes: list[list[FrameRequest]] = []

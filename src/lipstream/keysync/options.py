@@ -13,8 +13,8 @@ class KeySyncOptions:
     """`steps`: Euler steps over the noise table (10: its own 11 levels, as the reference; more: the table
     resampled). `audio_scale`, `reference_scale`: the guidance (5 and 2 in the reference). `seed`: the noise
     (23 in the reference), drawn in the reference's order. `keyframe_dtype`, `interpolation_dtype`: the UNets'
-    (the reference samples keyframes in fp32 and the frames between under fp16 autocast); the VAE decodes in
-    fp32 as the reference does. `clips_per_call`: 14-frame clips per UNet call (each call runs three guidance
+    autocast precision (the reference samples keyframes in fp32 and the frames between under fp16 autocast);
+    the VAE decodes in fp32 as the reference does. `clips_per_call`: 14-frame clips per UNet call (each call runs three guidance
     passes of them) and per VAE call; only memory and speed depend on it."""
 
     steps: int = 10

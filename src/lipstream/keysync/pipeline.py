@@ -44,14 +44,17 @@ class Inputs:
 
 def _sample_in_calls(net: KeySyncNet, cond: Conditions, noise: torch.Tensor, options: KeySyncOptions,
                      dtype: torch.dtype) -> torch.Tensor:
-    """sample() over the clips of `cond`, `clips_per_call` at a time (clips do not see each other)."""
+    """sample() over the clips of `cond`, `clips_per_call` at a time (clips do not see each other), under
+    autocast to `dtype` where it is not fp32, as the reference samples: the weights and the sampler's state
+    stay fp32, matrix products run in `dtype`, normalisations in fp32."""
     out = []
     n = options.clips_per_call
-    for i in range(0, cond.speech.shape[0], n):
-        part = Conditions(cond.speech[i:i + n].to(dtype), cond.latents[i * CLIP:(i + n) * CLIP].to(dtype),
-                          cond.mask[i * CLIP:(i + n) * CLIP].to(dtype), cond.reference[i:i + n].to(dtype))
-        out.append(sample(net, part, noise[i * CLIP:(i + n) * CLIP].to(dtype), options.steps, options.audio_scale,
-                          options.reference_scale).float())
+    with torch.autocast(noise.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        for i in range(0, cond.speech.shape[0], n):
+            part = Conditions(cond.speech[i:i + n], cond.latents[i * CLIP:(i + n) * CLIP],
+                              cond.mask[i * CLIP:(i + n) * CLIP], cond.reference[i:i + n])
+            out.append(sample(net, part, noise[i * CLIP:(i + n) * CLIP], options.steps, options.audio_scale,
+                              options.reference_scale).float())
     return torch.cat(out)
 
 
