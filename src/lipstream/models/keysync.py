@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lipstream.models.blocks import Attention
 from lipstream.models.unet import FeedForward, TransformerBlock, timestep_embedding
 from lipstream.models.svd_vae import clip, unclip
 
@@ -120,20 +119,14 @@ def _cross(attn: nn.Module, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return attn.to_out[0](out.transpose(1, 2).reshape(n, -1, x.shape[-1]))
 
 
-class TemporalTransformerBlock(nn.Module):
+class TemporalTransformerBlock(TransformerBlock):
     """Over each pixel's T frames: a feed-forward in, self-attention, cross-attention over the clip's speech
     tokens, a feed-forward; each pre-norm and residual (sgm's VideoTransformerBlock with `ff_in`)."""
 
     def __init__(self, dim: int, heads: int, context_dim: int):
-        super().__init__()
+        super().__init__(dim, heads, context_dim)
         self.norm_in = nn.LayerNorm(dim)
         self.ff_in = FeedForward(dim)
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn1 = Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
-        self.attn2 = Attention(dim, heads, context_dim)
-        self.norm3 = nn.LayerNorm(dim)
-        self.ff = FeedForward(dim)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, frames: int) -> torch.Tensor:
         """x [B*T, S, C] (S pixels), context [B, L, context_dim] -> [B*T, S, C]."""
