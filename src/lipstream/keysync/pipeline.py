@@ -90,9 +90,8 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
                               inputs.latents[index], inputs.masks[index], ends)
             z = _sample_in_calls(nets.interpolation, cond, noise, options, inter_dtype).unflatten(0, (segments, CLIP))
             z[:, 0], z[:, -1] = ends[:, 0], ends[:, 1]
-            z = z.flatten(0, 1) / SCALE
-            step = options.clips_per_call * CLIP
-            pixels = torch.cat([nets.vae.decode(z[i:i + step], frames=1) for i in range(0, z.shape[0], step)])
+            z = z.flatten(0, 1) / SCALE  # decoded a clip at a time: the 512x512 decoder's activations are large
+            pixels = torch.cat([nets.vae.decode(z[i:i + CLIP], frames=1) for i in range(0, z.shape[0], CLIP)])
             video = _merge(((pixels + 1.0) / 2.0).clamp(0.0, 1.0).unflatten(0, (segments, CLIP)))
             first = chunk.segments[0][0]  # the frame held back from the chunk before: this chunk's version is kept
             yield first, video[:-1]
