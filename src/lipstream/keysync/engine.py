@@ -158,15 +158,20 @@ class KeySyncEngine:
                 yield self._paste(steps[start:start + keep.shape[0]], keep, inputs.masks[start:start + keep.shape[0]])
 
     def _inputs(self, steps: list[FrameRequest]) -> Inputs:
+        """The scene's latents, masks and speech, frame by frame. A loop frame shown many times (a loop is
+        shorter than its speech) is cut, encoded and masked once."""
         vae = self.models.networks.vae
+        shown = list(dict.fromkeys((r.avatar, r.frame) for r in steps))  # each loop frame once, in order
         latents, masks = [], []
-        for i in range(0, len(steps), 16):
-            part = steps[i:i + 16]
-            crops = torch.stack([self._crop(r) for r in part])
-            latents.append(vae.encode(crops * 2.0 - 1.0) * SCALE)
+        for i in range(0, len(shown), 16):
+            part = [FrameRequest(a, f, steps[0].window) for a, f in shown[i:i + 16]]
+            latents.append(vae.encode(torch.stack([self._crop(r) for r in part]) * 2.0 - 1.0) * SCALE)
             masks.append(torch.from_numpy(np.stack([self._mask(r) for r in part])))
+        row = {key: k for k, key in enumerate(shown)}
+        index = torch.tensor([row[(r.avatar, r.frame)] for r in steps], device=self.device)
         speech = torch.stack([r.window for r in steps]).to(self.device, torch.float32)
-        return Inputs(torch.cat(latents), torch.cat(masks)[:, None].to(self.device), speech[:, :2], speech[:, 2:])
+        return Inputs(torch.cat(latents)[index], torch.cat(masks)[:, None].to(self.device)[index], speech[:, :2],
+                      speech[:, 2:])
 
     def _crop(self, r: FrameRequest) -> torch.Tensor:
         """[3, 512, 512] float RGB in [0, 1]: the avatar's square of this frame."""
