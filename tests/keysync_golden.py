@@ -35,6 +35,15 @@ def reference_outputs() -> dict[str, torch.Tensor]:
             out[f"unet_{kind}"] = ref.run_unet(network, inp["x"], inp["c_noise"], inp["audio"])
         out[f"sample_{kind}"] = ref.sample(config, ref.seeded(names, scale=0.05), inp["speech"], inp["latents"],
                                            inp["mask"], inp["reference"], inp["noise"])
+    import json
+
+    decoder = ref.sgm_decoder()
+    ref.SGM_DECODER_SHAPES.write_text(json.dumps({k: list(v.shape) for k, v in decoder.state_dict().items()}))
+    decoder.load_state_dict(ref.sgm_decoder_state(), strict=True)
+    z = torch.randn(6, 4, 4, 4, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out["sgm_decoder_1"], out["sgm_decoder_3"] = decoder(z, timesteps=1), decoder(z, timesteps=3)
+
     from lipstream.models.wavlm import WavLM, WavLMConfig
 
     names = WavLM(WavLMConfig.from_dict(ref.WAVLM_CONFIG)).state_dict()

@@ -203,3 +203,25 @@ def wavlm(state: dict):
     network = module.WavLM(module.WavLMConfig(WAVLM_CONFIG)).eval()
     network.load_state_dict(state, strict=True)
     return network
+
+
+SGM_DECODER = {"attn_type": "vanilla", "double_z": True, "z_channels": 4, "resolution": 64, "in_channels": 3,
+               "out_ch": 3, "ch": 32, "ch_mult": [1, 1, 2, 2], "num_res_blocks": 2, "attn_resolutions": [],
+               "dropout": 0.0, "video_kernel_size": [3, 1, 1]}  # KeySync's VideoDecoder, narrow
+SGM_DECODER_SHAPES = Path(__file__).parent / "data" / "sgm_decoder_shapes.json"
+
+
+def sgm_decoder_state() -> dict:
+    """Seeded weights under sgm's VideoDecoder names (their list stored beside the outputs: no checkout needed)."""
+    import json
+
+    import torch
+
+    shapes = json.loads(SGM_DECODER_SHAPES.read_text())
+    return seeded({k: torch.empty(v) for k, v in shapes.items()}, seed=5, scale=0.2)
+
+
+def sgm_decoder():
+    """The checkout's VideoDecoder at SGM_DECODER."""
+    temporal_ae, = load("sgm.modules.autoencoding.temporal_ae")
+    return temporal_ae.VideoDecoder(**SGM_DECODER).eval()

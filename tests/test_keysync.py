@@ -357,9 +357,10 @@ def _write_keysync_folder(root, models):
     paths = [root / f.path for f in KEYSYNC_FILES]
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
+    decoder = {"first_stage_model.decoder." + k: v for k, v in ref.sgm_decoder_state().items()}  # sgm's names
     for path, net in zip(paths[:2], (models.networks.keyframe, models.networks.interpolation)):
-        module = {"_forward_module." + k: v for k, v in net.state_dict().items()}
-        module["_forward_module.first_stage_model.decoder.conv_in.weight"] = torch.zeros(2, 2)  # the VAE: not read
+        module = {"_forward_module." + k: v for k, v in {**net.state_dict(), **decoder}.items()}
+        module["_forward_module.first_stage_model.encoder.conv_in.weight"] = torch.zeros(2, 2)  # never read
         torch.save({"module": module, "buffer_names": [], "ds_version": "0.14.0", "global_steps": 1000,
                     "param_shapes": [OrderedDict((k, v.shape) for k, v in net.state_dict().items())],
                     "client_state": types.SimpleNamespace(note="an object the restricted reader must not build")},
@@ -370,9 +371,13 @@ def _write_keysync_folder(root, models):
     hubert = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(models.hubert.config).items()}
     paths[3].write_text(json.dumps({**hubert, "architectures": ["HubertModel"], "model_type": "hubert"}))
     save_file(models.hubert.state_dict(), str(paths[4]))
-    vae = models.networks.vae
-    paths[5].write_text(json.dumps({"_class_name": "AutoencoderKLTemporalDecoder", "block_out_channels": [32] * 4,
-                                    "layers_per_block": 1, "latent_channels": 4, "scaling_factor": 0.18215}))
+    vae = _sgm_decoded_vae()  # the SVD VAE's files: its shapes those of the sgm decoder in the checkpoints
+    paths[5].write_text(json.dumps({"_class_name": "AutoencoderKLTemporalDecoder", "layers_per_block": 2,
+                                    "block_out_channels": [32, 32, 64, 64], "latent_channels": 4}))
+    with torch.no_grad():
+        for name, t in vae.state_dict().items():
+            if name.startswith("decoder."):
+                t.add_(1.0)  # the folder's decoder differs from the checkpoint's: the checkpoint's must win
     save_file({k: v.half() for k, v in vae.state_dict().items()}, str(paths[6]))
     return paths
 
@@ -388,9 +393,12 @@ def test_keysync_loads_its_published_files_key_for_key(tmp_path):
                  (models.hubert, loaded.hubert), (models.wavlm, loaded.wavlm)):
         mine, theirs = a.state_dict(), b.state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    vae = loaded.networks.vae.state_dict()  # stored in fp16, as the hub's fp16 variant; run in fp32
+    vae = loaded.networks.vae.state_dict()  # run in fp32
     assert all(v.dtype == torch.float32 for v in vae.values())
-    assert all(torch.equal(v, models.networks.vae.state_dict()[k].half().float()) for k, v in vae.items())
+    from lipstream.models.svd_vae import decoder_from_sgm
+
+    mine = {**_sgm_decoded_vae().state_dict(), **decoder_from_sgm(ref.sgm_decoder_state(), 4)}
+    assert all(torch.equal(v, mine[k] if k.startswith("decoder.") else mine[k].half().float()) for k, v in vae.items())
     assert loaded.size == models.size == 128
 
 
@@ -416,3 +424,30 @@ def test_keysync_file_errors_are_one_line_and_name_the_file(tmp_path):
     keyframe.write_bytes(swapped)
     with pytest.raises(WeightsError, match="keyframe_dub.pt: does not match its config: .*other shapes"):
         load_keysync(tmp_path, "cpu", size="full")  # tiny files where the published shapes are expected
+
+
+def _sgm_decoded_vae():
+    from lipstream.models.svd_vae import SVDVAE, SVDVAEConfig, decoder_from_sgm
+
+    torch.manual_seed(8)  # the encoder: the same in every call
+    vae = SVDVAE(SVDVAEConfig(block_out_channels=(32, 32, 64, 64), layers_per_block=2)).eval()
+    mapped = decoder_from_sgm(ref.sgm_decoder_state(), levels=4)
+    assert set(mapped) == {k for k in vae.state_dict() if k.startswith("decoder.")}  # every tensor, no other
+    vae.load_state_dict({**vae.state_dict(), **mapped}, strict=True)
+    return vae
+
+
+def test_keysyncs_own_decoder_under_sgm_names_equals_sgm_videodecoder():
+    """KeySync's checkpoints hold the VAE decoder it decodes with under sgm's names: renamed (the attention's
+    1x1 convolutions as linear layers), it decodes as sgm's VideoDecoder does, a frame at a time and by clips."""
+    vae = _sgm_decoded_vae()
+    z = torch.randn(6, 4, 4, 4, generator=torch.Generator().manual_seed(6))
+    golden = load_file(GOLDEN)
+    with torch.no_grad():
+        for frames in (1, 3):
+            got = vae.decode(z, frames=frames)
+            torch.testing.assert_close(got, golden[f"sgm_decoder_{frames}"], rtol=1e-4, atol=1e-4)
+            if ref.checkout() is not None:
+                decoder = ref.sgm_decoder()
+                decoder.load_state_dict(ref.sgm_decoder_state(), strict=True)
+                torch.testing.assert_close(got, decoder(z, timesteps=frames), rtol=1e-4, atol=1e-4)

@@ -14,13 +14,14 @@ from lipstream.keysync.pipeline import KeySyncNetworks
 from lipstream.models.checkpoint import RESTRICTED_PICKLE, load_strict, read_json, read_state_dict
 from lipstream.models.hubert import HuBERT, HuBERTConfig
 from lipstream.models.keysync import INTERPOLATION, KEYFRAME, TINY, KeySyncNet, KeySyncUNetConfig
-from lipstream.models.svd_vae import SVDVAE, SVDVAEConfig
+from lipstream.models.svd_vae import SVDVAE, SVDVAEConfig, decoder_from_sgm
 from lipstream.models.layout import HOW_TO_GET, KEYSYNC_DIR, KEYSYNC_FILES
 from lipstream.models.wavlm import WavLM, WavLMConfig
 
 SIZES = ("full", "tiny")
 TINY_SPEECH = 64  # the tiny encoders' token width
 TINY_SIZE = 128  # the tiny networks' square (the published ones see 512)
+DECODER = "first_stage_model.decoder."  # the VAE decoder in KeySync's checkpoints, under sgm's names
 TINY_HUBERT = HuBERTConfig(hidden_size=TINY_SPEECH, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                            conv_dim=(32,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
 TINY_WAVLM = WavLMConfig(encoder_layers=1, encoder_embed_dim=TINY_SPEECH, encoder_ffn_embed_dim=64,
@@ -54,12 +55,12 @@ def random_keysync(size: str, device: torch.device | str, seed: int = 0) -> KeyS
 
 # --- the published files (models/layout.py's KEYSYNC_FILES), key for key
 
-def read_keysync_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def read_keysync_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The tensors of a KeySync `.pt` as its training saved it (a DeepSpeed/Lightning dict: the weights under
     "module", named `_forward_module.<name>`), read with the restricted unpickler: no code in the file runs.
-    Dropped: `first_stage_model.*` (the VAE: LipStream reads it from the SVD VAE's own files) and
-    `conditioner.embedders.0.*` (an image encoder the reference builds and never runs: its frames come
-    in as latents)."""
+    Returns (the UNet's and speech projection's tensors, the VAE decoder's under sgm's names). Dropped:
+    the VAE's encoder and `conditioner.embedders.0.*` (an image encoder the reference builds and never runs:
+    its frames come in as latents)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -71,13 +72,17 @@ def read_keysync_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(sd, dict):
         raise WeightsError(f"{path}: not a KeySync checkpoint (no 'module' or 'state_dict' of tensors); {HOW_TO_GET}")
     sd = {k.removeprefix("_forward_module."): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    return {k: v for k, v in sd.items() if not k.startswith(("first_stage_model.", "conditioner.embedders.0."))}
+    decoder = {k.removeprefix(DECODER): v for k, v in sd.items() if k.startswith(DECODER)}
+    unused = ("first_stage_model.", "conditioner.embedders.0.")
+    return {k: v for k, v in sd.items() if not k.startswith(unused)}, decoder
 
 
-def load_keysync_net(path: Path, interpolation: bool, size: str = "full") -> KeySyncNet:
-    """One KeySync checkpoint; the file's input width says which model it is (8: keyframes, 9: the frames
-    between). `size` "tiny": the test networks' shapes (random_keysync's), written in the same format."""
-    sd = read_keysync_checkpoint(path)
+def load_keysync_net(path: Path, interpolation: bool, size: str = "full",
+                     sd: dict[str, torch.Tensor] | None = None) -> KeySyncNet:
+    """One KeySync checkpoint (or its tensors `sd`, read already); the file's input width says which model it
+    is (8: keyframes, 9: the frames between). `size` "tiny": the test networks' shapes (random_keysync's),
+    written in the same format."""
+    sd = read_keysync_checkpoint(path)[0] if sd is None else sd
     conv = sd.get("model.diffusion_model.input_blocks.0.0.weight")
     if conv is None or conv.ndim != 4 or conv.shape[1] not in (8, 9):
         raise WeightsError(f"{path}: not a KeySync UNet checkpoint (no model.diffusion_model.input_blocks.0.0 of 8 "
@@ -141,10 +146,14 @@ def load_keysync(root: Path, device: torch.device | str, size: str = "full") -> 
     paths = {f.path: _require(root, f.path) for f in KEYSYNC_FILES}  # every file there before any is read
     files = [paths[f.path] for f in KEYSYNC_FILES]
     keyframe = load_keysync_net(files[0], interpolation=False, size=size)
-    interpolation = load_keysync_net(files[1], interpolation=True, size=size)
+    tensors, decoder = read_keysync_checkpoint(files[1])
+    interpolation = load_keysync_net(files[1], interpolation=True, size=size, sd=tensors)
     wavlm = load_wavlm(files[2])
     hubert = _from_config(lambda cfg: HuBERT(HuBERTConfig.from_dict(cfg)), files[3], files[4])
     vae = _from_config(lambda cfg: SVDVAE(SVDVAEConfig.from_dict(cfg)), files[5], files[6]).float()
+    if decoder:  # the decoder KeySync decodes its frames with: the interpolation checkpoint's own
+        mapped = decoder_from_sgm(decoder, len(vae.config.block_out_channels))
+        load_strict(vae.decoder, {k.removeprefix("decoder."): v.float() for k, v in mapped.items()}, files[1])
     device = torch.device(device)
     nets = KeySyncNetworks(keyframe.to(device), interpolation.to(device), vae.to(device))
     return KeySyncModels(nets, hubert.float().to(device), wavlm.float().to(device), device,

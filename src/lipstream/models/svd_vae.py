@@ -179,3 +179,45 @@ class SVDVAE(nn.Module):
         if z.shape[0] % frames:
             raise ValueError(f"latents: {z.shape[0]} frames are not whole clips of {frames}")
         return self.decoder(z, frames)
+
+
+
+# a decoder block's parts: sgm's names (VideoResBlock: a ResnetBlock, its time_stack and mix_factor) -> these
+SGM_BLOCK = (("time_stack.in_layers.0.", "temporal_res_block.norm1."),
+             ("time_stack.in_layers.2.", "temporal_res_block.conv1."),
+             ("time_stack.out_layers.0.", "temporal_res_block.norm2."),
+             ("time_stack.out_layers.3.", "temporal_res_block.conv2."),
+             ("nin_shortcut.", "spatial_res_block.conv_shortcut."), ("norm1.", "spatial_res_block.norm1."),
+             ("conv1.", "spatial_res_block.conv1."), ("norm2.", "spatial_res_block.norm2."),
+             ("conv2.", "spatial_res_block.conv2."), ("mix_factor", "time_mixer.mix_factor"))
+SGM_ATTENTION = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+
+
+def decoder_from_sgm(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
+    """The decoder as Stability's sgm code names it (`VideoDecoder`; KeySync's checkpoints hold it under
+    `first_stage_model.decoder.`, that prefix removed) -> this module's `decoder.` names. `levels`: resolution
+    levels (4 in SVD; sgm's up.{i} runs last for i = 0). The attention's 1x1 convolutions become linear layers."""
+    out = {}
+    for name, t in sd.items():
+        part = name.split(".")
+        block = None
+        if part[0] == "mid" and part[1] == "attn_1":
+            linear = t.flatten(1) if t.ndim == 4 else t  # a 1x1 convolution's weight as a linear layer's
+            out[f"decoder.mid_block.attentions.0.{SGM_ATTENTION[part[2]]}.{part[3]}"] = linear
+            continue
+        if part[0] == "mid":  # block_1, block_2
+            block, inner = f"mid_block.resnets.{int(part[1][-1]) - 1}", ".".join(part[2:])
+        elif part[0] == "up" and part[2] == "block":
+            block, inner = f"up_blocks.{levels - 1 - int(part[1])}.resnets.{part[3]}", ".".join(part[4:])
+        if block is not None:
+            old, new = next((o, n) for o, n in SGM_BLOCK if inner.startswith(o))
+            out[f"decoder.{block}.{new}{inner[len(old):]}"] = t
+        elif part[0] == "up":  # up.{i}.upsample.conv
+            out[f"decoder.up_blocks.{levels - 1 - int(part[1])}.upsamplers.0.{'.'.join(part[3:])}"] = t
+        elif part[0] == "norm_out":
+            out[f"decoder.conv_norm_out.{part[1]}"] = t
+        elif part[:2] == ["conv_out", "time_mix_conv"]:
+            out[f"decoder.time_conv_out.{part[2]}"] = t
+        else:  # conv_in, conv_out
+            out[f"decoder.{name}"] = t
+    return out
