@@ -1,8 +1,8 @@
 """KeySync as a FrameEngine: the same avatars, programs and render loop as MuseTalk, frames from whole scenes.
 
 A request's `window` here is its frame's speech: two HuBERT and two WavLM tokens ([4, 768], `windows`).
-KeySync needs a scene's frames ahead of the one it shows (a chunk of keyframes spans up to 27 clips of 13
-frames), so the render's plan is handed over first (`schedule`) and `render` then serves the requests in
+KeySync needs a scene's frames ahead of the one it shows (a chunk spans up to 26 segments of 13 frames,
+about 13.5 s), so the render's plan is handed over first (`schedule`) and `render` then serves the requests in
 that order, generating each scene chunk by chunk as the requests reach it.
 
 For each avatar a square around its face (the landmarks' box over the loop, `CROP_SCALE` times its size,
