@@ -8,9 +8,11 @@ import math
 import av
 import numpy as np
 import pytest
+import torch
 
 from lipstream.avatar import load_avatar, ping_pong
 from lipstream.engine.blend import untouched
+from lipstream.engine.interface import FrameRequest
 from lipstream.fixtures.avatar import tracked_avatar
 from lipstream.fixtures.media import write_audio
 from lipstream.fixtures.speech import speech_like
@@ -37,7 +39,7 @@ def anchor(tmp_path_factory, tiny_models):
 
 
 def test_a_keysync_render_has_every_frame_and_the_speech_and_repaints_only_the_mouth(anchor, keysync_models, tmp_path):
-    from lipstream.keysync.engine import crop_square
+    from lipstream.keysync.avatar import crop_square
     from lipstream.keysync.render import render_keysync
 
     folder, speech = anchor
@@ -100,7 +102,7 @@ def test_the_cli_renders_with_keysync_and_refuses_what_does_not_apply(anchor, tm
 def test_a_script_mixes_models_scene_by_scene(anchor, keysync_models, tiny_models, tmp_path):
     """musetalk, then keysync, then musetalk again (cuts): one MP4, each scene's frames repainted by its own
     model, everything outside that model's region exactly the avatar's."""
-    from lipstream.keysync.engine import crop_square
+    from lipstream.keysync.avatar import crop_square
     from lipstream.keysync.render import render_keysync
     from lipstream.render.script import load_script
 
@@ -139,3 +141,41 @@ def test_a_scene_names_only_a_model_there_is(tmp_path):
     (tmp_path / "a.wav").write_bytes(b"")
     with pytest.raises(InputError, match="scene 1: model must be one of musetalk, keysync"):
         load_script(script)
+
+
+def test_compile_keysync_prepares_the_latents_a_render_reads(anchor, keysync_models, tmp_path, capsys):
+    """`compile --keysync` writes keysync.safetensors (every loop frame's latents and mask in the square); a
+    render reads it where the encoder and the square match, and makes them again where they do not."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from lipstream.cli import main
+    from lipstream.keysync.avatar import PREPARED, encoder_fingerprint, read_prepared
+    from lipstream.keysync.engine import KeySyncEngine
+
+    folder, speech = anchor
+    loop = tmp_path / "kay.mp4"
+    shutil.copy(folder.parent.parent / "kay.mp4", loop)
+    track = folder.parent.parent / "kay.track.json"
+    assert main(["compile", str(loop), "-o", str(tmp_path / "avatars"), "--track", str(track), "--random-weights",
+                 "--random-size", "tiny", "--device", "cpu", "--keysync"]) == 0
+    assert "KeySync's latents and masks in keysync.safetensors" in capsys.readouterr().out
+    prepared = tmp_path / "avatars" / "kay" / PREPARED
+    avatar = load_avatar(prepared.parent)
+    with safe_open(str(prepared), "pt") as f:
+        assert f.get_tensor("latents").shape == (avatar.num_frames, 4, 16, 16)
+        assert f.get_tensor("masks").shape == (avatar.num_frames, 16, 16)
+        assert f.metadata()["encoder"] == encoder_fingerprint(keysync_models.networks.vae)
+    engine = KeySyncEngine(keysync_models)
+    engine.add_avatar(avatar)
+    assert engine._prepared[0] is not None  # the render reads them
+    made = engine._inputs([FrameRequest(0, f, torch.zeros(4, 64)) for f in range(avatar.num_frames)])
+    engine._prepared[0] = None
+    again = engine._inputs([FrameRequest(0, f, torch.zeros(4, 64)) for f in range(avatar.num_frames)])
+    torch.testing.assert_close(made.latents, again.latents, rtol=1e-4, atol=1e-5)
+    assert torch.equal(made.masks, again.masks)
+    from lipstream.keysync.load import random_keysync
+
+    other = random_keysync("tiny", "cpu", seed=9)  # another encoder: not its latents
+    assert read_prepared(avatar, other.networks.vae, 128, torch.device("cpu")) is None

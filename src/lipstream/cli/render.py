@@ -43,7 +43,10 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                     help="Face tracker: auto (DWPose where its weights are, else dlib where installed), dwpose "
                          "(Apache-2.0 weights, on the GPU) or dlib (CPU; non-commercial model).")] = "auto",
                 models: ModelsOpt = None, random_weights: RandomOpt = False, random_size: RandomSizeOpt = "auto",
-                device: DeviceOpt = "auto", timings: TimingsOpt = False) -> None:
+                device: DeviceOpt = "auto", timings: TimingsOpt = False,
+                keysync: Annotated[bool, typer.Option(
+                    "--keysync", help="Also prepare what `render --model keysync` reads: the face square's SVD "
+                                      "latents and masks at 512x512 (needs KeySync's SVD VAE).")] = False) -> None:
     """Compile action loops into avatars: face track, boxes, blend masks, VAE latents, source frames."""
     machine_options(device, random_size)
     fps_option(fps)
@@ -57,6 +60,14 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
     if track is not None and not track.exists():
         raise InputError(track, "no such track file or folder")
     check_models(models, random_weights)
+    if keysync and not random_weights:
+        from lipstream.models.download import MODEL_FILES, missing_files
+        from lipstream.models.layout import HOW_TO_GET, models_dir
+
+        missing = [f for f in missing_files(models_dir(models), MODEL_FILES["keysync"]) if "/vae/" in f.path]
+        if missing:
+            raise LipStreamError(f"--keysync: the SVD VAE is not in {models_dir(models)} (missing {missing[0].path}); "
+                                 f"{HOW_TO_GET.replace('download', 'download --model keysync')}")
     from lipstream.avatar.video import expand_inputs
     from lipstream.avatar.trackers import DLIB_LICENCE, choose_tracker, make_tracker
     from lipstream.models.layout import models_dir
@@ -125,12 +136,29 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
                       r.message)
     out.print(table)
     failed = [r for r in results if r.status == "failed"]
+    if keysync:
+        _prepare_keysync([output / r.name for r in results if r.status != "failed"], models, random_weights,
+                         random_size, dev)
     if failed:
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
     if timings:
         _print_compile_timings(results, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
                                          "networks and tracker": t_networks - t_torch})
     mark_finished()
+
+
+def _prepare_keysync(folders: list[Path], models, random_weights: bool, random_size: str, dev) -> None:
+    """compile --keysync: each avatar's KeySync latents and masks (keysync/avatar.py), beside MuseTalk's."""
+    from lipstream.avatar import load_avatar
+    from lipstream.keysync.avatar import prepare_avatar
+    from lipstream.keysync.load import TINY_SIZE, load_svd_vae, random_vae
+    from lipstream.models.layout import models_dir
+
+    size = random_size_for(random_size, dev.type) if random_weights else "full"
+    vae = random_vae(size, dev) if random_weights else load_svd_vae(models_dir(models), dev)
+    for folder in folders:
+        path = prepare_avatar(load_avatar(folder, dev), vae, 512 if size == "full" else TINY_SIZE, dev)
+        out.print(f"{folder.name}: KeySync's latents and masks in {path.name}", highlight=False)
 
 
 def _print_compile_timings(results, before: dict[str, float]) -> None:

@@ -5,10 +5,9 @@ KeySync needs a scene's frames ahead of the one it shows (a chunk spans up to 26
 about 13.5 s), so the render's plan is handed over first (`schedule`) and `render` then serves the requests in
 that order, generating each scene chunk by chunk as the requests reach it.
 
-For each avatar a square around its face (the landmarks' box over the loop, `CROP_SCALE` times its size,
-inside the frame: LipStream's choice, the reference takes videos already cropped) is cut from every frame
-the scene shows, resized to 512x512 and encoded by the SVD VAE (the posterior mean, where the reference
-draws a sample). The masks are the reference's boxes from the landmarks in that square. The generated
+For each avatar a square around its face (keysync/avatar.py) is cut from every frame the scene shows,
+resized to 512x512 and encoded by the SVD VAE (the posterior mean, where the reference draws a sample),
+unless `compile --keysync` prepared them. The masks are the reference's boxes from the landmarks in that square. The generated
 square is pasted back through a feathered copy of the mask: every pixel outside the generated region
 keeps its exact Y, U and V.
 """
@@ -19,20 +18,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lipstream.avatar import Avatar
-from lipstream.avatar.colour import i420_to_rgb
 from lipstream.engine.blend import blend_into
+from lipstream.keysync.avatar import crop_square, latents, masks, read_prepared
 from lipstream.engine.interface import FrameRequest
 from lipstream.keysync.options import KeySyncOptions
-from lipstream.keysync.pipeline import SCALE, Inputs, KeySyncNetworks, generate
-from lipstream.keysync.schedule import STEP, box_masks, plan
+from lipstream.keysync.pipeline import Inputs, KeySyncNetworks, generate
+from lipstream.keysync.schedule import STEP, plan
 from lipstream.keysync.speech import frames_of, hubert_features, wavlm_features
 
-CROP_SCALE = 2.0  # the square's side over the face landmarks' size
 TOKEN_RATE = 50  # speech tokens a second
 FEATHER = 32  # the blur on the mask's edges where the generated square is pasted back: its size / FEATHER
 
@@ -70,23 +67,6 @@ def windows(features: torch.Tensor, fps: float | Fraction, frames: int) -> torch
     return pair.transpose(1, 2).flatten(1, 2)
 
 
-def crop_square(landmarks: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
-    """The square (x1, y1, x2, y2) KeySync sees of an avatar: around the landmarks' box over the loop (frames
-    without a face left out), CROP_SCALE times its size, even-sided and inside the frame."""
-    seen = landmarks[~np.isnan(landmarks).any(axis=(1, 2))]
-    if len(seen) == 0:
-        side = min(width, height) // 2 * 2
-        return (width - side) // 2, (height - side) // 2, (width + side) // 2, (height + side) // 2
-    low, high = seen.min(axis=1), seen.max(axis=1)  # [N, 2] per frame
-    centre = np.median((low + high) / 2, axis=0)
-    face = np.median((high - low).max(axis=1))  # the face's size in one frame
-    travel = (high.max(axis=0) - low.min(axis=0)).max() - face  # how far it moves over the loop
-    side = int(min(CROP_SCALE * face + travel, width, height)) // 2 * 2
-    x1 = int(np.clip(round(centre[0] - side / 2), 0, width - side))
-    y1 = int(np.clip(round(centre[1] - side / 2), 0, height - side))
-    return x1, y1, x1 + side, y1 + side
-
-
 class KeySyncEngine:
     """FrameEngine over KeySync (engine/interface.py); `schedule` the render's requests before `render`."""
 
@@ -98,19 +78,21 @@ class KeySyncEngine:
         self.options = (options or KeySyncOptions()).for_device(models.device.type)
         self.avatars: list[Avatar] = []
         self._squares: list[tuple[int, int, int, int]] = []
+        self._prepared: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # compile --keysync's, per avatar
         self._scenes: list[list[FrameRequest]] = []
         self._frames: Iterator[torch.Tensor] | None = None
         self._queue: list[torch.Tensor] = []
-        self._served = 0
 
     def add_avatar(self, avatar: Avatar) -> int:
         self.avatars.append(avatar)
         self._squares.append(crop_square(avatar.landmarks.float().cpu().numpy(), *avatar.size))
+        self._prepared.append(read_prepared(avatar, self.models.networks.vae, self.models.size, self.device))
         return len(self.avatars) - 1
 
     def clear_avatars(self) -> None:
         self.avatars.clear()
         self._squares.clear()
+        self._prepared.clear()
 
     def warm_up(self, buckets: tuple[int, ...] | None = None) -> dict[str, float]:
         return {}
@@ -124,7 +106,7 @@ class KeySyncEngine:
     def schedule(self, scenes: list[list[FrameRequest]]) -> None:
         """The render's requests, scene by scene, in the order `render` will be asked for them."""
         self._scenes = [list(s) for s in scenes if s]
-        self._frames, self._queue, self._served = self._all_frames(), [], 0
+        self._frames, self._queue = self._all_frames(), []
 
     @torch.inference_mode()
     def render(self, requests: list[FrameRequest]) -> torch.Tensor:
@@ -134,7 +116,6 @@ class KeySyncEngine:
             self._queue.append(next(self._frames))
         frames = torch.cat(self._queue)
         self._queue = [frames[len(requests):]]
-        self._served += len(requests)
         return frames[:len(requests)]
 
     def _all_frames(self) -> Iterator[torch.Tensor]:
@@ -158,45 +139,28 @@ class KeySyncEngine:
                 yield self._paste(steps[start:start + keep.shape[0]], keep, inputs.masks[start:start + keep.shape[0]])
 
     def _inputs(self, steps: list[FrameRequest]) -> Inputs:
-        """The scene's latents, masks and speech, frame by frame. A loop frame shown many times (a loop is
-        shorter than its speech) is cut, encoded and masked once."""
-        vae = self.models.networks.vae
+        """The scene's latents, masks and speech, frame by frame: each loop frame it shows cut, encoded and
+        masked once, or read from what `compile --keysync` prepared."""
         shown = list(dict.fromkeys((r.avatar, r.frame) for r in steps))  # each loop frame once, in order
-        latents, masks = [], []
-        for i in range(0, len(shown), 16):
-            part = [FrameRequest(a, f, steps[0].window) for a, f in shown[i:i + 16]]
-            latents.append(vae.encode(torch.stack([self._crop(r) for r in part]) * 2.0 - 1.0) * SCALE)
-            masks.append(torch.from_numpy(np.stack([self._mask(r) for r in part])))
-        row = {key: k for k, key in enumerate(shown)}
-        index = torch.tensor([row[(r.avatar, r.frame)] for r in steps], device=self.device)
+        rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for a in dict.fromkeys(a for a, _ in shown):
+            frames = [f for b, f in shown if b == a]
+            prepared = self._prepared[a]
+            if prepared is None:
+                avatar, size = self.avatars[a], self.models.size
+                made = (latents(avatar, self._squares[a], frames, self.models.networks.vae, size, self.device),
+                        torch.from_numpy(masks(avatar, self._squares[a], frames, size)).to(self.device))
+            else:
+                made = prepared[0][frames], prepared[1][frames]
+            rows.update({(a, f): (made[0][k], made[1][k]) for k, f in enumerate(frames)})
         speech = torch.stack([r.window for r in steps]).to(self.device, torch.float32)
-        return Inputs(torch.cat(latents)[index], torch.cat(masks)[:, None].to(self.device)[index], speech[:, :2],
-                      speech[:, 2:])
+        return Inputs(torch.stack([rows[r.avatar, r.frame][0] for r in steps]),
+                      torch.stack([rows[r.avatar, r.frame][1] for r in steps])[:, None], speech[:, :2], speech[:, 2:])
 
-    def _crop(self, r: FrameRequest) -> torch.Tensor:
-        """[3, 512, 512] float RGB in [0, 1]: the avatar's square of this frame."""
-        a = self.avatars[r.avatar]
-        w, h = a.size
-        x1, y1, x2, y2 = self._squares[r.avatar]
-        rgb = i420_to_rgb(a.frames[r.frame].to(self.device), h, w, a.meta["colour_matrix"])[y1:y2, x1:x2]
-        square = rgb.permute(2, 0, 1)[None].float() / 255.0
-        size = self.models.size
-        return F.interpolate(square, size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
-
-    def _mask(self, r: FrameRequest) -> np.ndarray:
-        """[size/8, size/8] the generated region of this frame (none where the tracker found no face)."""
-        size = self.models.size
-        x1, y1, x2, _ = self._squares[r.avatar]
-        points = self.avatars[r.avatar].landmarks[r.frame].float().cpu().numpy()
-        if np.isnan(points).any():
-            return np.zeros((size // 8, size // 8), np.float32)
-        scaled = (points - np.array([x1, y1])) * (size / (x2 - x1))
-        return box_masks(scaled[None], size, size // 8)[0]
-
-    def _paste(self, steps: list[FrameRequest], faces: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    def _paste(self, steps: list[FrameRequest], faces: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
         """The generated squares blended into copies of their frames through feathered masks: [n, H*3/2, W]."""
         size = self.models.size
-        alpha = F.interpolate(masks.float(), size=(size, size), mode="nearest")
+        alpha = F.interpolate(regions.float(), size=(size, size), mode="nearest")
         k = size // FEATHER // 2 * 2 + 1
         kernel = torch.ones(1, 1, k, k, device=alpha.device) / k ** 2
         alpha = F.conv2d(alpha, kernel, padding=k // 2) * alpha  # soft inside its edges, 0 outside the region

@@ -30,6 +30,22 @@ TINY_WAVLM = WavLMConfig(encoder_layers=1, encoder_embed_dim=TINY_SPEECH, encode
 TINY_VAE = SVDVAEConfig(block_out_channels=(32,) * 4, layers_per_block=1)
 
 
+def random_vae(size: str, device: torch.device | str, seed: int = 0) -> SVDVAE:
+    """random_keysync's SVD VAE alone (drawn from its own seed: `compile --keysync` makes the same one)."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed + 1)
+        return SVDVAE(SVDVAEConfig() if size == "full" else TINY_VAE).eval().requires_grad_(False)
+
+
+def load_svd_vae(root: Path, device: torch.device | str) -> SVDVAE:
+    """The SVD VAE from its own files in the models folder (its encoder is what KeySync's latents need)."""
+    from lipstream.models.load import _require
+
+    files = [_require(root, f.path) for f in KEYSYNC_FILES[5:7]]
+    vae = _from_config(lambda cfg: SVDVAE(SVDVAEConfig.from_dict(cfg)), files[0], files[1]).float()
+    return vae.to(device)
+
+
 def random_keysync(size: str, device: torch.device | str, seed: int = 0) -> KeySyncModels:
     """KeySync's five networks with weights drawn from `seed` on `device`: "full" has the published shapes
     (for speed), "tiny" the same classes, narrow and shallow (for CPU tests). They are not a lip-sync model."""
@@ -41,8 +57,8 @@ def random_keysync(size: str, device: torch.device | str, seed: int = 0) -> KeyS
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), device:
         torch.manual_seed(seed)
-        nets = KeySyncNetworks(KeySyncNet(keyframe, features, latent), KeySyncNet(interpolation, features, latent),
-                               SVDVAE(SVDVAEConfig() if full else TINY_VAE))
+        unets = KeySyncNet(keyframe, features, latent), KeySyncNet(interpolation, features, latent)
+        nets = KeySyncNetworks(*unets, random_vae(size, device, seed))
         with torch.no_grad():  # the learned latent between keyframes starts at zeros: give it values
             nets.interpolation.model.learned_mask.normal_(0.0, 0.5)
         hubert = HuBERT(HuBERTConfig() if full else TINY_HUBERT)
