@@ -7,8 +7,9 @@ that order, generating each scene chunk by chunk as the requests reach it.
 
 For each avatar a square around its face (keysync/avatar.py) is cut from every frame the scene shows,
 resized to 512x512 and encoded by the SVD VAE (the posterior mean, where the reference draws a sample),
-unless `compile --keysync` prepared them. The masks are the reference's boxes from the landmarks in that square. The generated
-square is pasted back through a feathered copy of the mask: every pixel outside the generated region
+unless `compile --keysync` prepared them. The masks are the reference's boxes from the landmarks in that
+square. The generated square is pasted back through a feathered copy of the mask: every pixel outside the
+generated region
 keeps its exact Y, U and V.
 """
 

@@ -14,8 +14,8 @@ class KeySyncOptions:
     resampled). `audio_scale`, `reference_scale`: the guidance (5 and 2 in the reference). `seed`: the noise
     (23 in the reference), drawn in the reference's order. `keyframe_dtype`, `interpolation_dtype`: the UNets'
     autocast precision (the reference samples keyframes in fp32 and the frames between under fp16 autocast);
-    the VAE decodes in fp32 as the reference does. `clips_per_call`: 14-frame clips per UNet call (each call runs three guidance
-    passes of them); only memory and speed depend on it."""
+    the VAE decodes in fp32 as the reference does. `clips_per_call`: 14-frame clips per UNet call (each call
+    runs three guidance passes of them); only memory and speed depend on it."""
 
     steps: int = 10
     audio_scale: float = 5.0
