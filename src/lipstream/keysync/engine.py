@@ -9,8 +9,7 @@ For each avatar a square around its face (keysync/avatar.py) is cut from every f
 resized to 512x512 and encoded by the SVD VAE (the posterior mean, where the reference draws a sample),
 unless `compile --keysync` prepared them. The masks are the reference's boxes from the landmarks in that
 square. The generated square is pasted back through a feathered copy of the mask: every pixel outside the
-generated region
-keeps its exact Y, U and V.
+generated region keeps its exact Y, U and V.
 """
 
 from __future__ import annotations
