@@ -451,3 +451,14 @@ def test_keysyncs_own_decoder_under_sgm_names_equals_sgm_videodecoder():
                 decoder = ref.sgm_decoder()
                 decoder.load_state_dict(ref.sgm_decoder_state(), strict=True)
                 torch.testing.assert_close(got, decoder(z, timesteps=frames), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5])
+def test_the_time_convolution_is_conv3d_over_three_frames(frames):
+    from lipstream.models.svd_vae import TimeConv
+
+    torch.manual_seed(0)
+    conv = TimeConv(6, 8)
+    x = torch.randn(2, 6, frames, 5, 7)
+    want = torch.nn.functional.conv3d(x, conv.weight, conv.bias, padding=(1, 0, 0))
+    torch.testing.assert_close(conv(x), want, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipstream.models.unet import FeedForward, TransformerBlock, timestep_embedding
-from lipstream.models.svd_vae import clip, unclip
+from lipstream.models.svd_vae import TimeConv, clip, unclip
 
 GROUPS = 32  # every GroupNorm of the UNet (sgm's `normalization`)
 
@@ -58,8 +58,9 @@ TINY = KeySyncUNetConfig(model_channels=32, channel_mult=(1, 2), num_res_blocks=
                          num_head_channels=16, context_dim=24, audio_dim=24)
 
 
-def _conv(dims: int, cin: int, cout: int, kernel: int | tuple, padding: int | tuple = 0) -> nn.Module:
-    return (nn.Conv2d if dims == 2 else nn.Conv3d)(cin, cout, kernel, padding=padding)
+def _conv(temporal: bool, cin: int, cout: int) -> nn.Module:
+    """A 3x3 convolution over each frame, or one over 3 neighbouring frames."""
+    return TimeConv(cin, cout) if temporal else nn.Conv2d(cin, cout, 3, padding=1)
 
 
 class ResBlock(nn.Module):
@@ -68,14 +69,13 @@ class ResBlock(nn.Module):
 
     def __init__(self, channels: int, out_channels: int, emb_channels: int, temporal: bool = False):
         super().__init__()
-        dims, kernel, pad = (3, (3, 1, 1), (1, 0, 0)) if temporal else (2, 3, 1)
         self.in_layers = nn.Sequential(nn.GroupNorm(GROUPS, channels), nn.SiLU(),
-                                       _conv(dims, channels, out_channels, kernel, pad))
+                                       _conv(temporal, channels, out_channels))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_channels, out_channels))
         self.out_layers = nn.Sequential(nn.GroupNorm(GROUPS, out_channels), nn.SiLU(), nn.Identity(),
-                                        _conv(dims, out_channels, out_channels, kernel, pad))
-        self.skip_connection = (nn.Identity() if out_channels == channels
-                                else _conv(dims, channels, out_channels, 1))
+                                        _conv(temporal, out_channels, out_channels))
+        self.skip_connection = (nn.Identity() if out_channels == channels  # never so over time: no 3-D 1x1
+                                else nn.Conv2d(channels, out_channels, 1))
         self.temporal = temporal
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
