@@ -462,3 +462,25 @@ def test_the_time_convolution_is_conv3d_over_three_frames(frames):
     x = torch.randn(2, 6, frames, 5, 7)
     want = torch.nn.functional.conv3d(x, conv.weight, conv.bias, padding=(1, 0, 0))
     torch.testing.assert_close(conv(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fast_preset_samples_with_a_cast_copy_and_leaves_the_fp32_weights():
+    """autocast=False: the UNets' weights cast once to the preset's dtype (a copy, kept for the next call); the
+    frames stay close to fp32's, and the networks the reference preset samples under autocast are untouched."""
+    from lipstream.keysync.options import KeySyncOptions
+    from lipstream.keysync.pipeline import Inputs, generate
+    from lipstream.keysync.schedule import plan
+
+    nets = _tiny_networks()
+    g = torch.Generator().manual_seed(5)
+    frames = 27
+    inputs = Inputs(torch.randn(frames, 4, 8, 8, generator=g), (torch.rand(frames, 1, 8, 8, generator=g) > 0.5).float(),
+                    torch.randn(frames, 2, 768, generator=g), torch.randn(frames, 2, 768, generator=g))
+    fp32 = KeySyncOptions(interpolation_dtype="float32")
+    cast = fp32.replace(keyframe_dtype="bfloat16", interpolation_dtype="bfloat16", autocast=False)
+    want = torch.cat([p for _, p in generate(nets, plan(frames), inputs, fp32)])
+    got = torch.cat([p for _, p in generate(nets, plan(frames), inputs, cast)])
+    assert (got - want).abs().mean() < 0.05 and (got - want).abs().max() > 0  # bf16's rounding, no more
+    assert nets.keyframe.unet.time_embed[0].weight.dtype == torch.float32
+    assert len(nets._copies) == 2 and all(n.unet.time_embed[0].weight.dtype == torch.bfloat16
+                                          for n in nets._copies.values())

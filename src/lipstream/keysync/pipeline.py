@@ -11,7 +11,8 @@ frame, and the reference keeps that one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,17 @@ class KeySyncNetworks:
     keyframe: KeySyncNet
     interpolation: KeySyncNet
     vae: SVDVAE  # decodes in fp32
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    def cast(self, net: KeySyncNet, dtype: torch.dtype) -> KeySyncNet:
+        """`net` with its weights in `dtype`: a copy made once and kept (the fp32 weights stay, for the
+        presets that sample under autocast)."""
+        if dtype == torch.float32:
+            return net
+        key = (id(net), dtype)
+        if key not in self._copies:
+            self._copies[key] = copy.deepcopy(net).to(dtype)
+        return self._copies[key]
 
 
 @dataclass
@@ -42,14 +54,16 @@ class Inputs:
     interpolation_speech: torch.Tensor
 
 
-def _sample_in_calls(net: KeySyncNet, cond: Conditions, noise: torch.Tensor, options: KeySyncOptions,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """sample() over the clips of `cond`, `clips_per_call` at a time (clips do not see each other), under
-    autocast to `dtype` where it is not fp32, as the reference samples: the weights and the sampler's state
-    stay fp32, matrix products run in `dtype`, normalisations in fp32."""
+def _sample_in_calls(nets: KeySyncNetworks, net: KeySyncNet, cond: Conditions, noise: torch.Tensor,
+                     options: KeySyncOptions, dtype: torch.dtype) -> torch.Tensor:
+    """sample() over the clips of `cond`, `clips_per_call` at a time (clips do not see each other), in `dtype`:
+    under autocast (`options.autocast`, as the reference samples: the weights and the sampler's state fp32,
+    matrix products in `dtype`, normalisations in fp32), or with the weights cast to it once."""
     out = []
     n = options.clips_per_call
-    with torch.autocast(noise.device.type, dtype=dtype, enabled=dtype != torch.float32):
+    half = dtype != torch.float32
+    net = net if options.autocast else nets.cast(net, dtype)
+    with torch.autocast(noise.device.type, dtype=dtype, enabled=half and options.autocast):
         for i in range(0, cond.speech.shape[0], n):
             part = Conditions(cond.speech[i:i + n], cond.latents[i * CLIP:(i + n) * CLIP],
                               cond.mask[i * CLIP:(i + n) * CLIP], cond.reference[i:i + n])
@@ -76,7 +90,7 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
             clips = len(chunk.clips)
             cond = Conditions(inputs.keyframe_speech[frames].unflatten(0, (clips, CLIP)), inputs.latents[frames],
                               inputs.masks[frames], identity.expand(clips, *latent_shape))
-            keyframes = _sample_in_calls(nets.keyframe, cond, noise, options, key_dtype)
+            keyframes = _sample_in_calls(nets, nets.keyframe, cond, noise, options, key_dtype)
             kept = [keyframes[i] for i, s in enumerate(slots) if s.kept]
             if carried is not None:
                 kept.insert(0, carried)
@@ -88,7 +102,8 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
             noise = torch.randn((CLIP * segments, *latent_shape), generator=generator, device=device)
             cond = Conditions(inputs.interpolation_speech[index].unflatten(0, (segments, CLIP)),
                               inputs.latents[index], inputs.masks[index], ends)
-            z = _sample_in_calls(nets.interpolation, cond, noise, options, inter_dtype).unflatten(0, (segments, CLIP))
+            z = _sample_in_calls(nets, nets.interpolation, cond, noise, options, inter_dtype).unflatten(
+                0, (segments, CLIP))
             z[:, 0], z[:, -1] = ends[:, 0], ends[:, 1]
             z = z.flatten(0, 1) / SCALE  # decoded a clip at a time: the 512x512 decoder's activations are large
             pixels = torch.cat([nets.vae.decode(z[i:i + CLIP], frames=1) for i in range(0, z.shape[0], CLIP)])

@@ -66,15 +66,16 @@ def denoise(net: KeySyncNet, x: torch.Tensor, sigma: torch.Tensor, speech: torch
     s = sigma[:, None, None, None]
     c_skip, c_out, c_in = 1.0 / (s ** 2 + 1.0), -s / (s ** 2 + 1.0) ** 0.5, 1.0 / (s ** 2 + 1.0) ** 0.5
     x = x * mask + latents * (1.0 - mask)
-    out = net.unet(torch.cat([x * c_in, frames_in], dim=1), 0.25 * sigma.log(), speech)
-    return (out * c_out + x * c_skip) * mask + latents * (1.0 - mask)
+    dtype = net.unet.time_embed[0].weight.dtype  # the UNet's: its inputs in it, its output back in the sampler's
+    out = net.unet(torch.cat([x * c_in, frames_in], dim=1).to(dtype), 0.25 * sigma.log(), speech.to(dtype))
+    return (out.to(x.dtype) * c_out + x * c_skip) * mask + latents * (1.0 - mask)
 
 
 def sample(net: KeySyncNet, cond: Conditions, noise: torch.Tensor, steps: int = 10, audio_scale: float = 5.0,
            reference_scale: float = 2.0) -> torch.Tensor:
     """[B*T, 4, h, w] scaled latents sampled from `noise` (unit Gaussian, the same shape) under `cond`."""
     b, frames = cond.speech.shape[:2]
-    speech = net.audio(cond.speech)
+    speech = net.audio(cond.speech.to(net.audio.linear.weight.dtype))
     reference = cond.reference / SCALE
     three = lambda t: torch.cat([t] * 3)  # noqa: E731
     speech = torch.cat([torch.zeros_like(speech), torch.zeros_like(speech), speech])
