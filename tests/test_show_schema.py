@@ -143,8 +143,8 @@ def test_a_script_without_show_keys_has_an_empty_show_and_a_piper_voice_is_a_fil
     ("scenes: [{avatar: a, audio: x.wav, lower_thrid: {title: T}}]",
      "scene 1: unknown key 'lower_thrid' (did you mean 'lower_third'?)"),
     ("scenes: [{avatar: a, audio: x.wav, volume: 3}]",
-     "scene 1: unknown key 'volume' (it takes: avatar, audio, text, cameras, start_frame, transition, lower_third, "
-     "pip, cutaway)"),
+     "scene 1: unknown key 'volume' (it takes: avatar, audio, text, cameras, start_frame, transition, model, "
+     "lower_third, pip, cutaway)"),
     ("overlay: {}\nscenes: [{avatar: a, audio: x.wav}]", "unknown key 'overlay' (did you mean 'overlays'?)"),
     ("musik: {file: b.mp3}\nscenes: [{avatar: a, audio: x.wav}]", "unknown key 'musik' (did you mean 'music'?)"),
     ("overlays: {logo: {image: l.png, coner: top-left}}\nscenes: [{avatar: a, audio: x.wav}]",
