@@ -6,7 +6,7 @@ diffusers' SVD blocks still run. The sgm packages' own __init__ files (Lightning
 skipped, and the third-party modules its files import only for other paths (moviepy, kornia, open_clip,
 omegaconf, torchaudio, ...) are stand-ins for the import alone. The released configs attend through
 xformers (`softmax-xformers`; sgm's plain `softmax` class fails on a batch without its skip mask): xformers'
-`memory_efficient_attention` is given here as plain softmax attention, written out.
+`memory_efficient_attention` is given here as PyTorch's scaled_dot_product_attention (the same sums).
 Needs einops (the test extra).
 """
 
@@ -23,7 +23,8 @@ ENV_VAR = "LIPSTREAM_KEYSYNC_REFERENCE"
 # imported only for code paths the tests do not run
 STAND_INS = ("fsspec", "torchaudio", "torchvision", "moviepy", "moviepy.editor", "omegaconf", "kornia", "open_clip",
              "facenet_pytorch", "insightface", "insightface.app", "pytorch_lightning", "lightning", "clint",
-             "clint.textui", "requests", "fire", "torchvision.io")
+             "clint.textui", "requests", "fire", "torchvision.io", "transformers", "diffusers", "diffusers.utils",
+             "diffusers.models", "diffusers.models.modeling_utils")
 
 
 class _StandIn(types.ModuleType):
@@ -34,15 +35,17 @@ class _StandIn(types.ModuleType):
 
 
 def _xformers() -> tuple[types.ModuleType, types.ModuleType]:
-    """xformers.ops.memory_efficient_attention over [N, L, K] queries, keys and values: softmax(q k^T / sqrt(K)) v."""
+    """xformers.ops.memory_efficient_attention over [N, L, K] queries, keys and values: softmax(q k^T / sqrt(K)) v
+    (on a GPU, by the same fused kernels as xformers': a fair stand-in for the reference's speed too)."""
     xformers, ops = types.ModuleType("xformers"), types.ModuleType("xformers.ops")
     xformers.__version__ = "0.0.28"
     xformers.ops = ops
 
     def memory_efficient_attention(q, k, v, attn_bias=None, op=None):
         assert attn_bias is None
-        weights = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(dim=-1)
-        return weights @ v
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(K)) v, by PyTorch's kernels
 
     ops.memory_efficient_attention = memory_efficient_attention
     return xformers, ops
@@ -62,7 +65,8 @@ def load(*names: str) -> list[types.ModuleType] | None:
     if root is None:
         return None
     for probing in ("diffusers.utils", "diffusers.models.modeling_utils", "transformers"):
-        importlib.import_module(probing)  # before the stand-ins: these look up which packages exist as they load
+        if importlib.util.find_spec(probing.split(".")[0]) is not None:  # (stand-ins where absent: a GPU image)
+            importlib.import_module(probing)  # before the stand-ins: these look up which packages exist as they load
     added, path = [], list(sys.path)
     for name in STAND_INS:
         top = name.split(".")[0]
