@@ -179,3 +179,23 @@ def test_compile_keysync_prepares_the_latents_a_render_reads(anchor, keysync_mod
 
     other = random_keysync("tiny", "cpu", seed=9)  # another encoder: not its latents
     assert read_prepared(avatar, other.networks.vae, 128, torch.device("cpu")) is None
+
+
+def test_the_shows_layers_paint_over_keysyncs_frames(anchor, keysync_models, tmp_path):
+    from PIL import Image
+
+    from lipstream.keysync.render import render_keysync
+    from lipstream.render.script import load_script
+
+    folder, speech = anchor
+    Image.new("RGBA", (64, 32), (0, 255, 0, 255)).save(tmp_path / "logo.png")
+    script = tmp_path / "show.yaml"
+    script.write_text(f"avatars: {folder.parent}\nscenes:\n  - {{avatar: kay, audio: {speech}}}\n"
+                      "overlays:\n  logo: {image: logo.png, corner: top-right, margin: 16}\n")
+    out = tmp_path / "show.mp4"
+    render_keysync(load_script(script), out, keysync_models, RenderOptions(crf=0, progress=False))
+    with av.open(str(out)) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 20
+    for k in (5, len(frames) - 2):  # the logo after its fade in, over KeySync's frames
+        assert np.abs(frames[k][16 + 16, W - 16 - 32].astype(int) - [0, 255, 0]).max() < 40, k
