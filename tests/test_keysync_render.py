@@ -199,3 +199,25 @@ def test_the_shows_layers_paint_over_keysyncs_frames(anchor, keysync_models, tmp
     assert len(frames) == 20
     for k in (5, len(frames) - 2):  # the logo after its fade in, over KeySync's frames
         assert np.abs(frames[k][16 + 16, W - 16 - 32].astype(int) - [0, 255, 0]).max() < 40, k
+
+
+def test_a_keysync_render_stops_between_unet_calls_and_leaves_nothing(anchor, keysync_models, tmp_path):
+    """check() runs between UNet calls (a chunk takes minutes on a GPU): what it raises stops the render there,
+    before any frame is written, and no output is left."""
+    from lipstream.keysync.render import render_keysync
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 2:
+            raise Stop
+
+    folder, speech = anchor
+    with pytest.raises(Stop):
+        render_keysync(single_scene(str(folder), speech), tmp_path / "x.mp4", keysync_models,
+                       RenderOptions(progress=False), check=check)
+    assert len(calls) == 2 and not list(tmp_path.iterdir())

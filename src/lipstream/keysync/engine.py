@@ -14,7 +14,7 @@ generated region keeps its exact Y, U and V.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -72,8 +72,11 @@ class KeySyncEngine:
 
     buckets = (16,)
 
-    def __init__(self, models: KeySyncModels, options: KeySyncOptions | None = None):
+    def __init__(self, models: KeySyncModels, options: KeySyncOptions | None = None,
+                 check: Callable[[], None] | None = None):
+        """`check()`: asked between UNet calls; what it raises stops the render (a cancelled job)."""
         self.models = models
+        self.check = check
         self.device = models.device
         self.options = (options or KeySyncOptions()).for_device(models.device.type)
         self.avatars: list[Avatar] = []
@@ -133,7 +136,7 @@ class KeySyncEngine:
         for a in {r.avatar for r in steps}:
             self.avatars[a].wait_frames()
         inputs = self._inputs(steps)
-        for start, video in generate(self.models.networks, plan(padded), inputs, self.options):
+        for start, video in generate(self.models.networks, plan(padded), inputs, self.options, self.check):
             keep = video[:max(0, n - start)]
             if keep.shape[0]:
                 yield self._paste(steps[start:start + keep.shape[0]], keep, inputs.masks[start:start + keep.shape[0]])

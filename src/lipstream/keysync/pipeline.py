@@ -10,7 +10,7 @@ frame, and the reference keeps that one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 import copy
 from dataclasses import dataclass, field
 
@@ -55,7 +55,7 @@ class Inputs:
 
 
 def _sample_in_calls(nets: KeySyncNetworks, net: KeySyncNet, cond: Conditions, noise: torch.Tensor,
-                     options: KeySyncOptions, dtype: torch.dtype) -> torch.Tensor:
+                     options: KeySyncOptions, dtype: torch.dtype, check: Callable[[], None]) -> torch.Tensor:
     """sample() over the clips of `cond`, `clips_per_call` at a time (clips do not see each other), in `dtype`:
     under autocast (`options.autocast`, as the reference samples: the weights and the sampler's state fp32,
     matrix products in `dtype`, normalisations in fp32), or with the weights cast to it once."""
@@ -65,6 +65,7 @@ def _sample_in_calls(nets: KeySyncNetworks, net: KeySyncNet, cond: Conditions, n
     net = net if options.autocast else nets.cast(net, dtype)
     with torch.autocast(noise.device.type, dtype=dtype, enabled=half and options.autocast):
         for i in range(0, cond.speech.shape[0], n):
+            check()
             part = Conditions(cond.speech[i:i + n], cond.latents[i * CLIP:(i + n) * CLIP],
                               cond.mask[i * CLIP:(i + n) * CLIP], cond.reference[i:i + n])
             out.append(sample(net, part, noise[i * CLIP:(i + n) * CLIP], options.steps, options.audio_scale,
@@ -72,9 +73,11 @@ def _sample_in_calls(nets: KeySyncNetworks, net: KeySyncNet, cond: Conditions, n
     return torch.cat(out)
 
 
-def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options: KeySyncOptions) -> Iterator[
-        tuple[int, torch.Tensor]]:
-    """(first frame index, [n, 3, 512, 512] frames in [0, 1]) chunk after chunk, up to schedule.frames."""
+def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options: KeySyncOptions,
+             check: Callable[[], None] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first frame index, [n, 3, 512, 512] frames in [0, 1]) chunk after chunk, up to schedule.frames.
+    `check()` runs before every UNet call's clips (a chunk takes minutes): whatever it raises stops here."""
+    check = check or (lambda: None)
     device = inputs.latents.device
     generator = torch.Generator(device).manual_seed(options.seed)
     key_dtype, inter_dtype = (getattr(torch, d) for d in (options.keyframe_dtype, options.interpolation_dtype))
@@ -90,7 +93,7 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
             clips = len(chunk.clips)
             cond = Conditions(inputs.keyframe_speech[frames].unflatten(0, (clips, CLIP)), inputs.latents[frames],
                               inputs.masks[frames], identity.expand(clips, *latent_shape))
-            keyframes = _sample_in_calls(nets, nets.keyframe, cond, noise, options, key_dtype)
+            keyframes = _sample_in_calls(nets, nets.keyframe, cond, noise, options, key_dtype, check)
             kept = [keyframes[i] for i, s in enumerate(slots) if s.kept]
             if carried is not None:
                 kept.insert(0, carried)
@@ -102,7 +105,7 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
             noise = torch.randn((CLIP * segments, *latent_shape), generator=generator, device=device)
             cond = Conditions(inputs.interpolation_speech[index].unflatten(0, (segments, CLIP)),
                               inputs.latents[index], inputs.masks[index], ends)
-            z = _sample_in_calls(nets, nets.interpolation, cond, noise, options, inter_dtype).unflatten(
+            z = _sample_in_calls(nets, nets.interpolation, cond, noise, options, inter_dtype, check).unflatten(
                 0, (segments, CLIP))
             z[:, 0], z[:, -1] = ends[:, 0], ends[:, 1]
             z = z.flatten(0, 1) / SCALE  # decoded a clip at a time: the 512x512 decoder's activations are large

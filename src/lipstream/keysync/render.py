@@ -80,10 +80,13 @@ class ScenesEngine:
 def render_keysync(program: Program, output: str | Path, models: KeySyncModels, options: RenderOptions | None = None,
                    keysync: KeySyncOptions | None = None, *, default: str = "keysync", musetalk=None,
                    musetalk_engine: FrameEngine | None = None,
-                   on_progress: Callable[[int, int], None] | None = None) -> RenderReport:
+                   on_progress: Callable[[int, int], None] | None = None,
+                   check: Callable[[], None] | None = None) -> RenderReport:
     """Render `program` into `output` (MP4), KeySync's frames for the scenes whose model is keysync (`default`:
     the model of scenes that name none) and, given its networks `musetalk` (and an engine of them, else a
-    fresh one), MuseTalk's for the others. Nothing else is written."""
+    fresh one), MuseTalk's for the others. Nothing else is written. `check()` runs between KeySync's UNet
+    calls: what it raises stops the render there (`on_progress` is called only as frames are written, and a
+    chunk of KeySync's frames takes minutes)."""
     t0 = time.perf_counter()
     kinds = scene_models(program, default)
     for k, scene in enumerate(program.scenes):
@@ -96,7 +99,7 @@ def render_keysync(program: Program, output: str | Path, models: KeySyncModels, 
     options = (options or RenderOptions()).for_machine(models.device.type, os.cpu_count() or 1)
     options.check()
     (keysync or KeySyncOptions()).check()
-    engine = KeySyncEngine(models, keysync)
+    engine = KeySyncEngine(models, keysync, check)
     if "musetalk" in kinds:
         from lipstream.engine.build import make_engine
 

@@ -257,13 +257,12 @@ class JobRunner:
         if "keysync" in scene_models(program, model):  # on the same GPU, beside the live sessions
             from lipstream.keysync.render import render_keysync
 
-            def checked(done: int, total: int) -> None:  # the live engine's lane asks before each batch; here
+            def check() -> None:  # the live engine's lane asks before each batch; KeySync between UNet calls
                 if cancelled():
                     raise JobCancelled("the job was cancelled")
-                progress(done, total)
 
             render_keysync(program, output, self.s.keysync_models(), options, default=model, musetalk=self.s.models,
-                           musetalk_engine=OfflineLane(self.s.live, cancelled), on_progress=checked)
+                           musetalk_engine=OfflineLane(self.s.live, cancelled), on_progress=progress, check=check)
             return
         render_program(program, output, self.s.models, options, engine=OfflineLane(self.s.live, cancelled),
                        on_progress=progress)
