@@ -484,3 +484,13 @@ def test_the_fast_preset_samples_with_a_cast_copy_and_leaves_the_fp32_weights():
     assert nets.keyframe.unet.time_embed[0].weight.dtype == torch.float32
     assert len(nets._copies) == 2 and all(n.unet.time_embed[0].weight.dtype == torch.bfloat16
                                           for n in nets._copies.values())
+
+
+def test_one_clip_chunks_keep_the_clips_and_segments_and_bring_frames_sooner():
+    from lipstream.keysync.schedule import plan
+
+    two, one = plan(650), plan(650, chunk=1)
+    clips = lambda s: [clip for c in s.chunks for clip in c.clips]  # noqa: E731
+    assert clips(one) == clips(two) and one.segments == two.segments and one.frames == two.frames
+    assert len(one.chunks) == 4 and len(two.chunks) == 2
+    assert len(one.chunks[0].segments) == 12 < len(two.chunks[0].segments) == 25

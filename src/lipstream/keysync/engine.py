@@ -136,7 +136,8 @@ class KeySyncEngine:
         for a in {r.avatar for r in steps}:
             self.avatars[a].wait_frames()
         inputs = self._inputs(steps)
-        for start, video in generate(self.models.networks, plan(padded), inputs, self.options, self.check):
+        schedule = plan(padded, self.options.chunk_clips)
+        for start, video in generate(self.models.networks, schedule, inputs, self.options, self.check):
             keep = video[:max(0, n - start)]
             if keep.shape[0]:
                 yield self._paste(steps[start:start + keep.shape[0]], keep, inputs.masks[start:start + keep.shape[0]])

@@ -42,8 +42,9 @@ class Schedule:
         return [s for c in self.chunks for s in c.segments]
 
 
-def plan(frames: int) -> Schedule:
-    """The schedule for `frames` input frames (at least CLIP)."""
+def plan(frames: int, chunk: int = CHUNK) -> Schedule:
+    """The schedule for `frames` input frames (at least CLIP), `chunk` keyframe clips a chunk (the reference's
+    2; 1 brings the first frames sooner: the same clips and segments, the noise drawn in another order)."""
     if frames < CLIP:
         raise ValueError(f"KeySync needs at least {CLIP} frames, not {frames}")
     starts = range(0, frames - CLIP + 1, STEP)
@@ -56,14 +57,14 @@ def plan(frames: int) -> Schedule:
     slots += [Slot(slots[-1].frame, False)] * ((CLIP - len(slots) % CLIP) % CLIP)
     clips = [tuple(slots[i:i + CLIP]) for i in range(0, len(slots), CLIP)]
     chunks, carried = [], None
-    for c in range(0, len(clips), CHUNK):
-        own = [s for clip in clips[c:c + CHUNK] for s in clip]
+    for c in range(0, len(clips), chunk):
+        own = [s for clip in clips[c:c + chunk] for s in clip]
         kept = [s.frame for s in ([carried] if carried else []) + own if s.kept]
         carried = own[-1]
         segs = tuple((a, b) for a, b in segments if kept and a >= kept[0] and b <= kept[-1])
         if not segs:  # only the last keyframe, carried over: nothing left to interpolate
             break
-        chunks.append(Chunk(tuple(clips[c:c + CHUNK]), segs))
+        chunks.append(Chunk(tuple(clips[c:c + chunk]), segs))
     return Schedule(1 + STEP * len(segments), tuple(chunks))
 
 
