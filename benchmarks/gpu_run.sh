@@ -32,6 +32,11 @@
 #               RUNS more with `--tracker dlib`, a stand-in predictor of the real one's sizes trained there
 #               (benchmarks/dlib_standin.py). Out: compile.txt (each run's wall and avatar.json timings, the
 #               profile), dwpose_fps.json.
+# keysync       (carry .whl; 250-400 s) benchmarks/keysync_speed.py: KeySync's UNet per frame in each precision,
+#               a clip sampled, the SVD VAE, the speech features, then generate over FRAMES (650) frames per
+#               preset in PRESETS (fast,reference); PROFILE=1: where a UNet call goes. AS_TYPED=1: then RUNS (1)
+#               `lipstream render --model keysync` of the monologue as typed (KS_PRESET, fast). KS_T (400 s) a
+#               command. Out: keysync/keysync_speed.jsonl, keysync/unet_profile.txt, keysync_render_N.txt.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
@@ -331,6 +336,22 @@ json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(sys.argv[
 PY
 }
 
+stage_keysync() {
+  install_wheels
+  timeout ${KS_T:-400} $PY benchmarks/keysync_speed.py "$OUT/keysync" --frames ${FRAMES:-650} \
+    --presets ${PRESETS:-fast,reference} ${PROFILE:+--profile} 2>&1 | tail -14
+  [ -n "${AS_TYPED:-}" ] || return 0
+  monologue  # then `render --model keysync` of the monologue as typed, fresh processes
+  local k t
+  for k in $(seq 1 ${RUNS:-1}); do
+    t=$(date +%s.%N)
+    timeout ${KS_T:-400} $PY -m lipstream.cli render --avatar anchor --avatars "$W/ur/work/avatars" --audio "$AUDIO" \
+      -o "$W/keysync_$k.mp4" --model keysync --keysync-preset ${KS_PRESET:-fast} --random-weights \
+      > "$OUT/keysync_render_$k.txt" 2>&1
+    echo "render --model keysync run $k: rc $? wall $(secs $t) s"; tail -3 "$OUT/keysync_render_$k.txt"
+  done
+}
+
 stage_show() {
   install_wheels
   monologue
@@ -575,9 +596,9 @@ stage_suite() {
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
 for stage in "$@"; do
   case $stage in
-  wheels|render|compile|show|bench|core|serve|soak|live|fleet|integrations|suite) ;;
+  wheels|render|compile|show|bench|core|serve|soak|live|fleet|integrations|suite|keysync) ;;
   serve-cold) stage=serve_cold ;;
-  *) echo "unknown stage '$stage': wheels render compile show bench core serve-cold serve soak live fleet integrations suite"; exit 2 ;;
+  *) echo "unknown stage '$stage': wheels render compile show bench core serve-cold serve soak live fleet integrations suite keysync"; exit 2 ;;
   esac
   t_stage=$(date +%s.%N)
   echo "== $stage (commit ${COMMIT:-?})"
