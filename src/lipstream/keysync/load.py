@@ -3,7 +3,6 @@ shapes ("full", for speed) or tiny ones (CPU tests)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from lipstream.errors import WeightsError
 from lipstream.keysync.engine import KeySyncModels
 from lipstream.keysync.pipeline import KeySyncNetworks
-from lipstream.models.checkpoint import RESTRICTED_PICKLE, load_strict, read_json, read_state_dict
+from lipstream.models.checkpoint import load_strict, read_json, read_restricted, read_state_dict
 from lipstream.models.hubert import HuBERT, HuBERTConfig
 from lipstream.models.keysync import INTERPOLATION, KEYFRAME, TINY, KeySyncNet, KeySyncUNetConfig
 from lipstream.models.svd_vae import SVDVAE, SVDVAEConfig, decoder_from_sgm
@@ -77,13 +76,7 @@ def read_keysync_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[s
     Returns (the UNet's and speech projection's tensors, the VAE decoder's under sgm's names). Dropped:
     the VAE's encoder and `conditioner.embedders.0.*` (an image encoder the reference builds and never runs:
     its frames come in as latents)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=RESTRICTED_PICKLE)
-    except Exception as e:  # corrupt, truncated or foreign files raise many different types
-        raise WeightsError(f"{path}: cannot read weights ({type(e).__name__}): the file is corrupt or incomplete; "
-                           f"{HOW_TO_GET}") from None
+    raw = read_restricted(path)
     sd = raw.get("module", raw.get("state_dict", raw)) if isinstance(raw, dict) else None
     if not isinstance(sd, dict):
         raise WeightsError(f"{path}: not a KeySync checkpoint (no 'module' or 'state_dict' of tensors); {HOW_TO_GET}")
@@ -123,12 +116,7 @@ def _shapes(size: str, interpolation: bool) -> tuple[KeySyncUNetConfig, int, int
 
 def load_wavlm(path: Path) -> WavLM:
     """WavLM-Base+.pt: {"cfg": its settings, "model": its weights}."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=RESTRICTED_PICKLE)
-    except Exception as e:
-        raise WeightsError(f"{path}: cannot read weights ({type(e).__name__}); {HOW_TO_GET}") from None
+    raw = read_restricted(path)
     if not isinstance(raw, dict) or not isinstance(raw.get("cfg"), dict) or not isinstance(raw.get("model"), dict):
         raise WeightsError(f"{path}: not a WavLM checkpoint (expected 'cfg' and 'model'); {HOW_TO_GET}")
     try:

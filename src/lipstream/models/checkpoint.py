@@ -36,6 +36,19 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_restricted(path: Path) -> object:
+    """A torch-saved file as it holds it (dicts, lists, tensors), read with `RESTRICTED_PICKLE`: every other
+    object it names is skipped, none built, so no code in the file runs. For checkpoints that wrap their
+    weights in training state (mmengine's, DeepSpeed's, fairseq's `cfg`)."""
+    try:
+        with warnings.catch_warnings():  # a corrupt file may look like an odd pickle protocol: we say it once
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=RESTRICTED_PICKLE)
+    except Exception as e:  # corrupt, truncated or foreign files raise many different types
+        raise WeightsError(f"{path}: cannot read weights ({_short(e)}): the file is corrupt or incomplete; "
+                           f"{HOW_TO_GET}") from None
+
+
 def read_state_dict(path: Path, *, restricted: bool = False) -> StateDict:
     """Tensors of a .safetensors or a torch-saved (.pth/.bin) state dict, on the CPU; a checkpoint that
     wraps them (`{'state_dict': ..., 'meta': ...}`) gives its 'state_dict'. `restricted`: read torch files
@@ -46,13 +59,12 @@ def read_state_dict(path: Path, *, restricted: bool = False) -> StateDict:
             from safetensors.torch import load_file
 
             sd = load_file(str(path), device="cpu")
+        elif restricted:
+            sd = read_restricted(path)
         else:
             with warnings.catch_warnings():  # a corrupt file may look like an odd pickle protocol: we say it once
                 warnings.simplefilter("ignore")
-                if restricted:
-                    sd = torch.load(path, map_location="cpu", weights_only=False, pickle_module=RESTRICTED_PICKLE)
-                else:
-                    sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
+                sd = torch.load(path, map_location="cpu", weights_only=True)  # no mmap: files may be replaced
     except WeightsError:
         raise
     except Exception as e:  # corrupt, truncated or foreign files raise many different types
