@@ -200,3 +200,11 @@ def load_models(models, device: str, random_weights: bool, random_size: str, ava
         warn_random_weights()
         err.print(f"random networks: {size} size on {device}", highlight=False)
     return load_musetalk(models, device=device, random_weights=random_weights, size=size, warn=False, **kwargs)
+
+
+def report_line(report, note: str = "") -> str:
+    """A finished render's line: frames, rate, time, speed against real time, the first frame."""
+    return (f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
+            f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
+            f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
+            + (f" [{note}]" if note else ""))

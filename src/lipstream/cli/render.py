@@ -16,14 +16,15 @@ from lipstream.cli.common import (
     AvatarsOpt, BatchOpt, CompileOpt, CrfOpt, DecodeRowsOpt, DeviceOpt, EncoderProcessesOpt, EncodersOpt, FpsOpt,
     KeySyncPresetOpt, ModelOpt, ModelsOpt,
     OldPresetOpt, RandomOpt, RandomSizeOpt, ReferenceOpt, ServerKeyOpt, ServerOpt, TimingsOpt, X264PresetOpt, app,
-    avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, start_without_collections,
-    warn_random_weights)
+    avatars_dir, click, compile_choice, err, load_models, mark_finished, out, process_age, renamed, report_line,
+    start_without_collections, warn_random_weights)
 from lipstream.errors import InputError, LipStreamError, require
 from lipstream.files import check_file
 from lipstream.render.options import RenderOptions
 from lipstream.cli.checks import check_models, fps_option, in_range, machine_options, model_options, render_options
 from lipstream.files import check_output_path
 from lipstream.render.checks import check_program
+from lipstream.cli.keysync import prepare_keysync, render_keysync_cli
 from lipstream.models.config import random_size_for
 from lipstream.show.checks import check_show, declared_durations, frame_size_of
 
@@ -137,7 +138,7 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
     out.print(table)
     failed = [r for r in results if r.status == "failed"]
     if keysync:
-        _prepare_keysync([output / r.name for r in results if r.status != "failed"], models, random_weights,
+        prepare_keysync([output / r.name for r in results if r.status != "failed"], models, random_weights,
                          random_size, dev)
     if failed:
         raise LipStreamError(f"{len(failed)} of {len(results)} inputs failed: " + "; ".join(r.message for r in failed))
@@ -145,20 +146,6 @@ def compile_cmd(inputs: Annotated[list[Path], typer.Argument(help="Videos or ima
         _print_compile_timings(results, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
                                          "networks and tracker": t_networks - t_torch})
     mark_finished()
-
-
-def _prepare_keysync(folders: list[Path], models, random_weights: bool, random_size: str, dev) -> None:
-    """compile --keysync: each avatar's KeySync latents and masks (keysync/avatar.py), beside MuseTalk's."""
-    from lipstream.avatar import load_avatar
-    from lipstream.keysync.avatar import prepare_avatar
-    from lipstream.keysync.load import TINY_SIZE, load_svd_vae, random_vae
-    from lipstream.models.layout import models_dir
-
-    size = random_size_for(random_size, dev.type) if random_weights else "full"
-    vae = random_vae(size, dev) if random_weights else load_svd_vae(models_dir(models), dev)
-    for folder in folders:
-        path = prepare_avatar(load_avatar(folder, dev), vae, 512 if size == "full" else TINY_SIZE, dev)
-        out.print(f"{folder.name}: KeySync's latents and masks in {path.name}", highlight=False)
 
 
 def _print_compile_timings(results, before: dict[str, float]) -> None:
@@ -203,7 +190,7 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
 
     kinds = scene_models(program, model)
     if "keysync" in kinds:
-        _render_keysync(program, output, options, device, random_size, models, random_weights, keysync_preset, kinds,
+        render_keysync_cli(program, output, options, device, random_size, models, random_weights, keysync_preset, kinds,
                         compile, model)
         return
     check_models(models, random_weights)
@@ -257,10 +244,7 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
         report = render_program(program, output, nets.models, options)
     finally:
         gc.unfreeze()  # what the start froze, collectable again (main() may run again in this process)
-    out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
-              f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
-              f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
-              + (" [reference path]" if reference else ""))
+    out.print(report_line(report, "reference path" if reference else ""))
     age = process_age()  # what the user waited: imports, networks and set-up included
     started = age - report.wall_s
     out.print(f"process: {age:.2f} s so far, first encoded packet {started + report.first_frame_s:.2f} s "
@@ -268,60 +252,6 @@ def _render(program, output: Path, options: RenderOptions, device: str, random_s
     if timings:
         _print_timings(report, nets, {"imports and checks": t_checked, "torch and the device": t_torch - t_checked,
                                       "networks": t_networks - t_torch, "render set-up": max(0.0, started - t_networks)})
-    if random_weights:
-        out.print("[bold red]random weights: the mouth is noise, not speech[/]")
-    mark_finished()
-
-
-def _render_keysync(program, output: Path, options: RenderOptions, device: str, random_size: str, models,
-                    random_weights: bool, preset: str, kinds: list[str], compile: str, model: str) -> None:
-    """`render`/`broadcast` where a scene's model is keysync: the files checked before anything loads, then
-    KeySync's render (MuseTalk's networks beside it for the scenes of that model)."""
-    for k, scene in enumerate(program.scenes):
-        if k and scene.crossfade and "keysync" in (kinds[k], kinds[k - 1]):
-            raise LipStreamError(f"scene {k + 1}: KeySync scenes cut: a crossfade into or out of one is not "
-                                 "supported (transition: cut)")
-    if "musetalk" in kinds:
-        check_models(models, random_weights)
-    if not random_weights:
-        from lipstream.models.download import MODEL_FILES, missing_files
-        from lipstream.models.layout import HOW_TO_GET, models_dir
-
-        missing = missing_files(models_dir(models), MODEL_FILES["keysync"])
-        if missing:
-            raise LipStreamError(f"KeySync's weights are not in {models_dir(models)} (missing {missing[0].path}); "
-                                 f"{HOW_TO_GET.replace('download', 'download --model keysync')}; or try it without "
-                                 "them: --random-weights (untrained networks, the mouth is noise)")
-    import torch  # noqa: F401
-
-    from lipstream.engine.networks import pick_device
-    from lipstream.keysync.load import load_keysync, random_keysync
-    from lipstream.keysync.options import KEYSYNC_PRESETS
-    from lipstream.keysync.render import render_keysync
-    from lipstream.models.layout import models_dir
-
-    dev = pick_device(device)
-    size = random_size_for(random_size, dev.type)
-    if random_weights:
-        warn_random_weights()
-        keysync = random_keysync(size, dev)
-    else:
-        keysync = load_keysync(models_dir(models), dev)
-    err.print(f"{keysync.note} on {dev}, preset {preset}", highlight=False)
-    musetalk = None
-    if "musetalk" in kinds:  # the other scenes' model
-        from lipstream.engine.networks import load_networks
-
-        musetalk = load_networks(models, dev, random_weights, size, compile=compile,
-                                 decode_rows=options.engine.decode_rows,
-                                 report=lambda line: err.print(line, highlight=False)).models
-    report = render_keysync(program, output, keysync, options, KEYSYNC_PRESETS[preset], default=model,
-                            musetalk=musetalk)
-    out.print(f"wrote {report.output}: {report.frames} frames at {report.fps} fps ({report.duration_s:.2f} s of audio) "
-              f"in {report.wall_s:.2f} s = [bold]{report.render_fps:.1f} fps[/] "
-              f"({report.render_fps / float(report.fps):.1f}x real time), first frame after {report.first_frame_s:.2f} s"
-              " [KeySync]")
-    out.print(f"process: {process_age():.2f} s", highlight=False)
     if random_weights:
         out.print("[bold red]random weights: the mouth is noise, not speech[/]")
     mark_finished()
