@@ -52,7 +52,8 @@
 #               client in its own process, a 20 s render job beside each row (JOB=0: none), nvidia-smi samples,
 #               SIGTERM exit. PLAYOUT=MS,... (serve-bench --playout-delay-ms), LATENCY="default low" (a
 #               serve-bench run per sessions' latency choice, on one server; out sb_default/, sb_low/), PROF_AT=S
-#               (py-spy of every server thread S s in; carry .whl-diag), SB_T (400 s). Out: serve.log, sb/, gpu.csv.
+#               (py-spy of every server thread S s in; carry .whl-diag), SB_T (400 s), UPGRADE_WAIT=S (up to S s
+#               for the server to move onto its compiled packages before the rows). Out: serve.log, sb/, gpu.csv.
 # soak          (carry .whl; SOAK_MIN + ~3 min) plain `lipstream serve` on the serve stage's 4 avatars of 1280x720@25,
 #               then `lipstream serve-bench --soak SOAK_MIN` (60): SOAK_K (4) sessions at a time, each opening,
 #               speaking SOAK_SPEAK_S (4) s and closing; a render job of 20 s of speech every SOAK_JOB_S (60) s
@@ -145,6 +146,13 @@ serve_start() {  # name, limit s, avatars folder, more flags...: a server on por
   grep -m3 -oE "(live engine: on the compiled packages, )?steps \{[^}]*\}[^\"]*|cannot be captured[^\"]*" "$OUT/$name.log"
   [ $rc = 0 ] || tail -20 "$OUT/$name.log"
   return $rc
+}
+upgrade_wait() {  # name: UPGRADE_WAIT=S: up to S s for the server's move onto its compiled packages (a fresh
+  # machine's server starts on the uncompiled steps and builds them beside: rows then measure that build)
+  [ "${UPGRADE_WAIT:-0}" = 0 ] && return 0
+  local t0; t0=$(date +%s.%N)
+  timeout "$UPGRADE_WAIT" bash -c "until grep -qE '\"event\": \"(engine_upgraded|compile_failed)' '$OUT/$1.log'; do sleep 1; done"
+  echo "serve $1: $(grep -m1 -oE '\"event\": \"(engine_upgraded|compile_failed)[^}]*' "$OUT/$1.log" || echo "not upgraded") after $(secs $t0) s more"
 }
 serve_stop() {
   local t0; t0=$(date +%s.%N); kill -TERM $SPID; wait $SPID; echo "serve exit $? after SIGTERM, $(secs $t0) s"
@@ -442,6 +450,7 @@ stage_serve() {
   local A=$W/serve; four_avatars "$A"
   export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor
   serve_start serve 600 "$A/avatars" --sessions-per-key 64 || return 0
+  upgrade_wait serve
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > "$OUT/gpu.csv" 2>&1 &
   local gpid=$!
   if [ -n "${PROF_AT:-}" ]; then
