@@ -12,12 +12,14 @@ speech frame is late. The largest N that holds, per stack, is the figure docs/BE
         --size 1280x720 --seconds 12 --out OUT   (full-size random weights on the GPU)
 
 On the CPU (`--device cpu --random-size tiny --size 320x180 --fps 4 --sessions 2`) it is the
-smoke run of the same code. `--serve` (Pipecat only): the engine in a `lipstream serve` process of
-its own on loopback, the pipelines in this one over `url=` (lipstream.client, WebRTC), so the
-pipelines' Python no longer shares a GIL with the engine's core thread; frames late are counted at
-the clients. `--serve --bots`: as bots are deployed, a process per pipeline, each through a real
-transport (SmallWebRTC) to a viewer of its own (bench/pipecat_load.py's `bots`); a row then also
-needs every viewer to receive the pictures at the frame rate.
+smoke run of the same code. `--serve` (one stack): the engine in a `lipstream serve` process of
+its own on loopback, the pipelines or generators in this one over `url=` (lipstream.client, WebRTC),
+so their Python no longer shares a GIL with the engine's core thread; frames late are counted at
+the clients. `--serve --bots`: as the stacks are deployed, a process per Pipecat bot, each through
+a real transport (SmallWebRTC) to a viewer of its own (bench/pipecat_load.py's `bots`; a row then
+also needs every viewer to receive the pictures at the frame rate), or a process per LiveKit room
+(bench/livekit_load.py's `rooms`: LiveKit Agents runs a process per job, and `start_in_process(...,
+url=)` puts the room's avatar there).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ HOLD_FPS = 0.98  # the slowest pipeline's share of the session fps for a row to 
 
 
 def holds(row: dict, fps: float) -> bool:
-    return (row["fps_min"] >= HOLD_FPS * fps and row["misaligned"] == 0 and row["late_speech"] == 0
+    return (row["fps_min"] >= HOLD_FPS * fps and row["misaligned"] == 0 and row.get("late_speech", 0) == 0
             and row["errors"] == 0 and row.get("client_fps_min", fps) >= HOLD_FPS * fps
             and not row.get("processes_failed"))
 
@@ -53,8 +55,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--random-size", default="full")
     ap.add_argument("--out", type=Path, default=Path("integrations-bench"))
-    ap.add_argument("--serve", action="store_true", help="the engine in a lipstream serve process (pipecat only)")
-    ap.add_argument("--bots", action="store_true", help="with --serve: a process per pipeline, through a transport")
+    ap.add_argument("--serve", action="store_true", help="the engine in a lipstream serve process (one stack)")
+    ap.add_argument("--bots", action="store_true", help="with --serve: a process per pipeline (through a transport) "
+                                                       "or per LiveKit room")
     ap.add_argument("--work", type=Path, default=None, help="where the generated avatar is kept (default: OUT/work)")
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
@@ -115,10 +118,9 @@ def serve_rows(a, stacks: list[str], counts: list[int], work: Path, name: str, s
 
     import httpx
 
-    from lipstream.bench import pipecat_load
-
-    if stacks != ["pipecat"]:
-        raise SystemExit("--serve: only --stacks pipecat runs against a server")
+    if len(stacks) != 1:
+        raise SystemExit("--serve: one stack at a time (--stacks pipecat or --stacks livekit)")
+    load = importlib.import_module(f"lipstream.bench.{stacks[0]}_load")
     url = "http://127.0.0.1:8011"
     log = open(a.out / "serve.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "lipstream.cli", "serve", "--avatars", str(work / "avatars"),
@@ -140,11 +142,15 @@ def serve_rows(a, stacks: list[str], counts: list[int], work: Path, name: str, s
                   "commit": os.environ.get("LIPSTREAM_COMMIT", ""), "size": a.size, "fps": a.fps,
                   "seconds": a.seconds, "server_ready_s": round(time.perf_counter() - t, 1), "rows": [], "largest": {}}
         def rows_of(n: int, seconds: float) -> dict:
+            if stacks == ["livekit"]:
+                if a.bots:
+                    return load.rooms(url, name, n, seconds, size, fps=a.fps)
+                return load.run(None, name, n, seconds, size, fps=a.fps, url=url)
             if a.bots:
-                return pipecat_load.bots(url, name, n, seconds, size, fps=a.fps)
-            return pipecat_load.run(None, name, n, seconds, size=size, fps=a.fps, url=url)
+                return load.bots(url, name, n, seconds, size, fps=a.fps)
+            return load.run(None, name, n, seconds, size=size, fps=a.fps, url=url)
 
-        stack = "pipecat-bots" if a.bots else "pipecat-url"
+        stack = stacks[0] + ("-processes" if a.bots else "-url")
         if a.warmup:
             rows_of(max(counts), a.warmup)
         for n in counts:

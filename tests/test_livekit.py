@@ -51,12 +51,18 @@ KEY, SECRET = "devkey", "a-test-secret-of-at-least-32-characters"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_models):
+def avatars(tmp_path_factory, tiny_models) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("livekit")
     folder = tracked_avatar(root, "anna", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180,
                             seed=0)
     second = tracked_avatar(root, "ben", tiny_models.vae, tiny_models.fingerprints["vae"], width=320, height=180,
                             seed=5)  # another camera of the same frame size (camera cuts)
+    return folder, second
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models, avatars):
+    folder, second = avatars
     live = LiveEngine(tiny_models, LiveOptions(playout_delay_s=2.0, buckets=(1, 2, 4, 8), encode=False,
                                                max_sessions=8, capacity_fps=100.0, idle_cache_gib=0.0))
     live.add_avatar(folder)
@@ -387,6 +393,98 @@ def test_load_bench_runs_two_generators_on_one_engine(engine):
         assert g["pictures"] >= 3.0 * 4 - 3
         assert g["speech_pictures"] > 0 and g["misaligned"] == 0
     assert report["errors"] == 0 and report["fps_min"] > 0 and report["interval_p99_ms"] > 0
+
+
+SERVER_KEY = "livekit-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, avatars):
+    """A real `lipstream serve` (Service behind uvicorn) on loopback with the same avatars, its sessions 2 s
+    behind the speech (the tiny networks' pace on 2 cores)."""
+    from lipstream.serve.options import ServeOptions
+    from lipstream.serve.server import in_thread
+    from lipstream.serve.service import Service
+
+    folder = avatars[0]
+    options = ServeOptions(folder.parent, folder.parent.parent / "serve-data", api_keys=(SERVER_KEY,),
+                           sessions_per_key=4, live_capacity_fps=12.0, rtc_workers=1, playout_delay_s=2.0)
+    service = Service(options, tiny_models).start()
+    with in_thread(service) as url:
+        yield url
+
+
+def _energy(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+def test_in_process_avatar_over_a_server_plays_speech_with_its_pictures(server):
+    """start_in_process(url=): the room's runner in this process, its frames from a `lipstream serve` over
+    WebRTC (how a LiveKit job process, one per room, holds its avatar at scale): pictures at the fps, each
+    speaking picture followed by its own audio (Opus there and back: its length and energy), the reply's end
+    reported once after its last audio, and the server's session gone after aclose()."""
+    import httpx
+
+    async def run():
+        agent = AgentSession()
+        local = await start_in_process(agent, RoomWithoutServer(), url=server, avatar="anna", api_key=SERVER_KEY,
+                                       fps=FPS)
+        pushes = record_pushes(local.runner)
+        finished = []
+        agent.output.audio.on("playback_finished", lambda ev: finished.append((time.monotonic(), ev)))
+        await asyncio.sleep(1.0)
+        pcm, chunks = tts_chunks(1.5, seed=3)
+        for chunk in chunks:
+            await agent.output.audio.capture_frame(chunk)
+        agent.output.audio.flush()
+        await _until(lambda: finished, 30.0)
+        await asyncio.sleep(0.5)
+        await local.aclose()
+        return pcm, pushes, finished, local
+
+    pcm, pushes, finished, local = asyncio.run(run())
+    assert local.session.closed
+    listed = httpx.get(f"{server}/v1/sessions", headers={"Authorization": f"Bearer {SERVER_KEY}"}).json()
+    assert listed == [] or listed.get("sessions", []) == []
+    pictures = [(t, f) for t, f in pushes if isinstance(f, rtc.VideoFrame)]
+    assert all((f.width, f.height) == (320, 180) for _, f in pictures)
+    span = pictures[-1][0] - pictures[0][0]
+    assert abs(len(pictures) - (1 + span * float(FPS))) <= 3, (len(pictures), span)
+    kinds = "".join("v" if isinstance(f, rtc.VideoFrame) else "a" for _, f in pushes)
+    assert kinds[0] == "v" and "aa" not in kinds and "a" in kinds
+    audio = _speech_audio(pushes)
+    assert all(f.samples_per_channel == PER_FRAME for _, f in audio)
+    played = np.concatenate([np.frombuffer(f.data, np.int16) for _, f in audio]).astype(np.float64)
+    assert abs(played.size - pcm.size) <= PER_FRAME
+    assert _energy(played) > 0.3 * _energy(pcm.astype(np.float64))
+    (at, ev), = finished
+    assert not ev.interrupted and at >= audio[-1][0]
+    assert ev.playback_position == pytest.approx(sum(f.duration for _, f in audio))
+
+
+def test_in_process_avatar_takes_an_engine_or_a_server_not_both(engine):
+    async def run(**where):
+        await start_in_process(AgentSession(), RoomWithoutServer(), avatar="anna", **where)
+
+    with pytest.raises(ValueError, match="exactly one"):
+        asyncio.run(run())
+    with pytest.raises(ValueError, match="exactly one"):
+        asyncio.run(run(engine=engine, url="http://127.0.0.1:1"))
+
+
+def test_rooms_in_processes_of_their_own_against_a_server(server):
+    """bench/livekit_load.py's `rooms`: a process per room (LiveKit's process per job), each runner's session
+    on one `lipstream serve`: every room ran, its pictures came at the fps, each speaking one with its audio
+    (the path the GPU figure takes, forced here on 2 cores)."""
+    from lipstream.bench.livekit_load import rooms
+
+    row = rooms(server, "anna", 2, 5.0, fps=4, api_key=SERVER_KEY)
+    assert row["processes"] == 2 and row["processes_failed"] == 0 and row["errors"] == 0, row["first_error"]
+    assert len(row["generators"]) == 2
+    for g in row["generators"]:
+        assert g["pictures"] >= 5.0 * 4 - 4, g
+        assert g["speech_pictures"] > 0 and g["misaligned"] == 0
+    assert row["fps_min"] > 3.0
 
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "

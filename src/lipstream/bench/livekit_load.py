@@ -21,9 +21,13 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 from livekit import rtc
@@ -34,6 +38,7 @@ from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
 
 SETTLE_S = 1.0  # runners start staggered over the first second: left out of every figure
+REMOTE_PLAYOUT_S = 0.5  # a server's session: at least its playout delay (the server's default is 250 ms)
 TTS_RATE = 24_000
 CHUNK_S = 0.02
 
@@ -120,27 +125,24 @@ async def _feed(audio: QueueAudioOutput, rng: np.random.Generator, speech: np.nd
         audio.flush()
 
 
-async def _one(engine: LiveEngine, avatar: int | str, index: int, n: int, since: float, until: float,
-               size: tuple[int, int] | None, fps: float, speech: np.ndarray) -> dict:
-    """One generator under its runner, fed speech until `until`; its figures over [since, until)."""
+async def _one(session, index: int, n: int, since: float, until: float, size: tuple[int, int] | None,
+               speech: np.ndarray) -> dict:
+    """One generator over an open `session` under its runner, fed speech until `until`; its figures over
+    [since, until)."""
     await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
-    session = engine.open_session(avatar, fps=Fraction(fps).limit_denominator(1001), encode=False)
+    generator = LipStreamVideoGenerator(session, size=size)
+    audio = QueueAudioOutput()
+    runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
+                          options=generator.avatar_options())
+    log = PushLog(runner, generator, since, until)
+    await runner.start()
     try:
-        generator = LipStreamVideoGenerator(session, size=size)
-        audio = QueueAudioOutput()
-        runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
-                              options=generator.avatar_options())
-        log = PushLog(runner, generator, since, until)
-        await runner.start()
-        try:
-            await _feed(audio, np.random.default_rng(index), speech, until)
-            await asyncio.sleep(max(0.0, until - time.monotonic()))
-            actual_fps = runner.av_sync.actual_fps
-        finally:
-            await runner.aclose()
-        stats = session.stats
+        await _feed(audio, np.random.default_rng(index), speech, until)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        actual_fps = runner.av_sync.actual_fps
     finally:
-        session.close()
+        await runner.aclose()
+    stats = session.stats
     times = np.asarray(log.picture_times)
     window = until - since
     gaps = np.diff(times) * 1000 if times.size > 1 else np.zeros(1)
@@ -150,53 +152,136 @@ async def _one(engine: LiveEngine, avatar: int | str, index: int, n: int, since:
             "interval_max_ms": round(float(gaps.max()), 1), "_gaps": gaps}
 
 
-def run(engine: LiveEngine, avatar: int | str, n: int, seconds: float, size: tuple[int, int] | None = None,
-        fps: float = 25) -> dict:
-    """N generators on `engine`, measured over `seconds` after they have all started: one row of the report."""
+def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, size: tuple[int, int] | None = None,
+        fps: float = 25, *, url: str | None = None, api_key: str | None = None, start_at: float | None = None) -> dict:
+    """N generators measured over `seconds` after they have all started: one row of the report. Their
+    sessions are on `engine` (a started LiveEngine in this process), or (`url`) on the `lipstream serve`
+    there, each a WebRTC client here (frames late: counted at the client). `start_at` (time.time()):
+    when to start (rooms in processes of their own start together)."""
     if not 1 <= n <= 256 or seconds <= 0:
         raise ValueError(f"n: {n}, seconds: {seconds}; 1 to 256 generators and more than 0 s are allowed")
+    if (engine is None) == (url is None):
+        raise ValueError("engine, url: exactly one is allowed")
     speech = (speech_like(12.0, TTS_RATE, seed=7) * 20000).astype(np.int16)
+    rate = Fraction(fps).limit_denominator(1001)
 
-    async def main() -> list[dict]:
-        since = time.monotonic() + SETTLE_S + engine.o.playout_delay_s
-        return await asyncio.gather(*(_one(engine, avatar, i, n, since, since + seconds, size, fps, speech)
-                                      for i in range(n)), return_exceptions=True)
+    async def opener():
+        if url is None:
+            return engine.open_session(avatar, fps=rate, encode=False)
+        from lipstream.client import connect
 
-    results = asyncio.run(main())
+        return await connect(url, str(avatar), api_key=api_key, fps=rate)
+
+    async def close(session) -> None:
+        closing = getattr(session, "aclose", None)  # a server's session: until the server has let it go
+        await closing() if closing is not None else session.close()
+
+    async def main() -> list:
+        sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
+        try:
+            if start_at is not None:
+                await asyncio.sleep(max(0.0, start_at - time.time()))
+            delay = engine.o.playout_delay_s if engine is not None else REMOTE_PLAYOUT_S
+            since = time.monotonic() + SETTLE_S + delay
+            return await asyncio.gather(*(_one(session, i, n, since, since + seconds, size, speech)
+                                          if not isinstance(session, BaseException) else _failed(session)
+                                          for i, session in enumerate(sessions)), return_exceptions=True)
+        finally:
+            await asyncio.gather(*(close(s) for s in sessions if not isinstance(s, BaseException)),
+                                 return_exceptions=True)
+
+    return _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
+
+
+async def _failed(error: BaseException) -> dict:
+    raise error
+
+
+def _row(results: list, n: int, seconds: float, fps: float, keep_gaps: bool = False) -> dict:
+    """The figures of N generators' results (a dict each, or the exception it failed with). `keep_gaps`:
+    each generator's picture intervals stay in its row (a room process hands them to `rooms`)."""
     rows = [r for r in results if isinstance(r, dict)]
     errors = [r for r in results if not isinstance(r, dict)]
     if not rows:
         raise RuntimeError(f"every generator failed: {type(errors[0]).__name__}: {errors[0]}")
-    gaps = np.concatenate([r.pop("_gaps") for r in rows])
+    gaps = np.concatenate([r["_gaps"] for r in rows])
+    for r in rows:
+        held = r.pop("_gaps")
+        if keep_gaps:
+            r["gaps_ms"] = [round(float(g), 2) for g in held]
     rates = [r["fps"] if isinstance(r, dict) else 0.0 for r in results]
     return {"n": n, "fps_target": fps, "seconds": seconds, "fps_min": min(rates), "fps_median": float(np.median(rates)),
             "late": sum(r["late"] for r in rows), "late_speech": sum(r["late_speech"] for r in rows),
             "misaligned": sum(r["misaligned"] for r in rows), "errors": len(errors),
+            "first_error": f"{type(errors[0]).__name__}: {errors[0]}" if errors else None,
             "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1), "interval_max_ms": round(float(gaps.max()), 1),
             "generators": rows}
+
+
+ROOM_START_S = 15.0  # room processes import LiveKit and connect before they start together
+
+
+def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] | None = None, fps: float = 25, *,
+          api_key: str | None = None) -> dict:
+    """N rooms as LiveKit deploys agents, a process per job: N processes of one generator each under its
+    AvatarRunner, each session on the `lipstream serve` at `url`, all from one moment; the row of this N
+    (`processes_failed`: rooms that reported nothing, their fps counted as 0)."""
+    env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", ""),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    start = time.time() + ROOM_START_S
+    with tempfile.TemporaryDirectory(prefix="lipstream-livekit-rooms-") as tmp:
+        procs = []
+        for k in range(n):
+            out = Path(tmp) / f"room{k}.json"
+            cmd = [sys.executable, "-m", "lipstream.bench.livekit_load", "--url", url, "--avatar", avatar, "--sessions",
+                   "1", "--seconds", str(seconds), "--fps", str(fps), "--start", str(start), "--out", str(out)]
+            if size is not None:
+                cmd += ["--size", f"{size[0]}x{size[1]}"]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+        results: list = []
+        for p, out in procs:
+            try:
+                _, err = p.communicate(timeout=ROOM_START_S + seconds + 90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            if out.exists():
+                row = json.loads(out.read_text())
+                results += row["generators"] or [RuntimeError(row["first_error"])]
+            else:
+                lines = (err or b"").decode(errors="replace").strip().splitlines()
+                results.append(RuntimeError(lines[-1] if lines else f"exit {p.returncode}"))
+    for r in results:
+        if isinstance(r, dict):
+            r["_gaps"] = np.asarray(r.pop("gaps_ms"))
+    row = _row(results, n, seconds, fps)
+    row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
+    return row
 
 
 def holds(row: dict) -> bool:
     """Every generator ran, at the target fps (within 2%), none of its pictures late, every speaking one with its audio."""
     return (row["fps_min"] >= 0.98 * row["fps_target"] and row["late"] == 0 and row["misaligned"] == 0
-            and row["errors"] == 0)
+            and row["errors"] == 0 and not row.get("processes_failed"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m lipstream.bench.livekit_load --random-weights --sessions 8,16,24 (the H200 figures)."""
+    """python -m lipstream.bench.livekit_load --random-weights --sessions 8,16,24 (N generators on an engine
+    in this process); --url URL --avatar NAME [--processes]: on a running `lipstream serve` (its key:
+    $LIPSTREAM_API_KEY), in this process or a process per room."""
     from pathlib import Path
-
-    from lipstream.bench.scenarios import _avatar
-    from lipstream.engine.engines import FAST_INDUCTOR
-    from lipstream.live import preset
-    from lipstream.models import load_musetalk
-    from lipstream.engine.networks import pick_device
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--sessions", default="8,16,24")
     p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--size", default="1280x720", help="the avatar's size WxH (the pictures are this size)")
+    p.add_argument("--size", default=None, help="WxH of the pictures (default: the avatar's; 1280x720 for the avatar "
+                                                "made here)")
     p.add_argument("--fps", type=int, default=25)
+    p.add_argument("--url", default=None, help="a running lipstream serve: the sessions are its")
+    p.add_argument("--avatar", default=None, help="with --url: a resident avatar's name")
+    p.add_argument("--processes", action="store_true", help="with --url: a process per room")
+    p.add_argument("--start", type=float, default=None, help="time.time() at which to start (a room process)")
+    p.add_argument("--out", type=Path, default=None, help="the last row as JSON here")
     p.add_argument("--work", default="livekit-load-work", help="where the generated avatar is kept")
     p.add_argument("--models", default=None)
     p.add_argument("--random-weights", action="store_true")
@@ -205,7 +290,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     a = p.parse_args(argv)
     counts = [int(v) for v in a.sessions.split(",")]
-    w, h = (int(v) for v in a.size.lower().split("x"))
+    size = tuple(int(v) for v in a.size.lower().split("x")) if a.size else None
+    if a.url is not None:
+        if not a.avatar:
+            raise SystemExit("--url: --avatar NAME (a resident avatar of that server) is required")
+        key = os.environ.get("LIPSTREAM_API_KEY") or None
+        for n in counts:
+            row = (rooms(a.url, a.avatar, n, a.seconds, size, a.fps, api_key=key) if a.processes else
+                   run(None, a.avatar, n, a.seconds, size, a.fps, url=a.url, api_key=key, start_at=a.start))
+            if a.out is not None:
+                tmp = a.out.with_suffix(".part")
+                tmp.write_text(json.dumps(row))
+                tmp.replace(a.out)
+            print(json.dumps({**{k: v for k, v in row.items() if k != "generators"}, "holds": holds(row)}), flush=True)
+        return
+    from lipstream.bench.scenarios import _avatar
+    from lipstream.engine.engines import FAST_INDUCTOR
+    from lipstream.engine.networks import pick_device
+    from lipstream.live import preset
+    from lipstream.models import load_musetalk
+
+    w, h = size or (1280, 720)
     sys.setswitchinterval(0.001)  # the runners' event loop shares the GIL with the core thread
     models = load_musetalk(a.models, device=pick_device(a.device), random_weights=a.random_weights,
                            size=a.random_size)
@@ -224,10 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         for n in counts:
             row = run(engine, name, n, a.seconds, fps=a.fps)
             print(json.dumps({**{k: v for k, v in row.items() if k != "generators"}, "holds": holds(row),
-                              "size": a.size}), flush=True)
+                              "size": f"{w}x{h}"}), flush=True)
     finally:
         engine.close()
-
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 """The agent's side: an avatar in another process (`AvatarSession`, a `lipstream livekit-worker`), or in
-this one (`start_in_process`, over a LiveEngine the agent's process holds).
+this one (`start_in_process`, over a LiveEngine the agent's process holds or a `lipstream serve`'s session).
 
 Both route the agent's TTS away from the room and into the avatar, as LiveKit's avatar plugins do
 (`agent_session.output.replace_audio_tail`): over the `lk.audio_stream` data stream to the worker
@@ -172,16 +172,33 @@ class LocalAvatar:
 
     async def aclose(self) -> None:
         await self.runner.aclose()
-        self.session.close()
+        closing = getattr(self.session, "aclose", None)  # a server's session: wait until it has let go
+        if closing is not None:
+            await closing()
+        else:
+            self.session.close()
 
 
-async def start_in_process(agent_session: AgentSession, room: rtc.Room, engine, avatar: int | str = 0, *,
+async def start_in_process(agent_session: AgentSession, room: rtc.Room, engine=None, avatar: int | str = 0, *,
+                           url: str | None = None, api_key: str | None = None,
                            fps: Fraction | float | None = None, size: tuple[int, int] | None = None) -> LocalAvatar:
-    """The avatar in this process, on `engine` (a started LiveEngine this process holds; many agents
-    share one): the agent's own participant publishes the avatar's video and speech. `avatar`: a
-    resident avatar's name or index; `fps` (None: the avatar's) and `size` (None: the avatar's) of
-    the pictures. SessionRefused (lipstream.live) when the engine is full."""
-    session = engine.open_session(avatar, fps=fps, encode=False)
+    """The avatar in this process: the agent's own participant publishes the avatar's video and speech.
+    Its frames come from `engine` (a started LiveEngine this process holds; many agents share one) or
+    from the `lipstream serve` at `url` (the engine in another process, usually on a GPU machine:
+    LiveKit runs each job in a process of its own, so each room's runner then has a process and a GIL
+    to itself; `api_key`: the server's key, default $LIPSTREAM_API_KEY). `avatar`: a resident avatar's
+    name (or, on an engine, index); `fps` (None: the avatar's) and `size` (None: the avatar's) of the
+    pictures. SessionRefused (lipstream.live) when the engine or the server is full."""
+    if (engine is None) == (url is None):
+        raise ValueError("engine, url: exactly one is allowed (a LiveEngine here, or a lipstream serve's address)")
+    if url is None:
+        session = engine.open_session(avatar, fps=fps, encode=False)
+    else:
+        from lipstream.client import connect
+
+        if not isinstance(avatar, str):
+            raise ValueError(f"avatar: {avatar!r}; with url=, a resident avatar's name is allowed")
+        session = await connect(url, avatar, api_key=api_key or os.environ.get("LIPSTREAM_API_KEY") or None, fps=fps)
     try:
         generator = LipStreamVideoGenerator(session, size=size)
         audio = QueueAudioOutput(wait_playback_start=True)
