@@ -472,6 +472,73 @@ def test_in_process_avatar_takes_an_engine_or_a_server_not_both(engine):
         asyncio.run(run(engine=engine, url="http://127.0.0.1:1"))
 
 
+def test_worker_over_a_server_dispatches_switches_and_frees_the_servers_sessions(server):
+    """`livekit-worker --server`: the rooms' sessions are the server's. A real dispatch up to the LiveKit
+    connection (refused: nothing listens) frees the session it opened on the server; an avatar the server does
+    not have is a 404 in one line; a camera cut through the worker gets the server's answer (the frame, or its
+    refusal as a 422); and leaving frees the server's session."""
+    import aiohttp
+    import httpx
+
+    from lipstream.client import connect
+    from lipstream.integrations.livekit import dispatch_token
+    from lipstream.integrations.livekit.worker import Presence, _close
+
+    def server_sessions() -> list:
+        listed = httpx.get(f"{server}/v1/sessions", headers={"Authorization": f"Bearer {SERVER_KEY}"}).json()
+        return listed if isinstance(listed, list) else listed.get("sessions", [])
+
+    async def run():
+        worker = AvatarWorker(url="ws://127.0.0.1:9", api_key=KEY, api_secret=SECRET, avatar="anna", fps=FPS, port=0,
+                              server=server, server_key=SERVER_KEY)
+        address = await worker.start()
+        errors, answers = {}, []
+        try:
+            for case, kwargs in (("no livekit", {}), ("unknown avatar", {"avatar": "zoe"})):
+                agent, room = AgentSession(), rtc.Room()
+                with fake_job_context(room=room, agent_identity="agent-1"):
+                    avatar = AvatarSession(worker_url=address, api_key=KEY, api_secret=SECRET, **kwargs)
+                    with pytest.raises(AvatarError) as e:
+                        await avatar.start(agent, room)
+                    await avatar.aclose()
+                errors[case] = str(e.value)
+            left_after_refusal = server_sessions()
+            session = await connect(server, "anna", api_key=SERVER_KEY, fps=FPS)
+            presence = Presence("room-1", "lipstream-avatar", "agent-1", "anna", RoomWithoutServer(), session)
+            worker.rooms["room-1"] = presence
+            async def held() -> None:  # what _serve does when the avatar leaves (its room needs a LiveKit server)
+                await presence.stopped.wait()
+                await _close(session)
+                del worker.rooms["room-1"]
+
+            presence.task = asyncio.create_task(held())
+            token = dispatch_token("room-1", "agent-1", KEY, SECRET)
+            async with aiohttp.ClientSession() as http:
+                for avatar in ("ben", "nobody"):
+                    async with http.post(f"{address}/sessions/room-1/avatar", json={"avatar": avatar},
+                                         headers={"Authorization": f"Bearer {token}"}) as r:
+                        answers.append((r.status, await r.json()))
+                health = json.loads(await _get(address + "/health"))
+                while_there = server_sessions()
+                async with http.delete(f"{address}/sessions/room-1", headers={"Authorization": f"Bearer {token}"}) as r:
+                    answers.append((r.status, await r.json()))
+        finally:
+            await worker.close()
+        return errors, answers, left_after_refusal, health, while_there, session
+
+    errors, answers, left_after_refusal, health, while_there, session = asyncio.run(run())
+    assert all("\n" not in m for m in errors.values())
+    assert "LiveKit server at ws://127.0.0.1:9" in errors["no livekit"]
+    assert "'zoe' is not resident" in errors["unknown avatar"]
+    assert left_after_refusal == []
+    (ok, switched), (bad, refused), (gone, left) = answers
+    assert ok == 200 and switched["avatar"] == "ben" and isinstance(switched["frame"], int)
+    assert bad == 422 and "nobody" in refused["error"]
+    assert gone == 200 and left["left"] is True
+    assert health == {"server": server, "rooms": 1, "sessions": 1} and len(while_there) == 1
+    assert session.closed and server_sessions() == []
+
+
 def test_rooms_in_processes_of_their_own_against_a_server(server):
     """bench/livekit_load.py's `rooms`: a process per room (LiveKit's process per job), each runner's session
     on one `lipstream serve`: every room ran, its pictures came at the fps, each speaking one with its audio
@@ -512,6 +579,9 @@ WORKER = ["livekit-worker", "--url", "ws://127.0.0.1:7880", "--api-key", KEY, "-
     ([*WORKER, "--size", "641x360"], ["--size '641x360'", "even"]),
     ([*WORKER, "--port", "70000"], ["--port 70000", "TCP port"]),
     (WORKER[:-1] + ["--models", "nowhere"], ["models folder", "--random-weights"]),
+    ([*WORKER, "--server", "ftp://gpu-box"], ["--server", "ftp://gpu-box"]),
+    ([*WORKER, "--server", "http://127.0.0.1:9"], ["--random-weights", "the server's"]),
+    ([*WORKER[:-3], "--server", "http://127.0.0.1:9"], ["--server http://127.0.0.1:9", "cannot be reached"]),
 ])
 def test_worker_flags_fail_in_one_line_before_anything_loads(desk, args, fragments):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(desk), "COLUMNS": "200", "PYTHONPATH": ":".join(sys.path)}

@@ -45,6 +45,12 @@ def livekit_worker_cmd(
                                                         "avatar's).")] = None,
         size: Annotated[Optional[str], typer.Option(help="Size WxH of the avatar's video (default: the "
                                                          "avatar's).")] = None,
+        server: Annotated[Optional[str], typer.Option(
+            show_default=False, help="A running `lipstream serve` (http://HOST:PORT) whose engine the rooms use, "
+                                     "each a session of it: no engine here, --avatar names its avatars.")] = None,
+        server_key: Annotated[Optional[str], typer.Option(
+            envvar="LIPSTREAM_API_KEY", show_default=False,
+            help="With --server: its bearer key (default: $LIPSTREAM_API_KEY).")] = None,
         live_preset: LivePresetOpt = "realtime", compile: CompileOpt = None,
         models: ModelsOpt = None, random_weights: RandomOpt = False,
         random_size: RandomSizeOpt = "auto", device: DeviceOpt = "auto") -> None:
@@ -61,6 +67,21 @@ def livekit_worker_cmd(
     if rate is not None and not 1 <= rate <= 60:
         raise UsageError(f"--fps {fps}: expected 1 to 60 frames per second")
     picture = size_option(size)
+    if server is not None:
+        from lipstream.client.jobs import server_url
+
+        base = server_url(server)
+        for flag, given in (("--models", models), ("--random-weights", random_weights), ("--avatars", avatars),
+                            ("--compile/--no-compile", compile is not None)):
+            if given:
+                raise UsageError(f"{flag}: the engine is the server's with --server; leave it out")
+        _check_server_avatars(base, avatar, server_key)
+        from lipstream.integrations.livekit.worker import run_worker
+
+        run_worker(None, list(avatar), url=url, api_key=api_key, api_secret=api_secret, options=None, fps=rate,
+                   size=picture, host=host, port=port, server=base, server_key=server_key,
+                   progress=lambda text: err.print(text, highlight=False))
+        return
     root = avatars_dir(avatars)
     folders = [resolve_avatar(name, root) for name in avatar]
     machine_options(device, random_size)
@@ -80,3 +101,23 @@ def livekit_worker_cmd(
     run_worker(m, folders, url=url, api_key=api_key, api_secret=api_secret, options=PRESETS[live_preset],
                fps=rate, size=picture, host=host, port=port, inductor=inductor,
                progress=lambda text: err.print(text, highlight=False))
+
+
+def _check_server_avatars(base: str, names: list[str], key: str | None) -> None:
+    """Every --avatar is resident on the server, before any room is served (one line otherwise)."""
+    import httpx
+
+    from lipstream.client.jobs import key_refusal
+
+    try:
+        r = httpx.get(f"{base}/v1/avatars", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
+    except httpx.HTTPError as e:
+        raise UsageError(f"--server {base}: cannot be reached ({type(e).__name__})") from None
+    if r.status_code in (401, 403):
+        raise UsageError(key_refusal(base, r.status_code, bool(key), "--server-key KEY or $LIPSTREAM_API_KEY"))
+    if r.status_code != 200:
+        raise UsageError(f"--server {base}: GET /v1/avatars answered {r.status_code}")
+    resident = [a["name"] for a in r.json()]
+    missing = [n for n in names if n not in resident]
+    if missing:
+        raise UsageError(f"--avatar {missing[0]!r}: not resident on {base} (it has: {', '.join(resident) or 'none'})")

@@ -273,6 +273,21 @@ class RemoteSession:
         if not self._closed:
             self._send(json.dumps({"type": "switch", "avatar": avatar}))
 
+    async def aswitch(self, avatar: str, timeout_s: float = 5.0) -> int:
+        """switch(), then the server's answer: the frame the cut lands on. ValueError with the server's
+        reason if it refused (another frame size, not resident); TimeoutError if no answer came."""
+        seen = len(self.cuts)
+        self.switch(avatar)
+        until = time.monotonic() + timeout_s
+        while len(self.cuts) == seen:
+            if time.monotonic() > until or self._closed:
+                raise TimeoutError(f"{self.url}: session {self.id}: no answer to the switch to {avatar!r}")
+            await asyncio.sleep(0.01)
+        answer = self.cuts[seen]
+        if answer["type"] != "switched":
+            raise ValueError(answer.get("message") or f"the server refused the switch to {avatar!r}")
+        return int(answer["frame"])
+
     def rgb(self, frame: LiveFrame, size: tuple[int, int] | None = None, out_format: str = "RGB") -> np.ndarray:
         """A frame's picture as [h, w, 3] uint8 RGB ("RGBA": 4) in the stream's colour matrix, resized to
         `size` (width, height) if given. OpenCV, without the GIL: call it on a worker thread."""

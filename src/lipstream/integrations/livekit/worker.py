@@ -57,14 +57,19 @@ class Presence:
 
 
 class AvatarWorker:
-    """Serves `engine`'s resident avatars to LiveKit rooms. `url`, `api_key`, `api_secret`: the LiveKit
-    project; `avatar`: the one used when a request names none; `fps` (None: the avatar's) and `size`
-    (None: the avatar's) of the pictures. `await start()`, then `await close()`."""
+    """Serves resident avatars to LiveKit rooms: `engine`'s (a LiveEngine in this process), or (`server`)
+    those of the `lipstream serve` at that address, each room a WebRTC session of it (`server_key`: its
+    key), so the rooms' runners do not share a GIL with an engine's core thread. `url`, `api_key`,
+    `api_secret`: the LiveKit project; `avatar`: the one used when a request names none; `fps` (None: the
+    avatar's) and `size` (None: the avatar's) of the pictures. `await start()`, then `await close()`."""
 
-    def __init__(self, engine: LiveEngine, *, url: str, api_key: str, api_secret: str, avatar: str,
+    def __init__(self, engine: LiveEngine | None = None, *, url: str, api_key: str, api_secret: str, avatar: str,
                  fps: Fraction | None = None, size: tuple[int, int] | None = None,
-                 host: str = "127.0.0.1", port: int = 8089):
+                 host: str = "127.0.0.1", port: int = 8089, server: str | None = None, server_key: str | None = None):
+        if (engine is None) == (server is None):
+            raise ValueError("engine, server: exactly one is allowed")
         self.engine, self.url, self.avatar, self.fps, self.size = engine, url, avatar, fps, size
+        self.server, self._server_key = server, server_key
         self._key, self._secret = api_key, api_secret
         self.host, self.port = host, port
         self.rooms: dict[str, Presence] = {}
@@ -142,15 +147,20 @@ class AvatarWorker:
             if presence is None:
                 raise DispatchError(404, f"no avatar in room {room!r}")
             try:
-                frame = presence.session.switch(avatar)
+                frame = (presence.session.switch(avatar) if self.server is None
+                         else await presence.session.aswitch(avatar))
             except ValueError as e:
                 raise DispatchError(422, str(e)) from None
+            except TimeoutError as e:
+                raise DispatchError(504, str(e)) from None
         except DispatchError as e:
             return web.json_response({"error": str(e)}, status=e.status)
         presence.avatar = avatar
         return web.json_response({"room": room, "avatar": avatar, "frame": frame})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.server is not None:
+            return web.json_response({"server": self.server, "rooms": len(self.rooms), "sessions": len(self.rooms)})
         return web.json_response({"avatars": [a.name for a in self.engine.engine.avatars], "rooms": len(self.rooms),
                                   "sessions": len(self.engine.sessions)})
 
@@ -176,22 +186,20 @@ class AvatarWorker:
 
     async def join(self, room_name: str, agent_identity: str, identity: str, avatar: str) -> Presence:
         """Open a session, join the room, start publishing; DispatchError (one line) when it cannot."""
-        try:
-            index = self.engine.avatar_index(avatar)
-        except ValueError as e:
-            raise DispatchError(404, str(e)) from None
+        if self.server is None:
+            try:
+                index = self.engine.avatar_index(avatar)
+            except ValueError as e:
+                raise DispatchError(404, str(e)) from None
         if room_name in self.rooms:  # the agent came back (a restart, a swap): the old avatar leaves first
             await self.leave(room_name)
-        try:
-            session = self.engine.open_session(index, fps=self.fps, encode=False)
-        except SessionRefused as e:
-            raise DispatchError(e.status or 503, e.detail) from None
+        session = await self._open(index if self.server is None else avatar)
         room = rtc.Room()
         try:
             await room.connect(self.url, self.room_token(room_name, identity, agent_identity),
                                rtc.RoomOptions(auto_subscribe=False, connect_timeout=CONNECT_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - rtc.ConnectError, or the FFI's own errors
-            session.close()
+            await _close(session)
             text = str(e).strip().splitlines()
             raise DispatchError(502, f"LiveKit server at {self.url}: {text[0] if text else type(e).__name__}") from None
         presence = Presence(room_name, identity, agent_identity, avatar, room, session)
@@ -199,6 +207,18 @@ class AvatarWorker:
         presence.task = asyncio.create_task(self._serve(presence), name=f"lipstream-avatar-{room_name}")
         log.info("avatar %s joined room %s for %s", avatar, room_name, agent_identity)
         return presence
+
+    async def _open(self, avatar: int | str):
+        """The room's session: on the engine here, or on the server (a refusal keeps the server's status)."""
+        try:
+            if self.server is None:
+                return self.engine.open_session(avatar, fps=self.fps, encode=False)
+            from lipstream.client import connect
+
+            return await connect(self.server, avatar, api_key=self._server_key, fps=self.fps)
+        except SessionRefused as e:
+            status = (e.status or 503) if self.server is None else e.status if e.status in (404, 503) else 502
+            raise DispatchError(status, e.detail) from None
 
     async def leave(self, room_name: str) -> bool:
         presence = self.rooms.get(room_name)
@@ -241,18 +261,38 @@ class AvatarWorker:
                 await runner.aclose()
             with contextlib.suppress(Exception):
                 await room.disconnect()
-            p.session.close()
+            await _close(p.session)
             if self.rooms.get(p.room_name) is p:
                 del self.rooms[p.room_name]
             log.info("avatar left room %s", p.room_name)
 
 
+async def _close(session) -> None:
+    closing = getattr(session, "aclose", None)  # a server's session: until the server has let it go
+    await closing() if closing is not None else session.close()
+
+
 def run_worker(models, avatars: list, *, url: str, api_key: str, api_secret: str, options, fps: Fraction | None = None,
                size: tuple[int, int] | None = None, host: str = "127.0.0.1", port: int = 8089, inductor: str = "off",
-               progress=print) -> None:
-    """`lipstream livekit-worker`: the engine with these avatars resident, serving rooms until Ctrl-C."""
+               server: str | None = None, server_key: str | None = None, progress=print) -> None:
+    """`lipstream livekit-worker`: the engine with these avatars (folders) resident, serving rooms until
+    Ctrl-C; or (`server`, models None) the rooms' sessions on that `lipstream serve`, `avatars` its names."""
     import sys
 
+    if server is not None:
+        async def remote() -> None:
+            worker = AvatarWorker(url=url, api_key=api_key, api_secret=api_secret, avatar=avatars[0], fps=fps,
+                                  size=size, host=host, port=port, server=server, server_key=server_key)
+            address = await worker.start()
+            progress(f"livekit-worker: avatars {', '.join(avatars)} of the server {server}; agents call "
+                     f"{address}/sessions (LiveKit server {url}); Ctrl-C stops")
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await worker.close()
+
+        asyncio.run(remote())
+        return
     # the rooms' event loop shares the GIL with the engine's core thread: wake it on time
     sys.setswitchinterval(0.001)
     engine = LiveEngine(models, options.replace(encode=False), inductor=inductor)
