@@ -80,9 +80,11 @@
 #               Out: fleet.tgz (every server's log, watch file, serve-bench report, jobs, fleet_gpus.json).
 # integrations  (carry .whl or .whl-base, and .whl-pipecat; then .whl-livekit alone in a second call, the
 #               machine still warm) benchmarks/integrations.py: N Pipecat pipelines / LiveKit generators on one
-#               engine. STACKS (pipecat), NS (8,16,20,24), SECONDS_ (12), SIZE (1280x720), SERVE=1 (Pipecat
-#               against a `lipstream serve` of its own), BOTS=1 (with SERVE=1: a process per bot, each through
-#               SmallWebRTC to a viewer of its own). Out: integrations/integrations.json, pip_list.txt.
+#               engine. STACKS (pipecat), NS (8,16,20,24), SECONDS_ (12), SIZE (1280x720), SERVE=1 (one stack
+#               against a `lipstream serve` of its own), BOTS=1 (with SERVE=1: a process per Pipecat bot, each
+#               through SmallWebRTC to a viewer of its own, or per LiveKit room). LiveKit against a server needs
+#               .whl and .whl-livekit, too big for one call: carry .whl first (any stage), then .whl-livekit with
+#               WHEELS_SITE=/tmp/site-more. Out: integrations/integrations.json, pip_list.txt.
 # suite         (carry .whl .whl-suite; up to 500 s) the test suite on the image, SUITE_N workers (12) of
 #               SUITE_THREADS (2) threads, or the files in SUITE_ARGS; SUITE_T (500 s). dlib's 68-point model
 #               cannot travel: its tests skip. Out: suite.txt, failures.txt.
@@ -93,7 +95,7 @@ OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT"
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
-export PYTHONPATH=/tmp/site:/tmp/site-ray:$PWD/src PYTHONUNBUFFERED=1 LIPSTREAM_COMMIT=${COMMIT:-?} \
+export PYTHONPATH=/tmp/site-more:/tmp/site:/tmp/site-ray:$PWD/src PYTHONUNBUFFERED=1 LIPSTREAM_COMMIT=${COMMIT:-?} \
   RAY_USAGE_STATS_ENABLED=0
 AUDIO=$W/ur/work/speech.wav
 SERVE_DEVICE=()  # flags that put a server on the CPU (DEVICE=cpu: a check of the script)
@@ -102,13 +104,15 @@ SERVE_DEVICE=()  # flags that put a server on the CPU (DEVICE=cpu: a check of th
 secs() { $PY -c "import time; print(round(time.time() - $1, 1))"; }
 
 install_wheels() {  # every carried wheel into /tmp/site in one pip call (a second call would replace the shared
-  # namespace folders, opentelemetry/); a wheel in two folders once; /tmp/site stays while the machine is warm
+  # namespace folders, opentelemetry/); a wheel in two folders once; /tmp/site stays while the machine is warm.
+  # WHEELS_SITE=/tmp/site-more: into that folder instead, ahead on the path, beside what an earlier call on the
+  # warm machine put in /tmp/site (folders too big to travel together: .whl, then .whl-livekit)
   local whl
   whl=$(ls .whl/*.whl .whl-base/*.whl .whl-suite/*.whl .whl-diag/*.whl .whl-pipecat/*.whl .whl-livekit/*.whl \
     2>/dev/null | awk -F/ '!seen[$NF]++')
   [ -n "$whl" ] || return 0
   local t; t=$(date +%s.%N)
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $whl 2>&1 \
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ${WHEELS_SITE:-/tmp/site} $whl 2>&1 \
     | grep -v "^$" | tail -2
   echo "wheels installed in $(secs $t) s"
 }
