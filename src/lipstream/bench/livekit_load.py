@@ -22,17 +22,15 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 from livekit import rtc
 from livekit.agents.voice.avatar import AvatarRunner, QueueAudioOutput
 
+from lipstream.bench.proc import rows_of_processes
 from lipstream.fixtures import speech_like
 from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
@@ -226,31 +224,16 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     """N rooms as LiveKit deploys agents, a process per job: N processes of one generator each under its
     AvatarRunner, each session on the `lipstream serve` at `url`, all from one moment; the row of this N
     (`processes_failed`: rooms that reported nothing, their fps counted as 0)."""
-    env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", ""),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     start = time.time() + ROOM_START_S
-    with tempfile.TemporaryDirectory(prefix="lipstream-livekit-rooms-") as tmp:
-        procs = []
-        for k in range(n):
-            out = Path(tmp) / f"room{k}.json"
-            cmd = [sys.executable, "-m", "lipstream.bench.livekit_load", "--url", url, "--avatar", avatar, "--sessions",
-                   "1", "--seconds", str(seconds), "--fps", str(fps), "--start", str(start), "--out", str(out)]
-            if size is not None:
-                cmd += ["--size", f"{size[0]}x{size[1]}"]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
-        results: list = []
-        for p, out in procs:
-            try:
-                _, err = p.communicate(timeout=ROOM_START_S + seconds + 90)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                _, err = p.communicate()
-            if out.exists():
-                row = json.loads(out.read_text())
-                results += row["generators"] or [RuntimeError(row["first_error"])]
-            else:
-                lines = (err or b"").decode(errors="replace").strip().splitlines()
-                results.append(RuntimeError(lines[-1] if lines else f"exit {p.returncode}"))
+    common = ["--url", url, "--avatar", avatar, "--sessions", "1", "--seconds", str(seconds), "--fps", str(fps),
+              "--start", str(start), *(["--size", f"{size[0]}x{size[1]}"] if size is not None else [])]
+    env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
+    results: list = []
+    for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
+        if isinstance(row, str):
+            results.append(RuntimeError(row))
+        else:
+            results += row["generators"] or [RuntimeError(row["first_error"])]
     for r in results:
         if isinstance(r, dict):
             r["_gaps"] = np.asarray(r.pop("gaps_ms"))

@@ -23,9 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -45,6 +42,7 @@ from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from lipstream.bench.proc import rows_of_processes
 from lipstream.fixtures import speech_like
 from lipstream.integrations.pipecat import UTTERANCE_KEY, LipStreamVideoService
 from lipstream.live import LiveEngine
@@ -303,30 +301,14 @@ def bots(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int], f
     """N bots as they are deployed: N processes of one pipeline each against the `lipstream serve` at `url`,
     each through a real transport (SmallWebRTC) to a viewer of its own, all speaking from one moment; the
     figures of this N, the pipelines' as `run` gives them (`processes_failed`: bots that reported nothing)."""
-    env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", ""),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     start = time.time() + BOT_START_S
-    with tempfile.TemporaryDirectory(prefix="lipstream-pipecat-bots-") as tmp:
-        procs = []
-        for k in range(n):
-            out = Path(tmp) / f"bot{k}.json"
-            cmd = [sys.executable, "-m", "lipstream.bench.pipecat_load", "--url", url, "--avatar", avatar, "--n", "1",
-                   "--seconds", str(seconds), "--fps", str(fps), "--size", f"{size[0]}x{size[1]}", "--transport",
-                   "--start", str(start), "--out", str(out)]
-            if playout_delay_s is not None:
-                cmd += ["--playout-delay-s", str(playout_delay_s)]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
-        rows, failed = [], []
-        for p, out in procs:
-            try:
-                _, err = p.communicate(timeout=BOT_START_S + seconds + 90)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                _, err = p.communicate()
-            if out.exists():
-                rows.append(json.loads(out.read_text()))
-            else:
-                failed.append((err or b"").decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+    cmd = ["--url", url, "--avatar", avatar, "--n", "1", "--seconds", str(seconds), "--fps", str(fps), "--size",
+           f"{size[0]}x{size[1]}", "--transport", "--start", str(start),
+           *(["--playout-delay-s", str(playout_delay_s)] if playout_delay_s is not None else [])]
+    results = rows_of_processes("lipstream.bench.pipecat_load", [cmd] * n, BOT_START_S + seconds + 90, env)
+    rows = [r for r in results if isinstance(r, dict)]
+    failed = [[r] for r in results if isinstance(r, str)]
     pipelines = [r for row in rows for r in row["pipelines"]]
     fps_all = [r["fps"] for r in pipelines] or [0.0]
     return {"n": n, "seconds": seconds, "fps": float(fps), "size": list(size), "processes": n,

@@ -1,9 +1,13 @@
 """CPU seconds of another process (all its threads), read from /proc: what the benches charge a server
-or an encode worker for."""
+or an encode worker for; and client processes that each report a JSON row (bots, rooms)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 
@@ -38,3 +42,29 @@ def host_busy_s() -> float | None:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def rows_of_processes(module: str, args: list[list[str]], timeout_s: float, env: dict) -> list[dict | str]:
+    """`python -m module` once per entry of `args` (each given `--out FILE` as well), all at once; each
+    process's row read from its file, or, for one that wrote none, the last line it printed to stderr."""
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                 env.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="lipstream-clients-") as tmp:
+        procs = []
+        for k, more in enumerate(args):
+            out = Path(tmp) / f"client{k}.json"
+            procs.append((subprocess.Popen([sys.executable, "-m", module, *more, "--out", str(out)], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+        results: list[dict | str] = []
+        for p, out in procs:
+            try:
+                _, err = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            if out.exists():
+                results.append(json.loads(out.read_text()))
+            else:
+                lines = (err or b"").decode(errors="replace").strip().splitlines()
+                results.append(lines[-1] if lines else f"exit {p.returncode}")
+    return results

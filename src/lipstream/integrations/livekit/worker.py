@@ -280,18 +280,9 @@ def run_worker(models, avatars: list, *, url: str, api_key: str, api_secret: str
     import sys
 
     if server is not None:
-        async def remote() -> None:
-            worker = AvatarWorker(url=url, api_key=api_key, api_secret=api_secret, avatar=avatars[0], fps=fps,
-                                  size=size, host=host, port=port, server=server, server_key=server_key)
-            address = await worker.start()
-            progress(f"livekit-worker: avatars {', '.join(avatars)} of the server {server}; agents call "
-                     f"{address}/sessions (LiveKit server {url}); Ctrl-C stops")
-            try:
-                await asyncio.Event().wait()
-            finally:
-                await worker.close()
-
-        asyncio.run(remote())
+        worker = AvatarWorker(url=url, api_key=api_key, api_secret=api_secret, avatar=avatars[0], fps=fps, size=size,
+                              host=host, port=port, server=server, server_key=server_key)
+        asyncio.run(_serve_until_stopped(worker, f"avatars {', '.join(avatars)} of the server {server}", progress))
         return
     # the rooms' event loop shares the GIL with the engine's core thread: wake it on time
     sys.setswitchinterval(0.001)
@@ -299,18 +290,17 @@ def run_worker(models, avatars: list, *, url: str, api_key: str, api_secret: str
     try:
         names = [engine.engine.avatars[engine.add_avatar(folder)].name for folder in avatars]
         engine.start()
-
-        async def main() -> None:
-            worker = AvatarWorker(engine, url=url, api_key=api_key, api_secret=api_secret, avatar=names[0], fps=fps,
-                                  size=size, host=host, port=port)
-            address = await worker.start()
-            progress(f"livekit-worker: avatars {', '.join(names)} on {engine.device}; agents call {address}/sessions "
-                     f"(LiveKit server {url}); Ctrl-C stops")
-            try:
-                await asyncio.Event().wait()
-            finally:
-                await worker.close()
-
-        asyncio.run(main())
+        worker = AvatarWorker(engine, url=url, api_key=api_key, api_secret=api_secret, avatar=names[0], fps=fps,
+                              size=size, host=host, port=port)
+        asyncio.run(_serve_until_stopped(worker, f"avatars {', '.join(names)} on {engine.device}", progress))
     finally:
         engine.close()
+
+
+async def _serve_until_stopped(worker: AvatarWorker, what: str, progress) -> None:
+    address = await worker.start()
+    progress(f"livekit-worker: {what}; agents call {address}/sessions (LiveKit server {worker.url}); Ctrl-C stops")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await worker.close()
