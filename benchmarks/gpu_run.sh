@@ -36,7 +36,10 @@
 #               a clip sampled, the SVD VAE, the speech features, then generate over FRAMES (650) frames per
 #               preset in PRESETS (fast,reference); PROFILE=1: where a UNet call goes. AS_TYPED=1: then RUNS (1)
 #               `lipstream render --model keysync` of the monologue as typed (KS_PRESET, fast). KS_T (400 s) a
-#               command. Out: keysync/keysync_speed.jsonl, keysync/unet_profile.txt, keysync_render_N.txt.
+#               command. REFERENCE=1 (carry .keysync-ref too: a KeySync checkout's sgm/, or KEYSYNC_REF=DIR):
+#               first benchmarks/keysync_reference_speed.py on REF_FRAMES (100) frames; KS_SPEED=0: without
+#               keysync_speed.py. Out: keysync/keysync_speed.jsonl, keysync/keysync_reference.jsonl,
+#               keysync/unet_profile.txt, keysync_render_N.txt.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
 #               with every show layer, pairs interleaved. COST_RUNS (2), COST_VARIANTS (plain,show; show-5ms:
 #               the loop at CPython's switch interval), COST_T (150 s). Out: show_cost.txt.
@@ -368,8 +371,12 @@ PY
 
 stage_keysync() {
   install_wheels
-  timeout ${KS_T:-400} $PY benchmarks/keysync_speed.py "$OUT/keysync" --frames ${FRAMES:-650} \
-    --presets ${PRESETS:-fast,reference} ${PROFILE:+--profile} 2>&1 | tail -14
+  if [ -n "${REFERENCE:-}" ]; then  # KeySync's own code against LipStream's on REF_FRAMES frames
+    LIPSTREAM_KEYSYNC_REFERENCE=${KEYSYNC_REF:-$PWD/.keysync-ref} timeout ${KS_T:-400} $PY \
+      benchmarks/keysync_reference_speed.py "$OUT/keysync" --frames ${REF_FRAMES:-100} 2>&1 | grep "^{" | tail -12
+  fi
+  [ "${KS_SPEED:-1}" = 0 ] || timeout ${KS_T:-400} $PY benchmarks/keysync_speed.py "$OUT/keysync" \
+    --frames ${FRAMES:-650} --presets ${PRESETS:-fast,reference} ${PROFILE:+--profile} 2>&1 | tail -14
   [ -n "${AS_TYPED:-}" ] || return 0
   monologue  # then `render --model keysync` of the monologue as typed, fresh processes
   local k t

@@ -142,43 +142,57 @@ def run_unet(network, x, c_noise, audio):
                    image_only_indicator=x.new_zeros(clips, frames))
 
 
-def sample(config, state: dict, speech, latents, mask, reference, noise, steps: int = 10):
-    """The reference sampling run (DenoiserDub, the Euler sampler over the AYS table, the speech/reference
-    guider at 5 and 2, the yaml's wrapper and speech embedder) on checkpoint-named weights `state`."""
+def sampling(config, speech_dim: int, steps: int = 10, device: str = "cpu"):
+    """The reference's sampling objects as its yaml builds them (DenoiserDub, the Euler sampler over the AYS
+    table, the speech/reference guider at 5 and 2, the wrapper and speech embedder), randomly initialised
+    on `device`: (network, embedder, wrapper, run); run(speech, latents, mask, reference, noise) samples."""
     import torch
 
-    wrappers, denoiser, sampling, encoders = load(
+    wrappers, denoiser, sampling_, encoders = load(
         "sgm.modules.diffusionmodules.wrappers", "sgm.modules.diffusionmodules.denoiser",
         "sgm.modules.diffusionmodules.sampling", "sgm.modules.encoders.modules")
     interpolation = config.in_channels == 9
-    network = unet(config)
-    size = latents.shape[-1]
-    wrapper = (wrappers.InterpolationWrapper(network, im_size=[8 * size, 8 * size], n_channels=4,
-                                             starting_mask_method="zeros", add_mask=True)
-               if interpolation else wrappers.DubbingWrapper(network, mask_input=True))
+    network = unet(config).to(device)
     embedder = encoders.WhisperAudioEmbedder(merge_method="mean", linear_dim=config.context_dim, cond_type="crossattn",
-                                             audio_dim=speech.shape[-1])
+                                             audio_dim=speech_dim).to(device)
+    dub = denoiser.DenoiserDub({"target": "sgm.modules.diffusionmodules.denoiser_scaling.VScalingWithEDMcNoise"},
+                               mask_input=True)
+    sampler = sampling_.EulerEDMSampler(
+        discretization_config={"target": "sgm.modules.diffusionmodules.discretizer.AYSDiscretization"},
+        num_steps=steps, verbose=False, device=device,
+        guider_config={"target": "sgm.modules.diffusionmodules.guiders.AudioRefMultiCondGuider",
+                       "params": {"audio_ratio": 5.0, "ref_ratio": 2.0}})
+
+    def run(speech, latents, mask, reference, noise):
+        size = latents.shape[-1]
+        wrapper = (wrappers.InterpolationWrapper(network, im_size=[8 * size, 8 * size], n_channels=4,
+                                                 starting_mask_method="zeros", add_mask=True).to(device)
+                   if interpolation else wrappers.DubbingWrapper(network, mask_input=True))
+        if interpolation and run.learned_mask is not None:
+            wrapper.learned_mask.data.copy_(run.learned_mask)
+        clips, frames = speech.shape[:2]
+        concat = (reference.flatten(1, 2) if interpolation else reference) / 0.18215
+        with torch.no_grad():
+            c = {"crossattn": embedder(speech), "concat": concat, "gt": latents, "masks": mask}
+            uc = {"crossattn": torch.zeros_like(c["crossattn"]), "concat": torch.zeros_like(concat), "gt": latents,
+                  "masks": mask}
+            extra = {"image_only_indicator": torch.zeros(3 * clips, frames, device=device), "num_video_frames": frames}
+            return sampler(lambda x, sigma, cond: dub(wrapper, x, sigma, cond, **extra), noise.clone(), cond=c, uc=uc)
+
+    run.learned_mask = None  # the interpolation wrapper's, once loaded (else its own initial value)
+    return network, embedder, run
+
+
+def sample(config, state: dict, speech, latents, mask, reference, noise, steps: int = 10):
+    """The reference sampling run (as `sampling` builds it) on checkpoint-named weights `state`."""
+    network, embedder, run = sampling(config, speech.shape[-1], steps)
     prefix = "model.diffusion_model."
     network.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
     embedder.load_state_dict({"linear." + k.rsplit(".", 1)[1]: v for k, v in state.items()
                               if k.startswith("conditioner.embedders.2.")}, strict=True)
-    if interpolation:
-        wrapper.learned_mask.data.copy_(state["model.learned_mask"])
-    scaling = {"target": "sgm.modules.diffusionmodules.denoiser_scaling.VScalingWithEDMcNoise"}
-    dub = denoiser.DenoiserDub(scaling, mask_input=True)
-    sampler = sampling.EulerEDMSampler(
-        discretization_config={"target": "sgm.modules.diffusionmodules.discretizer.AYSDiscretization"},
-        num_steps=steps, verbose=False, device="cpu",
-        guider_config={"target": "sgm.modules.diffusionmodules.guiders.AudioRefMultiCondGuider",
-                       "params": {"audio_ratio": 5.0, "ref_ratio": 2.0}})
-    clips, frames = speech.shape[:2]
-    concat = (reference.flatten(1, 2) if interpolation else reference) / 0.18215
-    with torch.no_grad():
-        c = {"crossattn": embedder(speech), "concat": concat, "gt": latents, "masks": mask}
-        uc = {"crossattn": torch.zeros_like(c["crossattn"]), "concat": torch.zeros_like(concat), "gt": latents,
-              "masks": mask}
-        extra = {"image_only_indicator": torch.zeros(3 * clips, frames), "num_video_frames": frames}
-        return sampler(lambda x, sigma, cond: dub(wrapper, x, sigma, cond, **extra), noise.clone(), cond=c, uc=uc)
+    if "model.learned_mask" in state:
+        run.learned_mask = state["model.learned_mask"]
+    return run(speech, latents, mask, reference, noise)
 
 
 WAVLM_CONFIG = {"encoder_layers": 2, "encoder_embed_dim": 64, "encoder_ffn_embed_dim": 96, "encoder_attention_heads": 4,
