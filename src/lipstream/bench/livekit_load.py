@@ -36,7 +36,7 @@ from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
 
 SETTLE_S = 1.0  # runners start staggered over the first second: left out of every figure
-REMOTE_PLAYOUT_S = 0.5  # a server's session: at least its playout delay (the server's default is 250 ms)
+MEDIA_WAIT_S = 60.0  # at most this long for a server's sessions' first pictures (handshakes under load)
 TTS_RATE = 24_000
 CHUNK_S = 0.02
 
@@ -74,11 +74,25 @@ class RoomWithoutServer:
         pass
 
 
-class PushLog:
-    """Counts what a runner pushes into its AVSynchronizer (wraps its push): cheap per frame."""
+class Window:
+    """The measured stretch [since, until) (time.monotonic()), set once every runner is running: setting up
+    (opening a session, a room's sources, the first pictures) is left out of the figures."""
 
-    def __init__(self, runner: AvatarRunner, generator: LipStreamVideoGenerator, since: float, until: float):
-        self.generator, self.since, self.until = generator, since, until
+    def __init__(self) -> None:
+        self.since = self.until = math.inf
+        self.open = asyncio.Event()
+
+    def start(self, since: float, seconds: float) -> None:
+        self.since, self.until = since, since + seconds
+        self.open.set()
+
+
+class PushLog:
+    """Counts what a runner pushes into its AVSynchronizer (wraps its push) within `window`: cheap per frame."""
+
+    def __init__(self, runner: AvatarRunner, generator: LipStreamVideoGenerator, window: Window):
+        self.generator, self.window = generator, window
+        self.pictures_seen = 0  # since the runner started, counted or not
         self.picture_times: list[float] = []
         self.speech_pictures = self.misaligned = 0
         self._expect = 0  # samples the last picture's audio must have (0: none may follow)
@@ -92,8 +106,9 @@ class PushLog:
 
     def _saw(self, frame) -> None:
         now = time.monotonic()
-        counted = self.since <= now < self.until
+        counted = self.window.since <= now < self.window.until
         if isinstance(frame, rtc.VideoFrame):
+            self.pictures_seen += 1
             if self._expect and counted:
                 self.misaligned += 1  # the previous speaking picture came without its audio
             last = self.generator.last_frame
@@ -123,28 +138,40 @@ async def _feed(audio: QueueAudioOutput, rng: np.random.Generator, speech: np.nd
         audio.flush()
 
 
-async def _one(session, index: int, n: int, since: float, until: float, size: tuple[int, int] | None,
+async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event, size: tuple[int, int] | None,
                speech: np.ndarray) -> dict:
-    """One generator over an open `session` under its runner, fed speech until `until`; its figures over
-    [since, until)."""
-    await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
-    generator = LipStreamVideoGenerator(session, size=size)
-    audio = QueueAudioOutput()
-    runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
-                          options=generator.avatar_options())
-    log = PushLog(runner, generator, since, until)
-    await runner.start()
+    """One generator over an open `session` under its runner: set up, `ready` set once its first picture is
+    pushed, then fed speech until the window closes; its figures over the window."""
     try:
-        await _feed(audio, np.random.default_rng(index), speech, until)
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
+        generator = LipStreamVideoGenerator(session, size=size)
+        audio = QueueAudioOutput()
+        runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
+                              options=generator.avatar_options())
+        log = PushLog(runner, generator, window)
+        await runner.start()
+    except BaseException:
+        ready.set()
+        raise
+    try:
+        t = time.monotonic() + MEDIA_WAIT_S
+        while not log.pictures_seen and time.monotonic() < t:
+            await asyncio.sleep(0.02)
+        ready.set()
+        await window.open.wait()
+        await _feed(audio, np.random.default_rng(index), speech, window.until)
+        await asyncio.sleep(max(0.0, window.until - time.monotonic()))
         actual_fps = runner.av_sync.actual_fps
     finally:
+        ready.set()
         await runner.aclose()
     stats = session.stats
     times = np.asarray(log.picture_times)
-    window = until - since
     gaps = np.diff(times) * 1000 if times.size > 1 else np.zeros(1)
-    return {"pictures": int(times.size), "fps": round(times.size / window, 2), "synchronizer_fps": round(actual_fps, 2),
+    since, seconds = window.since, window.until - window.since
+    span = [round(float(times[0]) - since, 2), round(float(times[-1]) - since, 2)] if times.size else None
+    return {"pictures": int(times.size), "fps": round(times.size / seconds, 2), "synchronizer_fps": round(actual_fps, 2),
+            "pictures_from_to_s": span,
             "speech_pictures": log.speech_pictures, "misaligned": log.misaligned, "late": stats.late,
             "late_speech": stats.late_speech, "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1),
             "interval_max_ms": round(float(gaps.max()), 1), "_gaps": gaps}
@@ -177,13 +204,22 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
     async def main() -> list:
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         try:
-            if start_at is not None:
+            t = time.monotonic() + MEDIA_WAIT_S  # a server's sessions: measured once their media flows
+            while time.monotonic() < t and not all(getattr(s, "receiving", True) for s in sessions
+                                                   if not isinstance(s, BaseException)):
+                await asyncio.sleep(0.05)
+            window, ready = Window(), [asyncio.Event() for _ in sessions]
+            runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech)
+                                    if not isinstance(session, BaseException) else _failed(session)
+                                    for i, session in enumerate(sessions)), return_exceptions=True)
+            for i, session in enumerate(sessions):
+                if isinstance(session, BaseException):
+                    ready[i].set()
+            await asyncio.gather(*(r.wait() for r in ready))  # every runner has pushed its first picture
+            if start_at is not None:  # rooms in processes of their own: the window opens at one moment
                 await asyncio.sleep(max(0.0, start_at - time.time()))
-            delay = engine.o.playout_delay_s if engine is not None else REMOTE_PLAYOUT_S
-            since = time.monotonic() + SETTLE_S + delay
-            return await asyncio.gather(*(_one(session, i, n, since, since + seconds, size, speech)
-                                          if not isinstance(session, BaseException) else _failed(session)
-                                          for i, session in enumerate(sessions)), return_exceptions=True)
+            window.start(time.monotonic() + SETTLE_S, seconds)
+            return await runs
         finally:
             await asyncio.gather(*(close(s) for s in sessions if not isinstance(s, BaseException)),
                                  return_exceptions=True)
@@ -216,7 +252,7 @@ def _row(results: list, n: int, seconds: float, fps: float, keep_gaps: bool = Fa
             "generators": rows}
 
 
-ROOM_START_S = 15.0  # room processes import LiveKit and connect before they start together
+ROOM_START_S = 25.0  # room processes import LiveKit and connect before they start together
 
 
 def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] | None = None, fps: float = 25, *,
