@@ -15,7 +15,6 @@ FRAMES frames, per preset, whole. Rows are printed and appended to OUT/keysync_r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import keysync_reference as ref  # noqa: E402
+from keysync_speed import row_log  # noqa: E402  (this script's folder is on the path: it is run as a script)
 
 from lipstream.keysync.load import _shapes, random_keysync  # noqa: E402
 from lipstream.keysync.options import KEYSYNC_PRESETS  # noqa: E402
@@ -94,13 +94,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny networks (with --device cpu: a check of this script)")
     a = p.parse_args()
     size = "tiny" if a.tiny else "full"
-    a.out.mkdir(parents=True, exist_ok=True)
-    log = open(a.out / "keysync_reference.jsonl", "a")
-
-    def say(**row) -> None:
-        print(row, flush=True)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+    say = row_log(a.out / "keysync_reference.jsonl")
 
     torch.backends.cudnn.benchmark = True
     dev = torch.device(a.device)

@@ -35,6 +35,20 @@ def timed(fn, runs: int = 3) -> float:
     return (time.perf_counter() - t) / runs
 
 
+def row_log(path: Path):
+    """say(**row): the row printed and appended to `path` (JSON lines) as it comes, so a run cut short keeps
+    what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a")
+
+    def say(**row) -> None:
+        print(row, flush=True)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+
+    return say
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -42,13 +56,7 @@ def main() -> None:
     p.add_argument("--presets", default="fast,reference")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
-    log = open(a.out / "keysync_speed.jsonl", "a")
-
-    def say(**row) -> None:
-        print(row, flush=True)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+    say = row_log(a.out / "keysync_speed.jsonl")
 
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
