@@ -900,6 +900,11 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     # as the packets came in: the server's own sync, within the issue's 40 ms (aiortc's receive buffers add
     # their own offset to the decoded frames: 4 audio packets against one video frame)
     assert abs(row["av_offset_ms"]["max_abs"]) <= 40, row["av_offset_ms"]
+    # speech -> the frame's sound, matched the same way: its first audio packet comes with its picture
+    heard, seen = row["audio_latency_ms"], row["latency_ms"]
+    print("speech -> picture, -> sound (ms):", seen, heard, row["decoded_audio_latency_ms"])
+    assert heard and abs(heard["p50"] - seen["p50"]) <= 40, (heard, seen)
+    assert row["decoded_audio_latency_ms"]["p50"] >= heard["p50"] - 1, row["decoded_audio_latency_ms"]
     assert row["render_job"]["status"] == "done"
     assert row["server_cpu_cores"] is not None and row["frames_played"] > 0
     assert row["playout_delay_ms"] == 1500  # the sessions' own, asked for by the clients

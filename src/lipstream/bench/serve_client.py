@@ -194,6 +194,9 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
     await pc.close()
     lat = latencies(sent, events, video.arrivals, video.clock, fps, chunk_s)
     lat_wire = latencies(sent, events, wire.arrivals, video.clock, fps, chunk_s)
+    # the frame's sound: the audio packet (and the decoded audio frame) that starts at the frame's first sample
+    lat_audio = latencies(sent, events, wire_audio.arrivals, wire_audio.clock, fps, chunk_s)
+    lat_audio_decoded = latencies(sent, events, audio.arrivals, audio.clock or 48_000, fps, chunk_s)
     v = sorted(video.arrivals)
     lags = video.lag(), audio.lag()
     wire_lags = wire.lag(), wire_audio.lag()
@@ -202,6 +205,8 @@ async def run(url: str, key: str, avatar: str, start_epoch: float, seconds: floa
         "first_frame_s": first_frame_s and round(first_frame_s, 3),  # offer made -> first video frame
         "latency_ms": [round(x * 1000, 1) for x in lat_wire],  # the frame's last packet in
         "decoded_latency_ms": [round(x * 1000, 1) for x in lat],  # handed over by aiortc, decoded
+        "audio_latency_ms": [round(x * 1000, 1) for x in lat_audio],  # the frame's first audio packet in
+        "decoded_audio_latency_ms": [round(x * 1000, 1) for x in lat_audio_decoded],
         "utterances_sent": len(sent),
         "utterances_started": sum(e.get("kind") == "started" for e in events),
         "utterances_finished": sum(e.get("kind") == "finished" for e in events),

@@ -97,6 +97,9 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
     lat = [x for c in clients for x in c["latency_ms"]]
     firsts = [c["first_frame_s"] for c in clients if c["first_frame_s"] is not None]  # none: no client got video
     decoded = [x for c in clients for x in c["decoded_latency_ms"]]
+    heard = [x for c in clients for x in c.get("audio_latency_ms", [])]
+    heard_decoded = [x for c in clients for x in c.get("decoded_audio_latency_ms", [])]
+    quantiles = (lambda xs: {f"p{q}": round(float(np.percentile(xs, q)), 1) for q in (50, 99)} if xs else {})
     offsets = [c["av_offset_ms"] for c in clients if c["av_offset_ms"] is not None]
     decoded_offsets = [c["av_offset_decoded_ms"] for c in clients if c.get("av_offset_decoded_ms") is not None]
     spread = (lambda xs: {"median": round(float(np.median(xs)), 1), "max_abs": round(max(map(abs, xs)), 1)} if xs else {})
@@ -114,7 +117,9 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         # each session's own p99, worst first: one slow session (its route, its start) or all of them a little
         "latency_ms_p99_by_session": sorted((round(float(np.percentile(c["latency_ms"], 99)), 1)
                                              for c in clients if c["latency_ms"]), reverse=True),
-        "decoded_latency_ms": {f"p{q}": round(float(np.percentile(decoded, q)), 1) for q in (50, 99)} if decoded else {},
+        "decoded_latency_ms": quantiles(decoded),
+        # speech -> the frame's sound: its first audio packet at the client, and aiortc's decoded audio frame
+        "audio_latency_ms": quantiles(heard), "decoded_audio_latency_ms": quantiles(heard_decoded),
         "speech_frames": len(lat),
         "frames_late": sum(c["server_frames_late"] or 0 for c in clients),  # the server's: previous picture again
         "frames_played": sum(c["server_frames_played"] or 0 for c in clients),
@@ -196,7 +201,8 @@ def run(url: str, key: str, counts: list[int], seconds: float, avatars: list[str
         report["rows"].append(row)
         st = row["server_stages_ms"]
         progress(f"N={n} at {row['playout_delay_ms']} ms: p50/p99 {row['latency_ms'].get('p50')}/"
-                 f"{row['latency_ms'].get('p99')} ms, {row['frames_late']} late, {row['video_frames_missing']} missing, "
+                 f"{row['latency_ms'].get('p99')} ms (audio {row['audio_latency_ms'].get('p50')}/"
+                 f"{row['audio_latency_ms'].get('p99')}), {row['frames_late']} late, {row['video_frames_missing']} missing, "
                  f"errors {len(row['errors'])}; server stages p99 "
                  f"{ {k: v['p99'] for k, v in st.items() if isinstance(v, dict) and 'p99' in v} }, "
                  f"late by {st.get('late_median')}; cores host {row['host_busy_cores']} server "
@@ -216,25 +222,27 @@ def write(report: dict, out: Path) -> None:
              f"`{report['command']}`", "", f"avatars: {report['avatars']}; {report['seconds']} s a row; video {report['codec']} offered, speech in "
              f"{report['chunk_ms']:g} ms chunks; "
              f"render job beside: {report['render_audio'] or 'none'}", "",
-             "| N | playout ms | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | speech frames | late (server) | missing (client) | A/V offset ms "
+             "| N | playout ms | p50 / p95 / p99 ms | max ms | decoded p50 / p99 ms | audio p50 / p99 ms (packets; decoded) | speech frames | late (server) | missing (client) | A/V offset ms "
              "(median, max; decoded) | first frame s | render job s | server stages p99 ms (audio, features, render, encode) | "
              "cores: host, server, its workers (encode, WebRTC), clients | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         q, av_ = r["latency_ms"], r["av_offset_ms"]
         job = r["render_job"]
         d = r["decoded_latency_ms"]
+        a, ad = r.get("audio_latency_ms") or {}, r.get("decoded_audio_latency_ms") or {}
         st = r.get("server_stages_ms") or {}
         stages = ", ".join(str(st.get(k, {}).get("p99")) for k in ("audio", "features", "render", "encode"))
         lines.append(f"| {r['sessions']} | {r.get('playout_delay_ms')} | {q.get('p50')} / {q.get('p95')} / {q.get('p99')} | {r['latency_ms_max']} | "
-                     f"{d.get('p50')} / {d.get('p99')} | "
+                     f"{d.get('p50')} / {d.get('p99')} | {a.get('p50')} / {a.get('p99')}; {ad.get('p50')} / {ad.get('p99')} | "
                      f"{r['speech_frames']} | {r['frames_late']} | {r['video_frames_missing']} | "
                      f"{av_.get('median')}, {av_.get('max_abs')}; {r.get('av_offset_decoded_ms', {}).get('median')} | "
                      f"{r['first_frame_s'].get('p50')} | "
                      f"{(job or {}).get('seconds')} | {stages} | {r.get('host_busy_cores')}, {r['server_cpu_cores']}, "
                      f"{r.get('worker_processes_cores', r.get('encode_workers_cores'))}, {r.get('client_cores')} | {len(r['errors'])} |")
     lines += ["", "Latency: audio sent by the client -> the frame's last RTP packet at the client; decoded: -> "
-                  "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts).",
+                  "handed over decoded by aiortc (its jitter buffer holds a frame until the next one starts). "
+                  "Audio: the same speech -> the frame's sound, its first audio packet and aiortc's decoded frame.",
               "", "A/V offset: video minus audio, each packet's arrival less its media time, as the packets came in "
                   "(the server's sync); decoded: as aiortc handed the frames over (its audio jitter buffer waits "
                   "for 4 packets, its video one holds a frame: an offset the server did not make)."]
