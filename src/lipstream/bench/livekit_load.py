@@ -197,10 +197,6 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
-    async def close(session) -> None:
-        closing = getattr(session, "aclose", None)  # a server's session: until the server has let it go
-        await closing() if closing is not None else session.close()
-
     async def main() -> list:
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         try:
@@ -221,7 +217,7 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
             window.start(time.monotonic() + SETTLE_S, seconds)
             return await runs
         finally:
-            await asyncio.gather(*(close(s) for s in sessions if not isinstance(s, BaseException)),
+            await asyncio.gather(*(s.aclose() for s in sessions if not isinstance(s, BaseException)),
                                  return_exceptions=True)
 
     return _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)

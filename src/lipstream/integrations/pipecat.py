@@ -344,9 +344,8 @@ class LipStreamVideoService(FrameProcessor):
         self._closing = True
         session, self._session = self._session, None
         if session is not None:
-            aclose = getattr(session, "aclose", None)  # a remote session lets its server go before it returns
             try:
-                await aclose() if aclose is not None else session.close()
+                await session.aclose()  # a remote session lets its server go before it returns
             except Exception as e:  # noqa: BLE001 (closing is best effort: the session is gone either way)
                 await self.push_error(f"LipStream: closing the session failed: {e}", exception=e)
         reader, self._reader = self._reader, None

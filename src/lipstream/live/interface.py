@@ -63,5 +63,8 @@ class SpeakingSession(Protocol):
     def close(self) -> None:
         """Its stream ends (iteration stops) and its place is freed. Idempotent."""
 
+    async def aclose(self) -> None:
+        """close(), returning once its place is free (a remote session: once its server has let it go)."""
+
     def __aiter__(self) -> AsyncIterator[LiveFrame | SpeechEvent]:
         """Frames at their playout times (each with its 48 kHz audio) and speech events."""

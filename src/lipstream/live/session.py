@@ -114,6 +114,10 @@ class Session:
         release, self._release = self._release, lambda session: None
         release(self)
 
+    async def aclose(self) -> None:
+        """close() (a local session's place is free at once): the SpeakingSession call a remote one needs."""
+        self.close()
+
     def __enter__(self) -> Session:
         return self
 

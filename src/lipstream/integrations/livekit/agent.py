@@ -172,11 +172,7 @@ class LocalAvatar:
 
     async def aclose(self) -> None:
         await self.runner.aclose()
-        closing = getattr(self.session, "aclose", None)  # a server's session: wait until it has let go
-        if closing is not None:
-            await closing()
-        else:
-            self.session.close()
+        await self.session.aclose()
 
 
 async def start_in_process(agent_session: AgentSession, room: rtc.Room, engine=None, avatar: int | str = 0, *,

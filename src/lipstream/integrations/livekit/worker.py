@@ -199,7 +199,7 @@ class AvatarWorker:
             await room.connect(self.url, self.room_token(room_name, identity, agent_identity),
                                rtc.RoomOptions(auto_subscribe=False, connect_timeout=CONNECT_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - rtc.ConnectError, or the FFI's own errors
-            await _close(session)
+            await session.aclose()
             text = str(e).strip().splitlines()
             raise DispatchError(502, f"LiveKit server at {self.url}: {text[0] if text else type(e).__name__}") from None
         presence = Presence(room_name, identity, agent_identity, avatar, room, session)
@@ -261,15 +261,10 @@ class AvatarWorker:
                 await runner.aclose()
             with contextlib.suppress(Exception):
                 await room.disconnect()
-            await _close(p.session)
+            await p.session.aclose()
             if self.rooms.get(p.room_name) is p:
                 del self.rooms[p.room_name]
             log.info("avatar left room %s", p.room_name)
-
-
-async def _close(session) -> None:
-    closing = getattr(session, "aclose", None)  # a server's session: until the server has let it go
-    await closing() if closing is not None else session.close()
 
 
 def run_worker(models, avatars: list, *, url: str, api_key: str, api_secret: str, options, fps: Fraction | None = None,
