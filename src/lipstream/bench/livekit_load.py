@@ -36,7 +36,7 @@ from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
 
 SETTLE_S = 1.0  # runners start staggered over the first second: left out of every figure
-MEDIA_WAIT_S = 60.0  # at most this long for a server's sessions' first pictures (handshakes under load)
+MEDIA_WAIT_S = 60.0  # at most this long for a runner's first picture (a server's handshakes under load)
 TTS_RATE = 24_000
 CHUNK_S = 0.02
 
@@ -200,10 +200,6 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
     async def main() -> list:
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         try:
-            t = time.monotonic() + MEDIA_WAIT_S  # a server's sessions: measured once their media flows
-            while time.monotonic() < t and not all(getattr(s, "receiving", True) for s in sessions
-                                                   if not isinstance(s, BaseException)):
-                await asyncio.sleep(0.05)
             window, ready = Window(), [asyncio.Event() for _ in sessions]
             runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech)
                                     if not isinstance(session, BaseException) else _failed(session)
@@ -347,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                               "size": f"{w}x{h}"}), flush=True)
     finally:
         engine.close()
+
 
 if __name__ == "__main__":
     main()

@@ -319,11 +319,6 @@ class RemoteSession:
         await self.aclose()
 
     @property
-    def receiving(self) -> bool:
-        """Pictures have started to arrive (the WebRTC handshake is done and media flows)."""
-        return self._next is not None or bool(self._pictures)
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
