@@ -26,7 +26,7 @@ from lipstream.fixtures.stream import nal_types
 from lipstream.live import SessionRefused, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import streamed_features
 from lipstream.live.request import Candidate
-from lipstream.live.scheduler import Scheduler
+from lipstream.live.scheduler import PlanTimer, Scheduler
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.engine.options import EngineOptions
 from lipstream.render.options import RenderOptions
@@ -762,6 +762,32 @@ def test_out_of_phase_pushes_share_whisper_runs(tiny_models, avatars):
     assert windows / runs >= 4, (runs, windows)
 
 
+@pytest.mark.slow
+def test_a_low_latency_session_has_its_windows_encoded_at_its_own_tick(tiny_models, avatars):
+    """While a session of latency "low" is open the engine runs Whisper at that session's 10 ms tick, not
+    its own (here 250 ms, which would gather ~12 windows of 20 ms pushes a call): the windows are
+    encoded about as they come."""
+    import time
+
+    live = _engine(tiny_models, avatars[:1], feature_tick_s=0.25, playout_delay_s=8.0, idle_cache_gib=1.0)
+    try:
+        session = live.open_session(0, fps=1, latency="low")
+        speech = speech_like(1.0, 16_000, seed=3)
+        t0 = time.monotonic()
+        for i in range(50):
+            time.sleep(max(0.0, t0 + 0.02 * i - time.monotonic()))
+            session.push_audio(speech[320 * i:320 * (i + 1)], 16_000)
+        session.end_utterance()
+        deadline = time.monotonic() + 20
+        while live.stats.whisper_windows < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        windows, runs = live.stats.whisper_windows, live.stats.whisper_runs
+    finally:
+        live.close()
+    assert windows >= 50, windows
+    assert windows / runs <= 4, (runs, windows)
+
+
 class _Frames:
     """A session as the scheduler sees it: its request (frames it could render now, what the core took),
     its playout (nothing played yet) and its hand-off (nothing given up here)."""
@@ -781,6 +807,35 @@ class _Frames:
 
     def skip(self, given_up):
         assert not given_up
+
+
+def test_the_next_step_is_planned_as_the_one_in_flight_nears_its_end():
+    """Just in time: the plan waits until the running step is its bucket's recent time (not the measure at
+    start, nor another bucket's) minus the lead away; a GPU found idle makes the lead grow, turns that
+    beat the step's end make it shrink back, never below its least."""
+    scheduler = Scheduler(max_batch=16)
+    scheduler.step_s.update({1: 0.012, 8: 0.03, 16: 0.05})
+    assert scheduler.step_duration(5) == 0.03 and scheduler.step_duration(40) == 0.05  # measured at start
+    scheduler.observe_step(0.02, 6)  # a step of 6 frames: bucket 8's device time
+    assert scheduler.step_duration(8) == 0.02 and scheduler.step_duration(1) == 0.012
+    scheduler.observe_step(0.025, 7)
+    assert abs(scheduler.step_duration(8) - 0.021) < 1e-9  # recent steps, smoothed
+    scheduler.take_steps({8: 0.01})  # another engine: what the old one took is forgotten
+    assert scheduler.step_duration(8) == 0.01
+
+    timer = PlanTimer(prepare_s=0.003)
+    timer.started(10.0, 0.02)
+    assert abs(timer.wait_s(10.0) - (0.02 - 0.003 - PlanTimer.MARGIN_S[0])) < 1e-9
+    assert timer.wait_s(10.019) < 0  # past the lead: plan now
+    timer.idled()
+    timer.idled()
+    assert abs(timer.margin_s - (PlanTimer.MARGIN_S[0] + 0.002)) < 1e-9  # planned earlier from then on
+    for _ in range(100):
+        timer.idled()
+    assert timer.margin_s == PlanTimer.MARGIN_S[1]
+    for _ in range(200):
+        timer.launched(0.001)
+    assert timer.margin_s == PlanTimer.MARGIN_S[0] and abs(timer.prepare_s - 0.001) < 1e-6
 
 
 def test_a_step_with_room_waits_while_its_frames_have_slack():

@@ -5,7 +5,8 @@ session, at most once a feature tick), ask the scheduler for the next step's fra
 runner: the engine's captured graphs, network step and blend into I420), hand idle frames whose
 pictures are kept straight to their sessions, and only then finish the previous step: wait for its
 frames in pinned host memory (copied on a side stream) and hand each to its session or offline job.
-So the CPU plans step k+1 while the GPU runs step k.
+So the CPU plans step k+1 while the GPU runs step k, just in time: as step k nears its end (the
+scheduler's PlanTimer), so that step k+1 takes every frame whose features came in meanwhile.
 
 The front end (live/engine.py) adds sessions, avatars and offline jobs under `lock`, and sets `wake`
 when something new needs the core; the core reads them at its next step. What runs next is the
@@ -31,7 +32,7 @@ from lipstream.faults import inject
 from lipstream.live.features import FeatureTable, StreamingWhisper
 from lipstream.live.options import LiveOptions
 from lipstream.live.runner import InFlight, StepRunner
-from lipstream.live.scheduler import FILL_POLL_S, Scheduler, StepPlan
+from lipstream.live.scheduler import FILL_POLL_S, PlanTimer, Scheduler, StepPlan
 from lipstream.live.session import Session
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class LiveCore:
         self._planned: StepPlan | None = None  # planned and not yet launched
         self._features_at = 0.0
         self._last_turn = 0.0
+        self.timer = PlanTimer()
 
     @property
     def running(self) -> bool:
@@ -128,7 +130,7 @@ class LiveCore:
     def _take(self, engine: StepEngine, step_s: dict[int, float]) -> None:
         self.engine = self.runner.engine = engine
         self.runner.warm_sizes()
-        self.scheduler.step_s.update(step_s)
+        self.scheduler.take_steps(step_s)
 
     # --- the core thread ------------------------------------------------------------------------
 
@@ -161,8 +163,9 @@ class LiveCore:
                 s.close()
 
     def step(self) -> float | None:
-        """One turn: features -> schedule -> launch this step -> finish the previous one. Returns how long the
-        thread may wait for something new (None: a step is in flight, go on at once)."""
+        """One turn: (the step in flight nearing its end) features -> schedule -> launch this step -> finish the
+        previous one. Returns how long the thread may wait for something new (None: a step is in flight, go
+        on at once)."""
         if self._swap is not None:  # new steps (use_compiled): taken with nothing in flight
             self._drain()
             with self.lock:
@@ -170,16 +173,17 @@ class LiveCore:
                 self._take(engine, step_s)
                 self._swap = None
             taken.set()
-        if self._inflight is not None and self._inflight.done is not None and self._inflight.done.query():
-            self._drain()  # done already: its frames go out before this turn's work
+        just_in_time = self._await_in_flight()
+        woke = time.monotonic()
         with self.lock:
             sessions = list(self.sessions.values())
             # Whisper runs over every session's ready windows at most once a feature tick (the first
             # window after a quiet spell at once): unaligned 20 ms pushes otherwise make a small
-            # encoder run at nearly every turn
+            # encoder run at nearly every turn. Before a step planned just in time, always: those
+            # turns come once a step
             now = time.monotonic()
-            features_wait = self._features_at + self.o.feature_tick_s - now
-            if features_wait <= 0 and self._features(sessions):
+            features_wait = self._features_at + self._feature_tick(sessions) - now
+            if (features_wait <= 0 or just_in_time) and self._features(sessions):
                 self._features_at = now
             now = time.monotonic()
             plan = self.scheduler.plan(sessions, now, self.idle_loops)
@@ -189,6 +193,11 @@ class LiveCore:
             except torch.cuda.OutOfMemoryError as e:
                 launched = self._out_of_memory(plan, e)
             self._planned = None
+        if just_in_time and launched is not None:
+            if self._inflight.done.query():  # ended before this step was in: the GPU ran dry
+                self.timer.idled()
+            else:
+                self.timer.launched(time.monotonic() - woke)
         self.runner.hand_out_cached(plan, self.idle_loops, now)
         self.stats.idle_cached_frames += len(plan.cached)
         self._drain()
@@ -196,10 +205,31 @@ class LiveCore:
         if launched is not None and launched.done is None:  # no GPU: the step already ran
             self._drain()
         if self._inflight is not None:
+            # it runs once the step before it is done (drained just now): from now, for its bucket's time
+            self.timer.started(time.monotonic(), self.scheduler.step_duration(len(plan)))
             return None
         wait = FILL_POLL_S if plan.deferred else self.scheduler.idle_wait(sessions, time.monotonic(),
                                                                           self.idle_loops)
         return min(wait, features_wait) if features_wait > 0 else wait
+
+    def _await_in_flight(self) -> bool:
+        """With a step on the GPU, wait until the next one is due to be planned (the scheduler's PlanTimer).
+        True when this turn was timed to a step's end; a step found done already is finished first."""
+        f = self._inflight
+        if f is None or f.done is None:
+            return False
+        if f.done.query():
+            self._drain()  # done already (the GPU idled): its frames go out before this turn's work
+            self.timer.idled()
+            return False
+        ahead = self.timer.wait_s(time.monotonic())
+        if ahead > 0:
+            self._stop.wait(ahead)  # not a push's wake: nothing launched before then would run sooner
+        return True
+
+    def _feature_tick(self, sessions: list[Session]) -> float:
+        """The engine's feature tick, or a shorter one a session asks for (a low-latency session's)."""
+        return min([self.o.feature_tick_s, *(s.o.feature_tick_s for s in sessions)])
 
     def _drain(self) -> None:
         """Finish the step in flight, if any."""
@@ -274,6 +304,6 @@ class LiveCore:
         took = self.runner.finish(f)
         if f.timing is not None:
             self.stats.gpu_busy_s += took
-        self.scheduler.observe_step(took)
+        self.scheduler.observe_step(took, len(f.plan))
         self.stats.frames += len(f.plan.live)
         self.stats.offline_frames += len(f.plan.offline)

@@ -106,8 +106,10 @@ PRESETS: dict[str, LiveOptions] = {
 
 
 # what a session may choose on any engine (open_session(latency=...)): its own fields of a preset
+# (a low session's feature tick is the engine's while it is open: the core runs Whisper at the shortest asked)
 SESSION_LATENCY = {"default": {}, "low": {"playout_delay_s": PRESETS["lowlatency"].playout_delay_s,
-                                          "window_ahead_steps": PRESETS["lowlatency"].window_ahead_steps}}
+                                          "window_ahead_steps": PRESETS["lowlatency"].window_ahead_steps,
+                                          "feature_tick_s": PRESETS["lowlatency"].feature_tick_s}}
 
 
 def preset(name: str) -> LiveOptions:

@@ -98,11 +98,34 @@ class Scheduler:
         self.offline: deque[OfflineJob] = deque()
         self.step_s: dict[int, float] = {}  # what a step of each bucket took at start (LiveEngine measures)
         self._recent: float | None = None  # device time of recent steps
+        self._by_bucket: dict[int, float] = {}  # device time of recent steps, per bucket
 
     # --- what a step costs -----------------------------------------------------------------------
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, frames: int = 0) -> None:
+        """A finished step's device time (of `frames` frames: kept per bucket too)."""
         self._recent = seconds if self._recent is None else 0.8 * self._recent + 0.2 * seconds
+        if frames and self.step_s:
+            b = self._bucket(frames)
+            last = self._by_bucket.get(b)
+            self._by_bucket[b] = seconds if last is None else 0.8 * last + 0.2 * seconds
+
+    def take_steps(self, step_s: dict[int, float]) -> None:
+        """Another engine's steps (measured): what the old ones took recently no longer says anything."""
+        self.step_s.update(step_s)
+        self._by_bucket.clear()
+        self._recent = None
+
+    def _bucket(self, frames: int) -> int:
+        return min((b for b in self.step_s if b >= frames), default=max(self.step_s))
+
+    def step_duration(self, frames: int) -> float:
+        """What a step of this many frames will take on the device: its bucket's recent steps, else its
+        bucket's measure at start (when the core plans the next step just in time, live/core.py)."""
+        if not self.step_s:
+            return self.step_estimate()
+        b = self._bucket(frames)
+        return self._by_bucket.get(b, self.step_s[b])
 
     def step_estimate(self) -> float:
         """What the next step will take on the device: recent steps' (small at low load, full under load)."""
@@ -204,6 +227,41 @@ class Scheduler:
         tick = max(0.002, min(margin, min(float(1 / s.fps) for s in sessions)) / 2)
         wake = math.ceil(min(due) / tick) * tick
         return max(0.0005, min(0.05, wake - now))
+
+
+class PlanTimer:
+    """When to plan the next step while one runs on the GPU: just in time, `lead` before its end.
+
+    Planned at once (as soon as the step before is launched), the next step takes only the frames ready
+    then and waits behind the running one: a frame ready a moment later waits for two steps. Planned
+    as the running step ends, it takes every frame ready by then, and none waits more than one step
+    before its own. The lead is what the core's turn takes from waking to its step launched (features,
+    planning, the launch; recent turns), plus a margin that grows by a millisecond each time the GPU
+    was found idle (the running step ended before the next was launched) and shrinks slowly otherwise."""
+
+    MARGIN_S = (0.001, 0.008)  # least and most margin
+
+    def __init__(self, prepare_s: float = 0.003):
+        self.ends = 0.0  # when the step in flight should be done on the device (time.monotonic())
+        self.prepare_s = prepare_s
+        self.margin_s = self.MARGIN_S[0]
+
+    def started(self, now: float, duration_s: float) -> None:
+        """A step is in flight from `now` (the one before it done) for about `duration_s`."""
+        self.ends = now + duration_s
+
+    def wait_s(self, now: float) -> float:
+        """How long until the next step should be planned (<= 0: now)."""
+        return self.ends - self.prepare_s - self.margin_s - now
+
+    def launched(self, prepared_s: float) -> None:
+        """A turn timed by wait_s launched its step `prepared_s` after waking, before the GPU ran dry."""
+        self.prepare_s = 0.8 * self.prepare_s + 0.2 * prepared_s
+        self.margin_s = max(self.MARGIN_S[0], self.margin_s - 0.0001)
+
+    def idled(self) -> None:
+        """The step in flight was done before the next was launched: plan earlier."""
+        self.margin_s = min(self.MARGIN_S[1], self.margin_s + 0.001)
 
 
 def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None, utilisation: float,
