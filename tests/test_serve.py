@@ -914,6 +914,9 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     assert stages["frames"] == 0 or {"audio", "features", "render", "encode", "slack"} <= set(stages), stages
     assert stages["ready_after_deadline"] <= stages["frames"] <= row["frames_played"], (stages, row["frames_played"])
     assert row["host_busy_cores"] > 0 and row["client_cores"] > 0, row
+    # the engine's own counters over the row (its /metrics): steps ran, with the speech and the job in them
+    assert row["engine_steps"] > 0 and row["engine_frames_per_step"] >= 1, row
+    assert 0 <= row["engine_steps_after_idle"] <= row["engine_steps"]
     assert "| 2 |" in (tmp_path / "serve_bench.md").read_text()
 
 

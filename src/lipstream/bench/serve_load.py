@@ -67,6 +67,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                                            preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
         time.sleep(max(0.0, start - time.time()))
         cpu0, kids0, host0, t0 = process_cpu_s(server_pid), children_cpu_s(server_pid), host_busy_s(), time.monotonic()
+        engine0 = engine_counters(http)
         job = submit_render_job(http, avatars[0], render_audio) if render_audio is not None else None
         job_s = None
         clients, errors = [], []
@@ -84,6 +85,7 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
                 clients.append(report)
         wall = time.monotonic() - t0
         cpu1, kids1, host1 = process_cpu_s(server_pid), children_cpu_s(server_pid), host_busy_s()
+        engine1 = engine_counters(http)
         if job is not None:
             while True:  # the job may outlast the row
                 status = http.get(f"/v1/jobs/{job}").json()
@@ -139,9 +141,45 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
         "host_busy_cores": cores(host0, host1),  # everything on the machine, the clients included
         "client_cores": round(sum(c.get("cpu_s", 0) for c in clients) / (wall + CONNECT_S), 2),
         "wall_s": round(wall, 1),
+        **_engine_row(engine0, engine1, wall),
     }
     row["holds"] = bool(lat) and not errors and row["latency_ms"]["p99"] <= TARGET_P99_MS and row["frames_late"] == 0
     return row
+
+
+ENGINE_COUNTERS = {"steps": "lipstream_engine_steps", "steps_after_idle": "lipstream_engine_steps_after_idle",
+                   "gpu_busy_s": "lipstream_engine_gpu_busy_seconds", "frames": "lipstream_live_frames_rendered",
+                   "offline_frames": "lipstream_offline_frames"}
+
+
+def engine_counters(http: httpx.Client) -> dict[str, float]:
+    """The engine's counters from the server's /metrics (summed over a fleet's replicas); {} when unreadable."""
+    try:
+        text = http.get("/metrics").text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{", 1)[0]
+        for key, metric in ENGINE_COUNTERS.items():
+            if name == metric:
+                try:
+                    out[key] = out.get(key, 0.0) + float(value)
+                except ValueError:
+                    pass
+    return out
+
+
+def _engine_row(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """What the engine did during a row: steps, frames a step, GPU busy, steps launched after the GPU ran dry."""
+    if not before or not after or "steps" not in after:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_COUNTERS}
+    return {"engine_steps": int(d["steps"]),
+            "engine_frames_per_step": round((d["frames"] + d["offline_frames"]) / d["steps"], 2) if d["steps"] else None,
+            "engine_steps_after_idle": int(d["steps_after_idle"]),
+            "engine_gpu_busy_pct": round(100 * d["gpu_busy_s"] / wall, 1) if wall > 0 else None}
 
 
 def _stages(per_client: list[dict[str, list[float]]]) -> dict:

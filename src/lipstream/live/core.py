@@ -61,6 +61,7 @@ class EngineStats:
     whisper_windows: int = 0
     whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
+    steps_after_idle: int = 0  # steps launched after the one before had ended (the GPU ran dry between them)
     started_at: float = field(default_factory=time.monotonic)
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -196,6 +197,7 @@ class LiveCore:
         if just_in_time and launched is not None:
             if self._inflight.done.query():  # ended before this step was in: the GPU ran dry
                 self.timer.idled()
+                self.stats.steps_after_idle += 1
             else:
                 self.timer.launched(time.monotonic() - woke)
         self.runner.hand_out_cached(plan, self.idle_loops, now)
@@ -221,6 +223,7 @@ class LiveCore:
         if f.done.query():
             self._drain()  # done already (the GPU idled): its frames go out before this turn's work
             self.timer.idled()
+            self.stats.steps_after_idle += 1
             return False
         ahead = self.timer.wait_s(time.monotonic())
         if ahead > 0:

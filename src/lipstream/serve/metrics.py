@@ -56,6 +56,12 @@ class _Live:
         yield GaugeMetricFamily("lipstream_live_idle_frames_kept", "idle frames from the kept loops",
                                 value=stats.idle_cached_frames)
         yield GaugeMetricFamily("lipstream_offline_frames", "job frames through the steps", value=stats.offline_frames)
+        yield GaugeMetricFamily("lipstream_engine_steps", "steps the engine ran", value=stats.steps)
+        yield GaugeMetricFamily("lipstream_engine_steps_after_idle",
+                                "steps launched after the one before had ended (the GPU idled between them)",
+                                value=stats.steps_after_idle)
+        yield GaugeMetricFamily("lipstream_engine_gpu_busy_seconds", "GPU time of the steps (0 on a CPU)",
+                                value=stats.gpu_busy_s)
         yield GaugeMetricFamily("lipstream_live_frames_late", "frames played late, over all sessions so far",
                                 value=sum(s.stats.late for s in list(live.sessions.values())) + self.closed_late())
         yield GaugeMetricFamily("lipstream_engine_capacity_fps", "frames/s admission counts with",
