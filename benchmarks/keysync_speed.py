@@ -107,7 +107,8 @@ def reference_pieces(size: str, dev: torch.device, say) -> dict:
         del network, embedder
     temporal_ae, = ref.load("sgm.modules.autoencoding.temporal_ae")
     svd = {**ref.SGM_DECODER, "ch": 128, "ch_mult": [1, 2, 4, 4], "resolution": 256}  # the yaml's decoder
-    decoder = temporal_ae.VideoDecoder(**(svd if size == "full" else ref.SGM_DECODER)).to(dev).eval()
+    with dev:  # initialised there, not on the CPU
+        decoder = temporal_ae.VideoDecoder(**(svd if size == "full" else ref.SGM_DECODER)).to(dev).eval()
     z = torch.randn(CLIP, 4, lat, lat, device=dev)
     with torch.no_grad():
         per_clip = seconds(lambda: [decoder(z[i:i + 1], timesteps=1) for i in range(CLIP)], dev, runs=1)

@@ -152,9 +152,10 @@ def sampling(config, speech_dim: int, steps: int = 10, device: str = "cpu"):
         "sgm.modules.diffusionmodules.wrappers", "sgm.modules.diffusionmodules.denoiser",
         "sgm.modules.diffusionmodules.sampling", "sgm.modules.encoders.modules")
     interpolation = config.in_channels == 9
-    network = unet(config).to(device)
-    embedder = encoders.WhisperAudioEmbedder(merge_method="mean", linear_dim=config.context_dim, cond_type="crossattn",
-                                             audio_dim=speech_dim).to(device)
+    with torch.device(device):  # made (and randomly initialised) there: 1.5 G parameters take minutes on a CPU
+        network = unet(config).to(device)
+        embedder = encoders.WhisperAudioEmbedder(merge_method="mean", linear_dim=config.context_dim,
+                                                 cond_type="crossattn", audio_dim=speech_dim).to(device)
     dub = denoiser.DenoiserDub({"target": "sgm.modules.diffusionmodules.denoiser_scaling.VScalingWithEDMcNoise"},
                                mask_input=True)
     sampler = sampling_.EulerEDMSampler(

@@ -552,6 +552,8 @@ def test_rooms_in_processes_of_their_own_against_a_server(server):
         assert g["pictures"] >= 0.6 * 5.0 * 4, g
         assert g["speech_pictures"] > 0 and g["misaligned"] == 0, g
     assert row["fps_min"] > 2.0, row
+    # each room process's longest event-loop stall while it started (what leaves a peer unanswering)
+    assert row["startup_loop_stall_max_ms"] is not None and row["startup_loop_stall_max_ms"] >= 0, row
 
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "

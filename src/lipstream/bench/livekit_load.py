@@ -197,7 +197,10 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
+    stall = LoopStall()
+
     async def main() -> list:
+        stall.start()
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         try:
             window, ready = Window(), [asyncio.Event() for _ in sessions]
@@ -210,13 +213,41 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
             await asyncio.gather(*(r.wait() for r in ready))  # every runner has pushed its first picture
             if start_at is not None:  # rooms in processes of their own: the window opens at one moment
                 await asyncio.sleep(max(0.0, start_at - time.time()))
+            stall.stop()
             window.start(time.monotonic() + SETTLE_S, seconds)
             return await runs
         finally:
             await asyncio.gather(*(s.aclose() for s in sessions if not isinstance(s, BaseException)),
                                  return_exceptions=True)
 
-    return _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
+    row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
+    row["startup_loop_stall_max_ms"] = stall.max_ms()
+    return row
+
+
+class LoopStall:
+    """The longest this event loop was held up (a 10 ms sleep overran) while sessions opened and runners started:
+    a loop held 6 s or more leaves the sessions' WebRTC peers unanswering, and the server closes them."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        async def watch() -> None:
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                self.worst = max(self.worst, time.perf_counter() - t - 0.01)
+
+        self._task = asyncio.ensure_future(watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def max_ms(self) -> float:
+        return round(self.worst * 1000, 1)
 
 
 async def _failed(error: BaseException) -> dict:
@@ -257,16 +288,19 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
               "--start", str(start), *(["--size", f"{size[0]}x{size[1]}"] if size is not None else [])]
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     results: list = []
+    stalls: list[float] = []  # each room process's longest event-loop stall while it started
     for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
         if isinstance(row, str):
             results.append(RuntimeError(row))
         else:
             results += row["generators"] or [RuntimeError(row["first_error"])]
+            stalls.append(row.get("startup_loop_stall_max_ms") or 0.0)
     for r in results:
         if isinstance(r, dict):
             r["_gaps"] = np.asarray(r.pop("gaps_ms"))
     row = _row(results, n, seconds, fps)
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
+    row["startup_loop_stall_max_ms"] = max(stalls, default=None)
     return row
 
 
