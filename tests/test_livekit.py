@@ -425,6 +425,8 @@ def test_in_process_avatar_over_a_server_plays_speech_with_its_pictures(server):
     reported once after its last audio, and the server's session gone after aclose()."""
     import httpx
 
+    stage = ["opening the session"]  # where the run is: a run that hangs fails naming it (once seen, not explained)
+
     async def run():
         agent = AgentSession()
         local = await start_in_process(agent, RoomWithoutServer(), url=server, avatar="anna", api_key=SERVER_KEY,
@@ -434,15 +436,24 @@ def test_in_process_avatar_over_a_server_plays_speech_with_its_pictures(server):
         agent.output.audio.on("playback_finished", lambda ev: finished.append((time.monotonic(), ev)))
         await asyncio.sleep(1.0)
         pcm, chunks = tts_chunks(1.5, seed=3)
-        for chunk in chunks:
+        for k, chunk in enumerate(chunks):
+            stage[0] = f"speaking: chunk {k} of {len(chunks)}"
             await agent.output.audio.capture_frame(chunk)
         agent.output.audio.flush()
+        stage[0] = "waiting for playback_finished"
         await _until(lambda: finished, 30.0)
         await asyncio.sleep(0.5)
+        stage[0] = "closing"
         await local.aclose()
         return pcm, pushes, finished, local
 
-    pcm, pushes, finished, local = asyncio.run(run())
+    async def bounded():
+        try:
+            return await asyncio.wait_for(run(), 120)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"stuck for 120 s while {stage[0]}") from None
+
+    pcm, pushes, finished, local = asyncio.run(bounded())
     assert local.session.closed
     listed = httpx.get(f"{server}/v1/sessions", headers={"Authorization": f"Bearer {SERVER_KEY}"}).json()
     assert listed == [] or listed.get("sessions", []) == []
@@ -552,8 +563,11 @@ def test_rooms_in_processes_of_their_own_against_a_server(server):
         assert g["pictures"] >= 0.6 * 5.0 * 4, g
         assert g["speech_pictures"] > 0 and g["misaligned"] == 0, g
     assert row["fps_min"] > 2.0, row
-    # each room process's longest event-loop stall while it started (what leaves a peer unanswering)
+    # each room process's longest event-loop stall while it started (what leaves a peer unanswering), and
+    # how long each step of a room's set-up took
     assert row["startup_loop_stall_max_ms"] is not None and row["startup_loop_stall_max_ms"] >= 0, row
+    print("rooms' set-up:", row["startup_loop_stall_max_ms"], [g["setup"] for g in row["generators"]])
+    assert all(g["setup"]["first_picture_after_open_s"] is not None for g in row["generators"]), row["generators"]
 
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "

@@ -139,17 +139,23 @@ async def _feed(audio: QueueAudioOutput, rng: np.random.Generator, speech: np.nd
 
 
 async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event, size: tuple[int, int] | None,
-               speech: np.ndarray) -> dict:
-    """One generator over an open `session` under its runner: set up, `ready` set once its first picture is
-    pushed, then fed speech until the window closes; its figures over the window."""
+               speech: np.ndarray, opened: float) -> dict:
+    """One generator over an open `session` (opened at `opened`, time.monotonic()) under its runner: set up,
+    `ready` set once its first picture is pushed, then fed speech until the window closes; its figures over
+    the window, and how long each step of its set-up took."""
+    setup = {}
     try:
         await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
+        t = time.monotonic()
         generator = LipStreamVideoGenerator(session, size=size)
         audio = QueueAudioOutput()
         runner = AvatarRunner(RoomWithoutServer(), audio_recv=audio, video_gen=generator,
                               options=generator.avatar_options())
         log = PushLog(runner, generator, window)
+        setup["runner_made_s"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
         await runner.start()
+        setup["runner_started_s"] = round(time.monotonic() - t, 3)
     except BaseException:
         ready.set()
         raise
@@ -157,6 +163,7 @@ async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event
         t = time.monotonic() + MEDIA_WAIT_S
         while not log.pictures_seen and time.monotonic() < t:
             await asyncio.sleep(0.02)
+        setup["first_picture_after_open_s"] = round(time.monotonic() - opened, 3) if log.pictures_seen else None
         ready.set()
         await window.open.wait()
         await _feed(audio, np.random.default_rng(index), speech, window.until)
@@ -171,6 +178,7 @@ async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event
     since, seconds = window.since, window.until - window.since
     span = [round(float(times[0]) - since, 2), round(float(times[-1]) - since, 2)] if times.size else None
     return {"pictures": int(times.size), "fps": round(times.size / seconds, 2), "synchronizer_fps": round(actual_fps, 2),
+            "setup": setup,
             "pictures_from_to_s": span,
             "speech_pictures": log.speech_pictures, "misaligned": log.misaligned, "late": stats.late,
             "late_speech": stats.late_speech, "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1),
@@ -198,13 +206,17 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
     stall = LoopStall()
+    opened_in: list[float] = []
 
     async def main() -> list:
         stall.start()
+        t = time.monotonic()
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
+        opened = time.monotonic()
+        opened_in.append(round(opened - t, 3))  # connect(): the HTTP offer and answer, for every session
         try:
             window, ready = Window(), [asyncio.Event() for _ in sessions]
-            runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech)
+            runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech, opened)
                                     if not isinstance(session, BaseException) else _failed(session)
                                     for i, session in enumerate(sessions)), return_exceptions=True)
             for i, session in enumerate(sessions):
@@ -222,6 +234,8 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"] = stall.max_ms()
+    for g in row["generators"]:
+        g["setup"]["sessions_opened_s"] = opened_in[0] if opened_in else None
     return row
 
 
