@@ -139,11 +139,11 @@ async def _feed(audio: QueueAudioOutput, rng: np.random.Generator, speech: np.nd
 
 
 async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event, size: tuple[int, int] | None,
-               speech: np.ndarray, opened: float) -> dict:
-    """One generator over an open `session` (opened at `opened`, time.monotonic()) under its runner: set up,
-    `ready` set once its first picture is pushed, then fed speech until the window closes; its figures over
-    the window, and how long each step of its set-up took."""
-    setup = {}
+               speech: np.ndarray, opened: float, opening_s: float) -> dict:
+    """One generator over an open `session` (opened at `opened`, time.monotonic(), after `opening_s`) under its
+    runner: set up, `ready` set once its first picture is pushed, then fed speech until the window closes; its
+    figures over the window, and how long each step of its set-up took."""
+    setup = {"sessions_opened_s": round(opening_s, 3)}  # connect(): the offer and answer, for every session
     try:
         await asyncio.sleep(index * SETTLE_S / n)  # staggered over the first second
         t = time.monotonic()
@@ -206,17 +206,15 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
     stall = LoopStall()
-    opened_in: list[float] = []
 
     async def main() -> list:
         stall.start()
         t = time.monotonic()
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         opened = time.monotonic()
-        opened_in.append(round(opened - t, 3))  # connect(): the HTTP offer and answer, for every session
         try:
             window, ready = Window(), [asyncio.Event() for _ in sessions]
-            runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech, opened)
+            runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech, opened, opened - t)
                                     if not isinstance(session, BaseException) else _failed(session)
                                     for i, session in enumerate(sessions)), return_exceptions=True)
             for i, session in enumerate(sessions):
@@ -234,8 +232,6 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"] = stall.max_ms()
-    for g in row["generators"]:
-        g["setup"]["sessions_opened_s"] = opened_in[0] if opened_in else None
     return row
 
 

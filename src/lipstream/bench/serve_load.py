@@ -154,20 +154,18 @@ ENGINE_COUNTERS = {"steps": "lipstream_engine_steps", "steps_after_idle": "lipst
 
 def engine_counters(http: httpx.Client) -> dict[str, float]:
     """The engine's counters from the server's /metrics (summed over a fleet's replicas); {} when unreadable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
-        text = http.get("/metrics").text
-    except httpx.HTTPError:
+        families = list(text_string_to_metric_families(http.get("/metrics").text))
+    except (httpx.HTTPError, ValueError):
         return {}
+    wanted = {metric: key for key, metric in ENGINE_COUNTERS.items()}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        name = name.split("{", 1)[0]
-        for key, metric in ENGINE_COUNTERS.items():
-            if name == metric:
-                try:
-                    out[key] = out.get(key, 0.0) + float(value)
-                except ValueError:
-                    pass
+    for family in families:
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] = out.get(wanted[sample.name], 0.0) + sample.value
     return out
 
 

@@ -195,9 +195,8 @@ class LiveCore:
                 launched = self._out_of_memory(plan, e)
             self._planned = None
         if just_in_time and launched is not None:
-            if self._inflight.done.query():  # ended before this step was in: the GPU ran dry
-                self.timer.idled()
-                self.stats.steps_after_idle += 1
+            if self._inflight.done.query():  # ended before this step was in
+                self._ran_dry()
             else:
                 self.timer.launched(time.monotonic() - woke)
         self.runner.hand_out_cached(plan, self.idle_loops, now)
@@ -221,14 +220,18 @@ class LiveCore:
         if f is None or f.done is None:
             return False
         if f.done.query():
-            self._drain()  # done already (the GPU idled): its frames go out before this turn's work
-            self.timer.idled()
-            self.stats.steps_after_idle += 1
+            self._drain()  # done already: its frames go out before this turn's work
+            self._ran_dry()
             return False
         ahead = self.timer.wait_s(time.monotonic())
         if ahead > 0:
             self._stop.wait(ahead)  # not a push's wake: nothing launched before then would run sooner
         return True
+
+    def _ran_dry(self) -> None:
+        """The step in flight ended before the next was launched: the GPU idled between them."""
+        self.timer.idled()
+        self.stats.steps_after_idle += 1
 
     def _feature_tick(self, sessions: list[Session]) -> float:
         """The engine's feature tick, or a shorter one a session asks for (a low-latency session's)."""

@@ -91,6 +91,11 @@ class StepPlan:
         return len(self.live) + len(self.offline)
 
 
+def _smoothed(last: float | None, new: float) -> float:
+    """A recent average: each new value weighs a fifth."""
+    return new if last is None else 0.8 * last + 0.2 * new
+
+
 class Scheduler:
     def __init__(self, max_batch: int, fill_slack_s: float = 0.0):
         self.max_batch = max_batch
@@ -104,11 +109,10 @@ class Scheduler:
 
     def observe_step(self, seconds: float, frames: int = 0) -> None:
         """A finished step's device time (of `frames` frames: kept per bucket too)."""
-        self._recent = seconds if self._recent is None else 0.8 * self._recent + 0.2 * seconds
+        self._recent = _smoothed(self._recent, seconds)
         if frames and self.step_s:
             b = self._bucket(frames)
-            last = self._by_bucket.get(b)
-            self._by_bucket[b] = seconds if last is None else 0.8 * last + 0.2 * seconds
+            self._by_bucket[b] = _smoothed(self._by_bucket.get(b), seconds)
 
     def take_steps(self, step_s: dict[int, float]) -> None:
         """Another engine's steps (measured): what the old ones took recently no longer says anything."""
@@ -256,7 +260,7 @@ class PlanTimer:
 
     def launched(self, prepared_s: float) -> None:
         """A turn timed by wait_s launched its step `prepared_s` after waking, before the GPU ran dry."""
-        self.prepare_s = 0.8 * self.prepare_s + 0.2 * prepared_s
+        self.prepare_s = _smoothed(self.prepare_s, prepared_s)
         self.margin_s = max(self.MARGIN_S[0], self.margin_s - 0.0001)
 
     def idled(self) -> None:
