@@ -566,7 +566,10 @@ def test_rooms_in_processes_of_their_own_against_a_server(server):
     # each room process's longest event-loop stall while it started (what leaves a peer unanswering), and
     # how long each step of a room's set-up took
     assert row["startup_loop_stall_max_ms"] is not None and row["startup_loop_stall_max_ms"] >= 0, row
-    print("rooms' set-up:", row["startup_loop_stall_max_ms"], [g["setup"] for g in row["generators"]])
+    assert row["loop_stall_max_ms"] is not None and row["loop_stall_max_ms"] >= 0, row
+    assert row["ended_by_server"] == [] and all(g["ended_by_server"] is None for g in row["generators"]), row
+    print("rooms' set-up:", row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"],
+          [g["setup"] for g in row["generators"]])
     assert all(g["setup"]["first_picture_after_open_s"] is not None for g in row["generators"]), row["generators"]
 
 

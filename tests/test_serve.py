@@ -665,6 +665,8 @@ async def main(port, key):
     for _ in range(3):
         await tracks["video"].recv()
     print(r.headers["x-session-id"], pc.connectionState, flush=True)
+    if (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip() == "close":
+        await pc.close()  # the connection only (DTLS close_notify): the session is not deleted
     await asyncio.sleep(600)
 asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
 """
@@ -742,8 +744,36 @@ def test_a_client_killed_mid_session_gives_its_session_back_within_10_s(server, 
         client.wait()
     assert seconds <= 10.0, seconds
     ended = [e for e in events if e.get("type") == "ended"]
-    assert len(ended) == 1 and "stopped answering" in ended[0]["reason"], events
+    assert len(ended) == 1 and "stopped answering ICE's consent checks" in ended[0]["reason"], events
     assert ws.close_code == 4410 and freed == 1
+
+
+def test_a_client_that_closes_its_connection_ends_its_session_at_once_saying_it_left(server):
+    """A real aiortc client in its own process closes its peer connection (DTLS close_notify) without deleting
+    the session: the session ends within a couple of seconds, and its reason says the client left, not that
+    it went silent (a server closing sessions for silence under load is a different fault)."""
+    port, service = _port(server), server[1]
+    client = subprocess.Popen([sys.executable, "-c", PEER_CLIENT, str(port), KEY], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = client.stdout.readline().split()
+        assert len(line) == 2 and line[1] == "connected", (line, client.stderr.read() if client.poll() else "")
+        sid = line[0]
+
+        async def run():
+            ws = await _speech_socket(port, sid)
+            await asyncio.sleep(0.5)
+            client.stdin.write("close\n")
+            client.stdin.flush()
+            return await _gone_within(port, ws, sid, 3.0)
+
+        seconds, events = asyncio.run(run())
+    finally:
+        client.kill()
+        client.wait()
+    assert seconds <= 3.0, seconds
+    ended = [e for e in events if e.get("type") == "ended"]
+    assert len(ended) == 1 and ended[0]["reason"].endswith("(the client left)"), events
 
 
 async def _speech_socket(port: int, sid: str):

@@ -178,7 +178,7 @@ async def _one(session, index: int, n: int, window: Window, ready: asyncio.Event
     since, seconds = window.since, window.until - window.since
     span = [round(float(times[0]) - since, 2), round(float(times[-1]) - since, 2)] if times.size else None
     return {"pictures": int(times.size), "fps": round(times.size / seconds, 2), "synchronizer_fps": round(actual_fps, 2),
-            "setup": setup,
+            "setup": setup, "ended_by_server": getattr(session, "error", None),
             "pictures_from_to_s": span,
             "speech_pictures": log.speech_pictures, "misaligned": log.misaligned, "late": stats.late,
             "late_speech": stats.late_speech, "interval_p99_ms": round(float(np.percentile(gaps, 99)), 1),
@@ -205,7 +205,7 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
-    stall = LoopStall()
+    stall, running_stall = LoopStall(), LoopStall()
 
     async def main() -> list:
         stall.start()
@@ -224,14 +224,16 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
             if start_at is not None:  # rooms in processes of their own: the window opens at one moment
                 await asyncio.sleep(max(0.0, start_at - time.time()))
             stall.stop()
+            running_stall.start()
             window.start(time.monotonic() + SETTLE_S, seconds)
             return await runs
         finally:
+            running_stall.stop()
             await asyncio.gather(*(s.aclose() for s in sessions if not isinstance(s, BaseException)),
                                  return_exceptions=True)
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
-    row["startup_loop_stall_max_ms"] = stall.max_ms()
+    row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"] = stall.max_ms(), running_stall.max_ms()
     return row
 
 
@@ -298,19 +300,21 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
               "--start", str(start), *(["--size", f"{size[0]}x{size[1]}"] if size is not None else [])]
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     results: list = []
-    stalls: list[float] = []  # each room process's longest event-loop stall while it started
+    stalls: list[tuple[float, float]] = []  # each room process's longest event-loop stall while starting, running
     for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
         if isinstance(row, str):
             results.append(RuntimeError(row))
         else:
             results += row["generators"] or [RuntimeError(row["first_error"])]
-            stalls.append(row.get("startup_loop_stall_max_ms") or 0.0)
+            stalls.append((row.get("startup_loop_stall_max_ms") or 0.0, row.get("loop_stall_max_ms") or 0.0))
     for r in results:
         if isinstance(r, dict):
             r["_gaps"] = np.asarray(r.pop("gaps_ms"))
     row = _row(results, n, seconds, fps)
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
-    row["startup_loop_stall_max_ms"] = max(stalls, default=None)
+    row["startup_loop_stall_max_ms"] = max((a for a, _ in stalls), default=None)
+    row["loop_stall_max_ms"] = max((b for _, b in stalls), default=None)
+    row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
     return row
 
 

@@ -19,7 +19,10 @@ class LiveOptions:
     a rolling window as audio arrives (`context_s` of left context, `lookahead_steps` of 20 ms past
     what the MuseTalk window needs, `hop_steps` finalised per window); "utterance" waits for the end
     of each utterance and computes them over the whole of it, exactly as an offline render does.
-    `buckets`: the batch sizes captured per step. Admission refuses a session when the sessions'
+    `buckets`: the batch sizes captured per step, a step padded up to the next. Under load a step takes the
+    frames that became ready while the one before it ran, so its size follows its own length: with only
+    8 and 16 (H100, compiled: 19.7 and 32.8 ms), 16 low-latency sessions (400 frames/s) overflow 8, fall
+    into padded 16s of 33 ms, and a frame waits one step and runs in the next, past its 120 ms. Admission refuses a session when the sessions'
     frame rates would pass `utilisation` of `capacity_fps` (None: measured at warm-up).
     `encode`: H.264 (`x264_preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
     `fill_slack_s`: a step with room left waits for more frames while every frame in it still has
@@ -48,7 +51,9 @@ class LiveOptions:
     context_s: float = 1.0
     lookahead_steps: int = 0
     hop_steps: int = 1
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 16)  # on the H200 a compiled 16 runs as many frames/s as 32, in half the time
+    # on the H200 a compiled 16 runs as many frames/s as 32, in half the time; 6, 10 and 12 are there so a
+    # loaded engine's steps need not pad up to 8 or 16 (below)
+    buckets: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 12, 16)
     max_sessions: int = 64
     ring_steps: int = 1536  # feature steps kept per session (30.7 s): a longer utterance streams through it
     utilisation: float = 0.95

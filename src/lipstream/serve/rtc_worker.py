@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import math
 import os
 import signal
 import sys
 import time
+import weakref
 from fractions import Fraction
 from pathlib import Path
 
@@ -58,7 +60,32 @@ PEER_CONNECT_S = 10.0  # a peer not connected this long after its answer gives i
 CONSENT_INTERVAL_S, CONSENT_FAILURES = 2, 3  # ICE consent checks: a peer that leaves three unanswered in a row
 # (one try each) is gone, 6-9 s after it went silent; aioice's own 5 s x 6 held a dead session for half a minute
 WHY = {"failed": "the connection failed (ICE or DTLS)",
-       "closed": "the connection closed (the client left, or stopped answering)"}
+       "closed": "the connection closed (the client left)",
+       "silent": "the connection closed (the client stopped answering ICE's consent checks)"}
+
+
+class ConsentExpiries(logging.Handler):
+    """aioice's ICE connections whose consent expired (it says so only in its log, then closes them): a peer
+    whose connection closes after one did went silent; one that closes otherwise was closed by its client."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.expired: weakref.WeakSet = weakref.WeakSet()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).endswith("Consent to send expired") and record.args:
+            self.expired.add(record.args[0])
+
+    def install(self) -> ConsentExpiries:
+        ice_log = logging.getLogger("aioice.ice")
+        ice_log.addHandler(self)
+        if not ice_log.isEnabledFor(logging.INFO):
+            ice_log.setLevel(logging.INFO)
+            ice_log.propagate = False  # its INFO lines are for this handler, not the server's stderr
+        return self
+
+
+CONSENT = ConsentExpiries()
 
 
 def audio_level_dbov(frame: av.AudioFrame) -> int:
@@ -165,8 +192,10 @@ class PeerConnection:
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
-            if pc.connectionState in WHY:
-                self.gone(pc.connectionState, WHY[pc.connectionState])
+            if pc.connectionState in ("failed", "closed"):
+                silent = any(getattr(t.sender.transport.transport, "_connection", None) in CONSENT.expired
+                             for t in pc.getTransceivers() if t.sender.transport is not None)
+                self.gone(pc.connectionState, WHY["silent" if silent else pc.connectionState])
 
         await pc.setRemoteDescription(RTCSessionDescription(sdp, "offer"))
         video = pc.addTrack(self.video)  # after the offer: the tracks take its m-lines, in its order
@@ -329,6 +358,7 @@ def main() -> None:
     sys.stdout = sys.stderr  # nothing else may write into the replies
     ffmpeg_one_thread()
     aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = CONSENT_INTERVAL_S, CONSENT_FAILURES  # read per check
+    CONSENT.install()
     asyncio.run(serve(stdin, stdout))
 
 
