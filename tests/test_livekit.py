@@ -568,6 +568,7 @@ def test_rooms_in_processes_of_their_own_against_a_server(server):
     assert row["startup_loop_stall_max_ms"] is not None and row["startup_loop_stall_max_ms"] >= 0, row
     assert row["loop_stall_max_ms"] is not None and row["loop_stall_max_ms"] >= 0, row
     assert row["ended_by_server"] == [] and all(g["ended_by_server"] is None for g in row["generators"]), row
+    assert all(set(w) == {"ms", "at_s", "where"} and w["where"] for w in row["startup_loop_stall_where"]), row
     print("rooms' set-up:", row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"],
           [g["setup"] for g in row["generators"]])
     assert all(g["setup"]["first_picture_after_open_s"] is not None for g in row["generators"]), row["generators"]

@@ -23,7 +23,9 @@ import json
 import math
 import os
 import sys
+import threading
 import time
+import traceback
 from fractions import Fraction
 
 import numpy as np
@@ -234,27 +236,52 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"] = stall.max_ms(), running_stall.max_ms()
+    row["startup_loop_stall_where"] = stall.where
     return row
 
 
 class LoopStall:
     """The longest this event loop was held up (a 10 ms sleep overran) while sessions opened and runners started:
-    a loop held 6 s or more leaves the sessions' WebRTC peers unanswering, and the server closes them."""
+    a loop held 6 s or more leaves the sessions' WebRTC peers unanswering, and the server closes them. A
+    watching thread notes what the loop's thread was running once a stall passes `WHERE_AFTER_S` (`where`:
+    the innermost frames, of the longest stall seen)."""
+
+    WHERE_AFTER_S = 0.5
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.where: list[dict] = []  # the longest stalls: how long (so far), when after start, where
         self._task: asyncio.Task | None = None
+        self._tick = time.perf_counter()
+        self._stop = threading.Event()
 
     def start(self) -> None:
         async def watch() -> None:
             while True:
-                t = time.perf_counter()
+                t = self._tick = time.perf_counter()
                 await asyncio.sleep(0.01)
                 self.worst = max(self.worst, time.perf_counter() - t - 0.01)
 
         self._task = asyncio.ensure_future(watch())
+        self._started = time.perf_counter()
+        loop_thread = threading.get_ident()
+
+        def look() -> None:  # a thread: where the loop's thread is while the loop does not tick
+            seen: dict[float, tuple[float, list[str]]] = {}  # each stall (by when it began): its length, where
+            while not self._stop.wait(0.1):
+                began = self._tick
+                held = time.perf_counter() - began
+                frame = sys._current_frames().get(loop_thread) if held > self.WHERE_AFTER_S else None
+                if frame is not None:
+                    seen[began] = (held, [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                                          for f in traceback.extract_stack(frame) if not f.filename.startswith("<")][-12:])
+                    self.where = [{"ms": round(h * 1000), "at_s": round(b - self._started, 2), "where": w}
+                                  for b, (h, w) in sorted(seen.items(), key=lambda kv: -kv[1][0])[:3]]
+
+        threading.Thread(target=look, name="loop-stall", daemon=True).start()
 
     def stop(self) -> None:
+        self._stop.set()
         if self._task is not None:
             self._task.cancel()
 
@@ -300,6 +327,7 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
               "--start", str(start), *(["--size", f"{size[0]}x{size[1]}"] if size is not None else [])]
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     results: list = []
+    row_where: list[dict] = []
     stalls: list[tuple[float, float]] = []  # each room process's longest event-loop stall while starting, running
     for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
         if isinstance(row, str):
@@ -307,6 +335,8 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
         else:
             results += row["generators"] or [RuntimeError(row["first_error"])]
             stalls.append((row.get("startup_loop_stall_max_ms") or 0.0, row.get("loop_stall_max_ms") or 0.0))
+            if stalls[-1][0] == max(a for a, _ in stalls):
+                row_where = row.get("startup_loop_stall_where") or []
     for r in results:
         if isinstance(r, dict):
             r["_gaps"] = np.asarray(r.pop("gaps_ms"))
@@ -314,6 +344,7 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
     row["startup_loop_stall_max_ms"] = max((a for a, _ in stalls), default=None)
     row["loop_stall_max_ms"] = max((b for _, b in stalls), default=None)
+    row["startup_loop_stall_where"] = row_where if stalls else []  # the longest stall's
     row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
     return row
 
