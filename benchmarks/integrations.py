@@ -36,12 +36,17 @@ from pathlib import Path
 import torch
 
 HOLD_FPS = 0.98  # the slowest pipeline's share of the session fps for a row to hold
+# Pipecat's output draws the current picture, sleeps a frame's duration, and draws again: 24.34-24.38 a second
+# at 25 fps on a quiet H100 host, whatever feeds it. Its draws count as on time down to this share of the fps
+DRAWN_FPS = 0.96
 
 
 def holds(row: dict, fps: float) -> bool:
+    """Every pipeline at the fps, each speaking picture with its audio, none late; through a transport, every
+    transport drawing at its own pace (DRAWN_FPS) and every viewer receiving (nearly) all it drew."""
     return (row["fps_min"] >= HOLD_FPS * fps and row["misaligned"] == 0 and row.get("late_speech", 0) == 0
-            and row["errors"] == 0 and row.get("client_fps_min", fps) >= HOLD_FPS * fps
-            and not row.get("processes_failed"))
+            and row["errors"] == 0 and row.get("client_share_min", 1.0) >= HOLD_FPS
+            and row.get("transport_fps_min", fps) >= DRAWN_FPS * fps and not row.get("processes_failed"))
 
 
 def main() -> None:

@@ -542,3 +542,6 @@ def test_bots_in_processes_of_their_own_through_a_transport_against_a_server(ser
     assert row["speech_images"] > 0 and row["misaligned"] == 0 and row["audio_frames"] == row["speech_images"]
     assert row["fps_min"] > 0 and row["client_fps_min"] > 0
     assert all(p["client_images"] > 5 and p["client_audio_frames"] > 50 for p in row["pipelines"]), row["pipelines"]
+    # the transport's own draws are counted beside what the viewer got: a viewer cannot get more than was drawn
+    assert 0 < row["transport_fps_min"] and 0 < row["client_share_min"] <= 1.05, row
+    print("bots:", {k: row[k] for k in ("fps_min", "transport_fps_min", "client_fps_min", "client_share_min")})

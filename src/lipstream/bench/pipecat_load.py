@@ -114,6 +114,7 @@ class Viewer:
 
     def __init__(self):
         self.video: list[float] = []
+        self.drawn: list[float] = []  # when the bot's output transport wrote each picture to it
         self.audio_frames = 0
         self.client = self.connection = None
         self._readers: list[asyncio.Task] = []
@@ -171,6 +172,21 @@ async def _feed(worker: PipelineWorker, seconds: float, seed: int) -> None:
         await asyncio.sleep(rng.uniform(*PAUSE_S))
 
 
+def _count_draws(output, drawn: list[float]) -> None:
+    """Note when the output transport writes each picture (its own pace, not the pipeline's).
+
+    Pipecat's output shows `sync_with_audio` images by making each the current picture and redrawing the
+    current picture in a loop that sleeps a frame's duration after each draw: 1 / (1/fps + a draw's time),
+    about 24.4 a second for 25 fps, whatever the source. What a viewer can get is what was drawn."""
+    write = output.write_video_frame
+
+    async def counted(frame):
+        drawn.append(time.monotonic())
+        return await write(frame)
+
+    output.write_video_frame = counted
+
+
 def _pipeline_figures(sink: PictureCount, window: tuple[float, float]) -> dict:
     return _picture_figures(sink.arrivals[:sink.images], window)
 
@@ -204,6 +220,8 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
         outputs = [SmallWebRTCTransport(webrtc_connection=await v.connect(), params=TransportParams(
             audio_out_enabled=True, audio_out_sample_rate=48_000, video_out_enabled=True, video_out_width=size[0],
             video_out_height=size[1], video_out_framerate=round(float(fps)))).output() for v in viewers]
+        for out, v in zip(outputs, viewers):
+            _count_draws(out, v.drawn)
         sinks = [PushedPictures(s, int((seconds + 10) * fps)) for s in services]
         workers = [PipelineWorker(Pipeline([s, o]), params=PipelineParams(audio_out_sample_rate=48_000),
                                   observers=[k], cancel_on_idle_timeout=False, check_dangling_tasks=False)
@@ -246,7 +264,8 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
     rows = [_pipeline_figures(k, (window[0], window[1])) for k in sinks]
     for row, v in zip(rows, viewers):  # what each viewer received through the transport
         seen = _picture_figures(np.array(v.video), (window[0], window[1]))
-        row.update({"client_" + k: value for k, value in seen.items()}, client_audio_frames=v.audio_frames)
+        row.update({"client_" + k: value for k, value in seen.items()}, client_audio_frames=v.audio_frames,
+                   transport_fps=_picture_figures(np.array(v.drawn), (window[0], window[1]))["fps"])
     fps_all = [r["fps"] for r in rows]
     p99 = [r["interval_p99_ms"] for r in rows if r["interval_p99_ms"] is not None]
     return {"n": n, "seconds": seconds, "fps": float(fps), "size": list(services[0].size or ()) or None,
@@ -259,8 +278,15 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
             "interval_p99_ms": max(p99) if p99 else None,
             "interval_max_ms": max((r["interval_max_ms"] for r in rows if r["interval_max_ms"] is not None), default=None),
             **({"client_fps_min": min(r["client_fps"] for r in rows),
+                "client_share_min": min(_share(r) for r in rows),
+                "transport_fps_min": min(r["transport_fps"] for r in rows),
                 "client_interval_max_ms": max((r["client_interval_max_ms"] or 0) for r in rows)} if viewers else {}),
             "pipelines": rows}
+
+
+def _share(row: dict) -> float:
+    """The share of the pictures its transport drew that a viewer received (over the window)."""
+    return round(row["client_fps"] / row["transport_fps"], 3) if row["transport_fps"] else 0.0
 
 
 def _count_errors(service: LipStreamVideoService, errors: list[str]) -> None:
@@ -319,6 +345,8 @@ def bots(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int], f
             "interval_p99_ms": max((row["interval_p99_ms"] or 0) for row in rows) if rows else None,
             "interval_max_ms": max((row["interval_max_ms"] or 0) for row in rows) if rows else None,
             "client_fps_min": min((row["client_fps_min"] for row in rows), default=0.0) if not failed else 0.0,
+            "client_share_min": min((row["client_share_min"] for row in rows), default=0.0) if not failed else 0.0,
+            "transport_fps_min": min((row["transport_fps_min"] for row in rows), default=0.0) if not failed else 0.0,
             "client_interval_max_ms": max((row["client_interval_max_ms"] for row in rows), default=None),
             "pipelines": pipelines}
 
