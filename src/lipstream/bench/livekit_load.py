@@ -209,8 +209,16 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     stall, running_stall = LoopStall(), LoopStall()
 
+    warmed_s = None
+
     async def main() -> list:
+        nonlocal warmed_s
         stall.start()
+        if os.environ.get("LIPSTREAM_BENCH_WARM_TRACKS"):  # an ablation: LiveKit's first tracks made before any session
+            t = time.monotonic()
+            rtc.LocalVideoTrack.create_video_track("warm", rtc.VideoSource(16, 16))
+            rtc.LocalAudioTrack.create_audio_track("warm", rtc.AudioSource(TTS_RATE, 1))
+            warmed_s = round(time.monotonic() - t, 3)
         t = time.monotonic()
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         opened = time.monotonic()
@@ -236,7 +244,7 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"] = stall.max_ms(), running_stall.max_ms()
-    row["startup_loop_stall_where"] = stall.where
+    row["startup_loop_stall_where"], row["tracks_warmed_s"] = stall.where, warmed_s
     return row
 
 
@@ -328,6 +336,7 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     results: list = []
     row_where: list[dict] = []
+    warmed: list[float] = []  # with LIPSTREAM_BENCH_WARM_TRACKS: how long each room's first LiveKit tracks took
     stalls: list[tuple[float, float]] = []  # each room process's longest event-loop stall while starting, running
     for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
         if isinstance(row, str):
@@ -335,6 +344,8 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
         else:
             results += row["generators"] or [RuntimeError(row["first_error"])]
             stalls.append((row.get("startup_loop_stall_max_ms") or 0.0, row.get("loop_stall_max_ms") or 0.0))
+            if row.get("tracks_warmed_s") is not None:
+                warmed.append(row["tracks_warmed_s"])
             if stalls[-1][0] == max(a for a, _ in stalls):
                 row_where = row.get("startup_loop_stall_where") or []
     for r in results:
@@ -344,6 +355,7 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
     row["startup_loop_stall_max_ms"] = max((a for a, _ in stalls), default=None)
     row["loop_stall_max_ms"] = max((b for _, b in stalls), default=None)
+    row["tracks_warmed_s"] = max(warmed, default=None)
     row["startup_loop_stall_where"] = row_where if stalls else []  # the longest stall's
     row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
     return row
