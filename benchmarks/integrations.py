@@ -29,6 +29,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--bots", action="store_true", help="with --serve: a process per pipeline (through a transport) "
                                                        "or per LiveKit room")
     ap.add_argument("--work", type=Path, default=None, help="where the generated avatar is kept (default: OUT/work)")
+    ap.add_argument("--serve-flags", default="", help="with --serve: more `lipstream serve` flags (--no-compile: the "
+                                                      "uncompiled engine, no package build beside the rows)")
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
     counts = [int(n) for n in a.sessions.split(",") if n]
@@ -130,7 +133,8 @@ def serve_rows(a, stacks: list[str], counts: list[int], work: Path, name: str, s
     log = open(a.out / "serve.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "lipstream.cli", "serve", "--avatars", str(work / "avatars"),
                                "--random-weights", "--random-size", a.random_size, "--device", a.device,
-                               "--port", "8011", "--data", str(a.out / "serve-data"), "--sessions-per-key", "64"],
+                               "--port", "8011", "--data", str(a.out / "serve-data"), "--sessions-per-key", "64",
+                               *shlex.split(a.serve_flags)],
                               stdout=log, stderr=subprocess.STDOUT)
     t = time.perf_counter()
     try:
