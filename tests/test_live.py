@@ -838,6 +838,20 @@ def test_the_next_step_is_planned_as_the_one_in_flight_nears_its_end():
     assert timer.margin_s == PlanTimer.MARGIN_S[0] and abs(timer.prepare_s - 0.001) < 1e-6
 
 
+def test_a_loaded_engine_steps_between_8_and_16_frames_without_padding_to_16():
+    """Under load a step takes what became ready during the one before, so its size follows its length: with
+    only 8 and 16 captured, 400 frames a second overflow 8 and settle in padded 16s (H100: 33 ms), a wait and a
+    step too long for 120 ms of playout. The default captures 10 and 12 between them (24 and 28 ms there)."""
+    buckets = LiveOptions().buckets
+    assert {10, 12} <= set(buckets) and max(buckets) == 16
+    # the H100's compiled steps: a step of 9 to 12 frames is timed (and run) at 10 or 12, not at 16
+    scheduler = Scheduler(max_batch=16)
+    scheduler.take_steps({1: 0.0097, 2: 0.011, 4: 0.0141, 6: 0.0178, 8: 0.0205, 10: 0.024, 12: 0.0276, 16: 0.0335})
+    assert [scheduler.step_duration(n) for n in (9, 11, 13)] == [0.024, 0.0276, 0.0335]
+    # 16 sessions of 25 fps: a 12-frame step keeps up (12 / 27.6 ms = 435 frames a second) where 8 does not
+    assert 12 / scheduler.step_duration(12) > 16 * 25 > 8 / scheduler.step_duration(8)
+
+
 def test_a_step_with_room_waits_while_its_frames_have_slack():
     """Fuller steps under load: frames are held back while each keeps more than fill_slack_s."""
     scheduler = Scheduler(max_batch=4, fill_slack_s=0.2)
