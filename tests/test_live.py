@@ -852,6 +852,47 @@ def test_a_loaded_engine_steps_between_8_and_16_frames_without_padding_to_16():
     assert 12 / scheduler.step_duration(12) > 16 * 25 > 8 / scheduler.step_duration(8)
 
 
+def test_admission_keeps_low_latency_sessions_to_the_steps_short_enough_for_them(streaming):
+    """With the capacity measured, a session's frames need steps short enough for its playout delay (one step's
+    wait, one step, the encode): 30 ms for a low-latency session. Every session shares the steps, so while one
+    is open the others are counted against what those steps make; a session no step is short enough for is
+    refused, saying so; a default session on the same engine is still admitted by the whole capacity."""
+    from lipstream.live.options import SESSION_LATENCY
+    from lipstream.live.scheduler import step_budget_s
+
+    assert abs(step_budget_s(LiveOptions().replace(**SESSION_LATENCY["low"])) - 0.03) < 1e-9
+    assert abs(step_budget_s(LiveOptions()) - 0.055) < 1e-9
+    steps = streaming.core.scheduler
+    keep = streaming.o, dict(steps.step_s), streaming.capacity_fps
+    opened = []
+    try:  # as measured on a slow machine: 1 frame in 20 ms, 4 in 50 ms (80 a second), 8 in 100 ms
+        streaming.o = streaming.o.replace(capacity_fps=None)
+        steps.step_s.clear()
+        steps.step_s.update({1: 0.02, 4: 0.05, 8: 0.1})
+        streaming.capacity_fps = steps.capacity_fps()
+        assert steps.capacity_within(0.03) == 50.0 and steps.capacity_within(0.019) is None
+        # low: only the 1-frame step (50 frames/s) fits 30 ms, and 95% of it is kept on time
+        opened = [streaming.open_session(0, fps=FPS, latency="low") for _ in range(2)]
+        assert streaming.room()[0] == pytest.approx(0.95 * 50 - 4)  # what a fleet routes by, with low sessions open
+        steps.step_s.update({1: 0.05})  # no step short enough for 120 ms any more
+        with pytest.raises(SessionRefused, match="no step of this engine is short enough for a session 120 ms"):
+            streaming.open_session(0, fps=FPS, latency="low")
+        steps.step_s.update({1: 0.02})
+        with pytest.raises(SessionRefused, match="the engine is full for sessions 120 ms behind the speech: 2 sessions"
+                                                 " take 4 of the 48 frames/s"):
+            streaming.open_session(0, fps=Fraction(44))
+        for s in opened:
+            streaming.close_session(s)
+        opened = [streaming.open_session(0, fps=Fraction(44))]  # no low session open: the whole 80 frames/s
+        assert streaming.room()[0] == pytest.approx(0.95 * 80 - 44)
+    finally:
+        for s in opened:
+            streaming.close_session(s)
+        streaming.o, streaming.capacity_fps = keep[0], keep[2]
+        steps.step_s.clear()
+        steps.step_s.update(keep[1])
+
+
 def test_a_step_with_room_waits_while_its_frames_have_slack():
     """Fuller steps under load: frames are held back while each keeps more than fill_slack_s."""
     scheduler = Scheduler(max_batch=4, fill_slack_s=0.2)

@@ -90,8 +90,13 @@ async def _rendered_ahead(session, frames: int, encoded: bool = False) -> None:
     """Until the core has planned (`encoded`: the hand-off has sent to the encoder) `frames` past where speech
     pushed now would start (a loaded machine is slow)."""
     await asyncio.sleep(0.6)  # the speech has begun to play on the session's timeline (2 frames at 4 fps)
+    until = time.monotonic() + 60  # a machine too loaded to get ahead at all fails here, saying so, not hangs
     while ((session.handoff._out_next if encoded else session.request.next_frame)
            < session.clock.media_frame(time.monotonic()) + frames):
+        assert time.monotonic() < until, (
+            f"{'encoded' if encoded else 'planned'} up to frame "
+            f"{session.handoff._out_next if encoded else session.request.next_frame}, not {frames} frames past "
+            f"{session.clock.media_frame(time.monotonic())} after 60 s", session.stats)
         await asyncio.sleep(0.05)
 
 

@@ -34,7 +34,7 @@ from lipstream.live.options import SESSION_LATENCY, LiveOptions, preset
 from lipstream.live.playout import Playout
 from lipstream.live.request import SpeechRequest
 from lipstream.live.runner import StepRunner
-from lipstream.live.scheduler import OfflineJob, admission
+from lipstream.live.scheduler import OfflineJob, admission, step_budget_s
 from lipstream.live.session import Session
 from lipstream.media.encode_pool import EncodePool
 
@@ -234,7 +234,9 @@ class LiveEngine:
             if self.capacity_fps is None:
                 return None, places
             load = sum(float(s.fps) for s in self.sessions.values())
-            return max(0.0, self.o.utilisation * self.capacity_fps - load), places
+            tight = self._tightest(self.o)  # a low-latency session open keeps every step short
+            capacity = self.capacity_fps if tight is None else min(self.capacity_fps, tight[1] or 0.0)
+            return max(0.0, self.o.utilisation * capacity - load), places
 
     def avatar_index(self, avatar: int | str) -> int:
         """A resident avatar's index from its index or its name."""
@@ -268,9 +270,11 @@ class LiveEngine:
         fps = Fraction(fps if fps is not None else a.fps).limit_denominator(1001)
         if not 1 <= fps <= 60:
             raise ValueError(f"fps: {float(fps):g}; 1 to 60 is allowed")
+        o = self.o if latency is None else self.o.replace(**SESSION_LATENCY[latency])
+        o = o if playout_delay_s is None else o.replace(playout_delay_s=playout_delay_s)
         with self.core.lock:
             why = admission(list(self.sessions.values()), fps, self.capacity_fps, self.o.utilisation,
-                            len(self._free_rings))
+                            len(self._free_rings), self._tightest(o))
             if why is not None:
                 raise SessionRefused(503, why)
             ring = self._free_rings.pop()
@@ -278,8 +282,6 @@ class LiveEngine:
             self._next_id += 1
         try:
             rest = self._rest_frame(avatar, int(ping_pong(start_frame, a.num_frames)))  # before frame 0 is ready
-            o = self.o if latency is None else self.o.replace(**SESSION_LATENCY[latency])
-            o = o if playout_delay_s is None else o.replace(playout_delay_s=playout_delay_s)
             session = self._new_session(sid, ring, avatar, fps, o, rest, start_frame)
             if self.o.encode if encode is None else encode:
                 w, h = a.size
@@ -296,6 +298,15 @@ class LiveEngine:
             self.sessions[sid] = session
         self.core.wake.set()
         return session
+
+    def _tightest(self, o: LiveOptions) -> tuple[float, float | None] | None:
+        """With the capacity measured (not given): the shortest playout delay of the open sessions and one of
+        options `o`, and what steps short enough for it make a second (admission())."""
+        steps = self.core.scheduler
+        if self.o.capacity_fps is not None or not steps.step_s:
+            return None
+        tight = min([o, *(s.o for s in self.sessions.values())], key=step_budget_s)
+        return tight.playout_delay_s, steps.capacity_within(step_budget_s(tight))
 
     def _rest_frame(self, avatar: int, frame: int) -> np.ndarray:
         """A loop frame on the host, for a session's first picture. Frame 0 is copied once, on the

@@ -24,6 +24,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from lipstream.live.options import LiveOptions
 from lipstream.live.request import Candidate
 from lipstream.live.session import Session
 
@@ -140,6 +141,11 @@ class Scheduler:
     def capacity_fps(self) -> float:
         """The most frames a second the steps can make (the best bucket's rate)."""
         return max(b / s for b, s in self.step_s.items())
+
+    def capacity_within(self, step_budget_s: float) -> float | None:
+        """The most frames a second from steps no longer than `step_budget_s` (None: no step is that short)."""
+        rates = [b / s for b, s in self.step_s.items() if s <= step_budget_s]
+        return max(rates) if rates else None
 
     # --- offline work ----------------------------------------------------------------------------
 
@@ -268,9 +274,20 @@ class PlanTimer:
         self.margin_s = min(self.MARGIN_S[1], self.margin_s + 0.001)
 
 
+def step_budget_s(options: LiveOptions) -> float:
+    """How long a step may take for a session of these options to keep its frames on time under load. A frame
+    whose window's audio is in waits up to one step to be taken, runs in the next, and is copied out and
+    encoded (UNDERRUN_SLACK_S), within its playout delay less the window's look-ahead: 30 ms for a low-latency
+    session (120 ms, 40 ms ahead), 55 ms for a default one (250 ms, 120 ms ahead)."""
+    ahead_s = options.window_ahead_steps * 0.02
+    return (options.playout_delay_s - ahead_s - UNDERRUN_SLACK_S) / 2
+
+
 def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None, utilisation: float,
-              free: int) -> str | None:
-    """Why a session at `fps` cannot be admitted now, or None if it can."""
+              free: int, tightest: tuple[float, float | None] | None = None) -> str | None:
+    """Why a session at `fps` cannot be admitted now, or None if it can. `tightest`: the shortest playout delay
+    of the sessions with this one (s), and what the steps short enough for it make a second (None: no step is):
+    every session's frames share the steps, so the session closest to the speech sets how long they may be."""
     if free <= 0:
         return f"all {len(sessions)} session places are in use (LiveOptions.max_sessions)"
     if capacity_fps is None:
@@ -281,4 +298,14 @@ def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None
         return (f"the engine is full: {len(sessions)} sessions take {load:.0f} of the {usable:.0f} frames/s it can "
                 f"keep on time ({utilisation:.0%} of {capacity_fps:.0f}); another {float(fps):g} fps session "
                 "would make them miss deadlines")
+    if tightest is not None:
+        delay_ms, within = tightest[0] * 1000, tightest[1]
+        if within is None:
+            return (f"no step of this engine is short enough for a session {delay_ms:.0f} ms behind the speech; "
+                    "a longer playout delay (latency=default) is allowed")
+        if load + float(fps) > utilisation * within:
+            return (f"the engine is full for sessions {delay_ms:.0f} ms behind the speech: {len(sessions)} sessions "
+                    f"take {load:.0f} of the {utilisation * within:.0f} frames/s that steps short enough for that "
+                    f"keep on time ({utilisation:.0%} of {within:.0f}); another {float(fps):g} fps session would "
+                    "make them miss deadlines")
     return None
