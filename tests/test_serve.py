@@ -765,13 +765,14 @@ def test_a_client_that_closes_its_connection_ends_its_session_at_once_saying_it_
             await asyncio.sleep(0.5)
             client.stdin.write("close\n")
             client.stdin.flush()
-            return await _gone_within(port, ws, sid, 3.0)
+            return await _gone_within(port, ws, sid, 5.0)
 
         seconds, events = asyncio.run(run())
     finally:
         client.kill()
         client.wait()
-    assert seconds <= 3.0, seconds
+    print(f"the session ended {seconds:.2f} s after its client closed the connection")
+    assert seconds <= 5.0, seconds  # at once (no consent checks to wait out): well under their 6-9 s
     ended = [e for e in events if e.get("type") == "ended"]
     assert len(ended) == 1 and ended[0]["reason"].endswith("(the client left)"), events
 
