@@ -335,28 +335,26 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
               "--start", str(start), *(["--size", f"{size[0]}x{size[1]}"] if size is not None else [])]
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     results: list = []
-    row_where: list[dict] = []
-    warmed: list[float] = []  # with LIPSTREAM_BENCH_WARM_TRACKS: how long each room's first LiveKit tracks took
-    stalls: list[tuple[float, float]] = []  # each room process's longest event-loop stall while starting, running
+    rooms_: list[dict] = []  # each room process's own row
     for row in rows_of_processes("lipstream.bench.livekit_load", [common] * n, ROOM_START_S + seconds + 90, env):
         if isinstance(row, str):
             results.append(RuntimeError(row))
         else:
             results += row["generators"] or [RuntimeError(row["first_error"])]
-            stalls.append((row.get("startup_loop_stall_max_ms") or 0.0, row.get("loop_stall_max_ms") or 0.0))
-            if row.get("tracks_warmed_s") is not None:
-                warmed.append(row["tracks_warmed_s"])
-            if stalls[-1][0] == max(a for a, _ in stalls):
-                row_where = row.get("startup_loop_stall_where") or []
+            rooms_.append(row)
     for r in results:
         if isinstance(r, dict):
             r["_gaps"] = np.asarray(r.pop("gaps_ms"))
     row = _row(results, n, seconds, fps)
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
-    row["startup_loop_stall_max_ms"] = max((a for a, _ in stalls), default=None)
-    row["loop_stall_max_ms"] = max((b for _, b in stalls), default=None)
-    row["tracks_warmed_s"] = max(warmed, default=None)
-    row["startup_loop_stall_where"] = row_where if stalls else []  # the longest stall's
+    # the worst room's: its event loop's longest stalls while starting and running, and where the first were;
+    # with LIPSTREAM_BENCH_WARM_TRACKS, how long its first LiveKit tracks took
+    worst = max(rooms_, key=lambda r: r.get("startup_loop_stall_max_ms") or 0.0, default={})
+    row["startup_loop_stall_max_ms"] = worst.get("startup_loop_stall_max_ms")
+    row["startup_loop_stall_where"] = worst.get("startup_loop_stall_where") or []
+    row["loop_stall_max_ms"] = max((r.get("loop_stall_max_ms") or 0.0 for r in rooms_), default=None)
+    row["tracks_warmed_s"] = max((r["tracks_warmed_s"] for r in rooms_ if r.get("tracks_warmed_s") is not None),
+                                 default=None)
     row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
     return row
 

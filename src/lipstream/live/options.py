@@ -19,11 +19,13 @@ class LiveOptions:
     a rolling window as audio arrives (`context_s` of left context, `lookahead_steps` of 20 ms past
     what the MuseTalk window needs, `hop_steps` finalised per window); "utterance" waits for the end
     of each utterance and computes them over the whole of it, exactly as an offline render does.
-    `buckets`: the batch sizes captured per step, a step padded up to the next. Under load a step takes the
-    frames that became ready while the one before it ran, so its size follows its own length: with only
-    8 and 16 (H100, compiled: 19.7 and 32.8 ms), 16 low-latency sessions (400 frames/s) overflow 8, fall
-    into padded 16s of 33 ms, and a frame waits one step and runs in the next, past its 120 ms. Admission refuses a session when the sessions'
-    frame rates would pass `utilisation` of `capacity_fps` (None: measured at warm-up).
+    `buckets`: the batch sizes captured per step, a step padded up to the next. Under load a step takes
+    the frames that became ready while the one before it ran, so its size follows its own length: with
+    only 8 and 16 (H100, compiled: 19.7 and 32.8 ms), 16 low-latency sessions (400 frames/s) overflow 8,
+    fall into padded 16s of 33 ms, and a frame waits one step and runs in the next, past its 120 ms.
+    Admission refuses a session when the sessions' frame rates would pass `utilisation` of `capacity_fps`
+    (None: measured at warm-up; then also of what the steps short enough for the session closest to the
+    speech make, scheduler.step_budget_s).
     `encode`: H.264 (`x264_preset`, `crf`, a keyframe every `gop_s`) + `audio_codec` per session.
     `fill_slack_s`: a step with room left waits for more frames while every frame in it still has
     more than this before its deadline: fuller steps and fewer GPU-seconds a frame, for more

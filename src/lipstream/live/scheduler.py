@@ -293,19 +293,20 @@ def admission(sessions: list[Session], fps: Fraction, capacity_fps: float | None
     if capacity_fps is None:
         return None
     load = sum(float(s.fps) for s in sessions)
-    usable = utilisation * capacity_fps
-    if load + float(fps) > usable:
-        return (f"the engine is full: {len(sessions)} sessions take {load:.0f} of the {usable:.0f} frames/s it can "
-                f"keep on time ({utilisation:.0%} of {capacity_fps:.0f}); another {float(fps):g} fps session "
+
+    def full(which: str, capacity: float, making: str) -> str | None:
+        usable = utilisation * capacity
+        if load + float(fps) <= usable:
+            return None
+        return (f"the engine is full{which}: {len(sessions)} sessions take {load:.0f} of the {usable:.0f} frames/s "
+                f"{making} keep on time ({utilisation:.0%} of {capacity:.0f}); another {float(fps):g} fps session "
                 "would make them miss deadlines")
-    if tightest is not None:
-        delay_ms, within = tightest[0] * 1000, tightest[1]
-        if within is None:
-            return (f"no step of this engine is short enough for a session {delay_ms:.0f} ms behind the speech; "
-                    "a longer playout delay (latency=default) is allowed")
-        if load + float(fps) > utilisation * within:
-            return (f"the engine is full for sessions {delay_ms:.0f} ms behind the speech: {len(sessions)} sessions "
-                    f"take {load:.0f} of the {utilisation * within:.0f} frames/s that steps short enough for that "
-                    f"keep on time ({utilisation:.0%} of {within:.0f}); another {float(fps):g} fps session would "
-                    "make them miss deadlines")
-    return None
+
+    why = full("", capacity_fps, "it can")
+    if why is not None or tightest is None:
+        return why
+    delay_ms, within = tightest[0] * 1000, tightest[1]
+    if within is None:
+        return (f"no step of this engine is short enough for a session {delay_ms:.0f} ms behind the speech; "
+                "a longer playout delay (latency=default) is allowed")
+    return full(f" for sessions {delay_ms:.0f} ms behind the speech", within, "that steps short enough for that")
