@@ -189,6 +189,9 @@ def main() -> None:
         z, px = torch.randn(14, 4, 64, 64, device=dev), torch.rand(14, 3, 512, 512, device=dev) * 2 - 1
         say(what="svd vae, 14 frames fp32", decode_ms=round(timed(lambda: vae.decode(z, frames=1), 1) * 1e3),
             encode_ms=round(timed(lambda: vae.encode(px), 1) * 1e3))
+        half = m.networks.cast(vae, torch.bfloat16)
+        zb = z.to(torch.bfloat16)
+        say(what="svd vae, 14 frames bf16 (preset draft)", decode_ms=round(timed(lambda: half.decode(zb, frames=1), 1) * 1e3))
         frames = frames_of(torch.randn(a.frames * 640, device=dev) * 0.1)
         say(what=f"speech features of {a.frames} frames",
             hubert_ms=round(timed(lambda: hubert_features(m.hubert, frames), 1) * 1e3, 1),

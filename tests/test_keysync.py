@@ -126,8 +126,32 @@ def test_the_noise_table_is_the_reference_one():
     assert torch.all(levels[:-1] > levels[1:])
     more = sigmas(20)
     assert len(more) == 21 and more[0] == pytest.approx(700.0) and more[-2] == pytest.approx(0.002)
-    with pytest.raises(ValueError, match="steps: 5"):
-        sigmas(5)
+    fewer = sigmas(6)  # the table's every other level
+    torch.testing.assert_close(fewer, torch.tensor([700.0, 15.886, 4.248, 0.981, 0.173, 0.002, 0.0],
+                                                   dtype=torch.float64))
+    with pytest.raises(ValueError, match="steps: 3"):
+        sigmas(3)
+
+
+def test_unguided_steps_run_one_pass_with_every_condition():
+    """Below `guidance_until` a step is the UNet's pass with speech and reference alone: the same as guiding
+    with both scales at 1 (e_uc + (e_ref - e_uc) + (e_full - e_ref) = e_full), at a third of the batch."""
+    net, inp = _ours("interpolation", 9, 0.05)
+    cond = Conditions(inp["speech"], inp["latents"], inp["mask"], inp["reference"])
+    batches = []
+    hook = net.unet.register_forward_pre_hook(lambda m, args: batches.append(args[0].shape[0]))
+    with torch.no_grad():
+        want = sample(net, cond, inp["noise"], steps=6, audio_scale=1.0, reference_scale=1.0)
+        del batches[:]
+        got = sample(net, cond, inp["noise"], steps=6, audio_scale=1.0, reference_scale=1.0, guidance_until=701.0)
+        n = inp["noise"].shape[0]
+        assert batches == [n] * 6  # six steps of one pass
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        del batches[:]
+        guided = sample(net, cond, inp["noise"], steps=6, guidance_until=0.5)
+    hook.remove()
+    assert batches == [3 * n] * 4 + [n] * 2  # 700 .. 0.98 guided, 0.17 and 0.002 not: 14 passes against 18
+    assert (guided - _sampled(net, inp)).abs().max() > 1e-3  # not the reference's sampling
 
 
 # --- the speech encoders
@@ -484,6 +508,29 @@ def test_the_fast_preset_samples_with_a_cast_copy_and_leaves_the_fp32_weights():
     assert nets.keyframe.unet.time_embed[0].weight.dtype == torch.float32
     assert len(nets._copies) == 2 and all(n.unet.time_embed[0].weight.dtype == torch.bfloat16
                                           for n in nets._copies.values())
+
+
+def test_the_draft_preset_decodes_in_bf16_close_to_fp32_and_keeps_the_fp32_vae():
+    from lipstream.keysync.options import KEYSYNC_PRESETS, KeySyncOptions
+    from lipstream.keysync.pipeline import Inputs, generate
+    from lipstream.keysync.schedule import plan
+
+    nets = _tiny_networks()
+    g = torch.Generator().manual_seed(5)
+    frames = 14
+    inputs = Inputs(torch.randn(frames, 4, 8, 8, generator=g), (torch.rand(frames, 1, 8, 8, generator=g) > 0.5).float(),
+                    torch.randn(frames, 2, 768, generator=g), torch.randn(frames, 2, 768, generator=g))
+    fp32 = KeySyncOptions(interpolation_dtype="float32", steps=6, guidance_until=0.5)
+    want = torch.cat([p for _, p in generate(nets, plan(frames), inputs, fp32)])
+    got = torch.cat([p for _, p in generate(nets, plan(frames), inputs, fp32.replace(decode_dtype="bfloat16"))])
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert 0 < (got - want).abs().mean() < 0.02  # bf16's rounding in the decoder, no more
+    assert nets.vae.decoder.conv_in.weight.dtype == torch.float32
+    draft = KEYSYNC_PRESETS["draft"]
+    assert (draft.steps, draft.guidance_until, draft.decode_dtype) == (6, 0.5, "bfloat16")
+    assert draft.for_device("cpu").decode_dtype == "float32"
+    with pytest.raises(ValueError, match="guidance_until"):
+        draft.replace(guidance_until=-1.0).check()
 
 
 def test_one_clip_chunks_keep_the_clips_and_segments_and_bring_frames_sooner():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 import copy
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -23,18 +24,19 @@ from lipstream.models.keysync import KeySyncNet
 from lipstream.models.svd_vae import SVDVAE
 
 SCALE = 0.18215
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @dataclass
 class KeySyncNetworks:
     keyframe: KeySyncNet
     interpolation: KeySyncNet
-    vae: SVDVAE  # decodes in fp32
+    vae: SVDVAE  # fp32 weights; decodes in the options' decode_dtype
     _copies: dict = field(default_factory=dict, repr=False)
 
-    def cast(self, net: KeySyncNet, dtype: torch.dtype) -> KeySyncNet:
+    def cast(self, net: M, dtype: torch.dtype) -> M:
         """`net` with its weights in `dtype`: a copy made once and kept (the fp32 weights stay, for the
-        presets that sample under autocast)."""
+        presets that sample under autocast or decode in fp32)."""
         if dtype == torch.float32:
             return net
         key = (id(net), dtype)
@@ -69,7 +71,7 @@ def _sample_in_calls(nets: KeySyncNetworks, net: KeySyncNet, cond: Conditions, n
             part = Conditions(cond.speech[i:i + n], cond.latents[i * CLIP:(i + n) * CLIP],
                               cond.mask[i * CLIP:(i + n) * CLIP], cond.reference[i:i + n])
             out.append(sample(net, part, noise[i * CLIP:(i + n) * CLIP], options.steps, options.audio_scale,
-                              options.reference_scale).float())
+                              options.reference_scale, options.guidance_until).float())
     return torch.cat(out)
 
 
@@ -82,6 +84,8 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
     generator = torch.Generator(device).manual_seed(options.seed)
     key_dtype, inter_dtype = (getattr(torch, d) for d in (options.keyframe_dtype, options.interpolation_dtype))
     latent_shape = inputs.latents.shape[1:]
+    decode_dtype = getattr(torch, options.decode_dtype)
+    vae = nets.cast(nets.vae, decode_dtype)
     identity = inputs.latents[:1].float()
     carried, held, done = None, None, 0  # the last keyframe's latent; the last frame, held back, and its index
     with torch.inference_mode():
@@ -109,7 +113,8 @@ def generate(nets: KeySyncNetworks, schedule: Schedule, inputs: Inputs, options:
                 0, (segments, CLIP))
             z[:, 0], z[:, -1] = ends[:, 0], ends[:, 1]
             z = z.flatten(0, 1) / SCALE  # decoded a clip at a time: the 512x512 decoder's activations are large
-            pixels = torch.cat([nets.vae.decode(z[i:i + CLIP], frames=1) for i in range(0, z.shape[0], CLIP)])
+            pixels = torch.cat([vae.decode(z[i:i + CLIP].to(decode_dtype), frames=1).float()
+                                for i in range(0, z.shape[0], CLIP)])
             video = _merge(((pixels + 1.0) / 2.0).clamp(0.0, 1.0).unflatten(0, (segments, CLIP)))
             first = chunk.segments[0][0]  # the frame held back from the chunk before: this chunk's version is kept
             yield first, video[:-1]

@@ -4,7 +4,8 @@
 The numbers are the reference inference's: the Align-Your-Steps table of 11 levels from 700 to 0.002 (and 0:
 11 steps), v-prediction with c_noise = 0.25 ln sigma, the latent kept outside the mask at every pass, the
 unconditioned passes given zeros for the projected speech and the reference latents, guidance
-e_uc + 2 (e_ref - e_uc) + 5 (e_full - e_ref).
+e_uc + 2 (e_ref - e_uc) + 5 (e_full - e_ref). Fewer steps or guidance stopped at a noise level (the `draft`
+preset, keysync/options.py) cut the UNet's passes and leave the reference's maths.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ SCALE = 0.18215  # the SVD VAE's latent scale: conditions are latents / SCALE, t
 AYS_SIGMAS = (700.00, 54.5, 15.886, 7.977, 4.248, 1.789, 0.981, 0.403, 0.173, 0.034, 0.002)
 
 
+MIN_STEPS = 4
+
+
 def sigmas(steps: int = 10) -> torch.Tensor:
     """The noise levels, highest first, with 0 appended (float64): the table itself for 10, log-linearly
-    resampled for more."""
-    if steps < 10:
-        raise ValueError(f"steps: {steps}; KeySync's noise table needs at least 10")
+    resampled for any other count (the reference's rule above 10; below it, fewer passes than the reference
+    makes, from 700 to 0.002 all the same)."""
+    if steps < MIN_STEPS:
+        raise ValueError(f"steps: {steps}; at least {MIN_STEPS} are allowed")
     levels = np.array(AYS_SIGMAS)
-    if steps > 10:
+    if steps != 10:
         levels = np.exp(np.interp(np.linspace(0, 1, steps), np.linspace(0, 1, len(levels)), np.log(levels[::-1])))
         levels = levels[::-1].copy()
     return torch.cat([torch.from_numpy(levels), torch.zeros(1, dtype=torch.float64)])
@@ -72,8 +77,10 @@ def denoise(net: KeySyncNet, x: torch.Tensor, sigma: torch.Tensor, speech: torch
 
 
 def sample(net: KeySyncNet, cond: Conditions, noise: torch.Tensor, steps: int = 10, audio_scale: float = 5.0,
-           reference_scale: float = 2.0) -> torch.Tensor:
-    """[B*T, 4, h, w] scaled latents sampled from `noise` (unit Gaussian, the same shape) under `cond`."""
+           reference_scale: float = 2.0, guidance_until: float = 0.0) -> torch.Tensor:
+    """[B*T, 4, h, w] scaled latents sampled from `noise` (unit Gaussian, the same shape) under `cond`.
+    Steps from a noise level below `guidance_until` run one pass with every condition, unguided (0: every step
+    guided, as the reference): a third of the UNet's work there."""
     b, frames = cond.speech.shape[:2]
     speech = net.audio(cond.speech.to(net.audio.linear.weight.dtype))
     reference = cond.reference / SCALE
@@ -84,9 +91,13 @@ def sample(net: KeySyncNet, cond: Conditions, noise: torch.Tensor, steps: int = 
     levels = sigmas(steps).to(noise.device)
     x = noise * torch.sqrt(1.0 + levels[0] ** 2.0)
     ones = x.new_ones([x.shape[0]])
+    n = x.shape[0]
     for i in range(len(levels) - 1):
         sigma, following = ones * levels[i], ones * levels[i + 1]
-        e_uc, e_ref, e_full = denoise(net, three(x), three(sigma), speech, frames_in, latents, mask).chunk(3)
-        denoised = audio_scale * (e_full - e_ref) + reference_scale * (e_ref - e_uc) + e_uc
+        if levels[i] < guidance_until:  # the last third of each batch holds every condition
+            denoised = denoise(net, x, sigma, speech[-b:], frames_in[-n:], latents[-n:], mask[-n:])
+        else:
+            e_uc, e_ref, e_full = denoise(net, three(x), three(sigma), speech, frames_in, latents, mask).chunk(3)
+            denoised = audio_scale * (e_full - e_ref) + reference_scale * (e_ref - e_uc) + e_uc
         x = x + (following - sigma)[:, None, None, None] * ((x - denoised) / sigma[:, None, None, None])
     return x
