@@ -44,9 +44,13 @@ def host_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+CLIENT_NICE = 10  # client processes (viewers, bots, rooms) share the server's machine: they yield to it when cores
+# are short, as they would not compete with it on machines of their own
+
+
 def rows_of_processes(module: str, args: list[list[str]], timeout_s: float, env: dict) -> list[dict | str]:
-    """`python -m module` once per entry of `args` (each given `--out FILE` as well), all at once; each
-    process's row read from its file, or, for one that wrote none, the last line it printed to stderr."""
+    """`python -m module` once per entry of `args` (each given `--out FILE` as well), all at once, at CLIENT_NICE;
+    each process's row read from its file, or, for one that wrote none, the last line it printed to stderr."""
     env = {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                  env.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="lipstream-clients-") as tmp:
@@ -54,7 +58,8 @@ def rows_of_processes(module: str, args: list[list[str]], timeout_s: float, env:
         for k, more in enumerate(args):
             out = Path(tmp) / f"client{k}.json"
             procs.append((subprocess.Popen([sys.executable, "-m", module, *more, "--out", str(out)], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
         results: list[dict | str] = []
         for p, out in procs:
             try:

@@ -22,14 +22,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from lipstream.bench.proc import children_cpu_s, host_busy_s, process_cpu_s
+from lipstream.bench.proc import CLIENT_NICE, children_cpu_s, host_busy_s, process_cpu_s
 from lipstream.client.jobs import key_refusal
 from lipstream.errors import LipStreamError
 
 TARGET_P99_MS = 250.0
 CONNECT_S = 6.0  # clients start (imports, offer, answer) before the common start
 WARMUP_S = 4.0
-CLIENT_NICE = 10  # clients share the server's machine: they yield to it when cores are short
 # serve-bench reads the key where the server it usually runs beside reads its keys
 KEY_VARIABLE = "set LIPSTREAM_API_KEYS=KEY (serve-bench sends the first key listed)"
 
