@@ -510,7 +510,7 @@ def test_the_fast_preset_samples_with_a_cast_copy_and_leaves_the_fp32_weights():
                                           for n in nets._copies.values())
 
 
-def test_the_draft_preset_decodes_in_bf16_close_to_fp32_and_keeps_the_fp32_vae():
+def test_decoding_in_bf16_stays_close_to_fp32_and_keeps_the_fp32_vae():
     from lipstream.keysync.options import KEYSYNC_PRESETS, KeySyncOptions
     from lipstream.keysync.pipeline import Inputs, generate
     from lipstream.keysync.schedule import plan
@@ -528,6 +528,7 @@ def test_the_draft_preset_decodes_in_bf16_close_to_fp32_and_keeps_the_fp32_vae()
     assert nets.vae.decoder.conv_in.weight.dtype == torch.float32
     draft = KEYSYNC_PRESETS["draft"]
     assert (draft.steps, draft.guidance_until, draft.decode_dtype) == (6, 0.5, "bfloat16")
+    assert KEYSYNC_PRESETS["fast"].decode_dtype == "bfloat16" and KEYSYNC_PRESETS["reference"].decode_dtype == "float32"
     assert draft.for_device("cpu").decode_dtype == "float32"
     with pytest.raises(ValueError, match="guidance_until"):
         draft.replace(guidance_until=-1.0).check()

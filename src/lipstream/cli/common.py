@@ -58,7 +58,7 @@ ModelOpt = Annotated[str, typer.Option(
                     "between; slower, sharper; `lipstream weights download --model keysync`).")]
 KeySyncPresetOpt = Annotated[str, typer.Option(
     "--keysync-preset", help="With --model keysync: reference (its own precision: keyframes in fp32, the frames "
-                             "between in fp16), fast (both in bf16, the weights cast once) or draft (fast's precision, 6 steps, "
+                             "between in fp16), fast (both, and the VAE's decoder, in bf16, the weights cast once) or draft (fast's precision, 6 steps, "
                              "the last two unguided: 14 UNet passes a frame against 33; not the reference's maths).")]
 BatchOpt = Annotated[Optional[int], typer.Option(
     show_default=False, help="Frames per engine batch, 1-256. Default: 32 with a GPU, 16 on a CPU.")]

@@ -62,13 +62,13 @@ class KeySyncOptions:
 KEYSYNC_PRESETS: dict[str, KeySyncOptions] = {
     # the reference inference's precision: keyframes in fp32, the frames between in fp16
     "reference": KeySyncOptions(),
-    # both UNets' weights in bf16 (a UNet call 5.6 ms a frame on the H100, against 7.3 under autocast), more
-    # clips a call, chunks of one keyframe clip (the first frames sooner)
+    # both UNets' weights and the VAE's decoder in bf16 (a UNet call 5.6 ms a frame on the H100, against 7.3
+    # under autocast), more clips a call, chunks of one keyframe clip (the first frames sooner)
     "fast": KeySyncOptions(keyframe_dtype="bfloat16", interpolation_dtype="bfloat16", autocast=False,
-                           clips_per_call=4, chunk_clips=1),
-    # fast's precision with about a third of the UNet's passes: 6 steps (the table resampled: 700, 15.9, 4.25,
-    # 0.98, 0.17, 0.002), the last two unguided, and the VAE decoding in bf16. Not the reference's maths: what it
-    # costs in fidelity is not measured on the published weights
+                           decode_dtype="bfloat16", clips_per_call=4, chunk_clips=1),
+    # fast's precision with 14 UNet passes a frame instead of 33: 6 steps (the table resampled: 700, 15.9, 4.25,
+    # 0.98, 0.17, 0.002), the last two unguided. Not the reference's maths: what it costs in fidelity is not
+    # measured on the published weights
     "draft": KeySyncOptions(steps=6, guidance_until=0.5, keyframe_dtype="bfloat16", interpolation_dtype="bfloat16",
                             autocast=False, decode_dtype="bfloat16", clips_per_call=4, chunk_clips=1),
 }
