@@ -15,7 +15,11 @@ script as a whole reads precomputed latents, landmarks and HuBERT features and i
 LipStream's `generate` then runs the same frames, per preset, whole (OUT/keysync_reference.jsonl).
 `--tiny --device cpu`: a check of that path on tiny networks.
 
+`--work`: no GPU: the UNet's arithmetic per frame-pass (torch's FLOP counter, the published shapes on the meta
+device) and what each preset's schedule of FRAMES frames asks of it: the floor under any kernel's speed.
+
     python benchmarks/keysync_speed.py OUT [--frames 650] [--presets fast,reference] [--profile]
+    python benchmarks/keysync_speed.py OUT --work --frames 775 --presets reference,draft
     LIPSTREAM_KEYSYNC_REFERENCE=DIR python benchmarks/keysync_speed.py OUT --versus-reference --frames 100
 """
 
@@ -149,6 +153,34 @@ def versus_reference(a, say) -> None:
 
 
 
+def work(a, say) -> None:
+    """The UNet's FLOPs per frame-pass, and each preset's passes over FRAMES frames (padded to whole segments
+    as a scene is: keysync/engine.py), counted on the meta device: arithmetic, no time."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lipstream.keysync.sampler import sigmas
+    from lipstream.keysync.schedule import STEP
+    from lipstream.models.keysync import KeySyncNet, KeySyncUNetConfig
+
+    config = KeySyncUNetConfig()
+    with torch.device("meta"):
+        unet = KeySyncNet(type(config)(**{**config.to_dict(), "in_channels": 9}), latent_size=64).unet
+        x, c_noise, audio = torch.empty(CLIP, 9, 64, 64), torch.empty(CLIP), torch.empty(1, CLIP, 1024)
+        with FlopCounterMode(display=False) as counter:
+            unet(x, c_noise, audio)
+    per_pass = counter.get_total_flops() / CLIP
+    say(what="unet work", tflop_per_frame_pass=round(per_pass / 1e12, 3))
+    padded = max(a.frames, CLIP)
+    padded += (STEP - (padded - 1) % STEP) % STEP
+    slots = sum(len(clip) for chunk in plan(padded).chunks for clip in chunk.clips) + CLIP * len(plan(padded).segments)
+    for preset in a.presets.split(","):
+        o = KEYSYNC_PRESETS[preset]
+        levels = sigmas(o.steps)[:-1]
+        passes = sum(1 if level < o.guidance_until else 3 for level in levels.tolist())
+        say(what="schedule work", preset=preset, frames=a.frames, slots=slots, passes_per_slot=passes,
+            frame_passes=slots * passes, pflop=round(slots * passes * per_pass / 1e15, 1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -158,7 +190,11 @@ def main() -> None:
     p.add_argument("--versus-reference", action="store_true", help="KeySync's own code against LipStream's")
     p.add_argument("--device", default="cuda", help="with --versus-reference")
     p.add_argument("--tiny", action="store_true", help="with --versus-reference: tiny networks (a check, on a CPU)")
+    p.add_argument("--work", action="store_true", help="the UNet's FLOPs per frame-pass and per preset (no GPU)")
     a = p.parse_args()
+    if a.work:
+        work(a, row_log(a.out / "keysync_work.jsonl"))
+        return
     torch.backends.cudnn.benchmark = True
     if a.versus_reference:
         versus_reference(a, row_log(a.out / "keysync_reference.jsonl"))
