@@ -92,7 +92,11 @@ def test_the_cli_renders_with_keysync_and_refuses_what_does_not_apply(anchor, tm
     assert "KeySync: tiny random networks" in printed.err and "[KeySync]" in printed.out
     with av.open(str(out)) as c:
         assert c.streams.video[0].frames == 20
+    assert main([*args, "--model", "keysync", "--random-weights", "--keysync-preset", "draft"]) == 0  # fewer steps
+    with av.open(str(out)) as c:
+        assert c.streams.video[0].frames == 20
     for extra, message in ((["--model", "keysync", "--batch", "8"], "--batch applies to --model musetalk"),
+                           (["--model", "keysync", "--keysync-preset", "turbo"], "--keysync-preset 'turbo'"),
                            (["--model", "kesync"], "--model 'kesync': expected one of musetalk, keysync"),
                            (["--model", "keysync", "--models", str(tmp_path)], "KeySync's weights are not in")):
         assert main([*args, *extra]) != 0
