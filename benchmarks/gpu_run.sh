@@ -10,7 +10,8 @@
 # carry the folders a stage names below. Stages that build on an earlier one (show, bench, fleet) reuse its
 # avatars and compiled packages in .bench-gpu/ while the machine stays warm (30 s after a call).
 # Every stage: COMMIT=<sha> (written into the reports), PYTHON (python3), DEVICE (cuda; cpu runs the same
-# commands on tiny networks and a small avatar: a check of the script, not a figure).
+# commands on tiny networks and a small avatar: a check of the script, not a figure), HOST_MAX_S (every call
+# first times one core: 2M MD5s; on a host slower than this many seconds it stops before the stages, exit 3).
 #
 # wheels        (here, with pip and the network) the wheels the image lacks, for Python 3.12:
 #               .whl (PyAV, FastAPI, uvicorn, aiortc, diffusers...), .whl-ray (Ray Serve's imports; Ray
@@ -632,11 +633,15 @@ stage_suite() {
 }
 
 host_speed() {  # one core's speed, printed before the stages: the live rows need a host whose cores keep up
-  # (2 million MD5s in a loop: 0.7 s on a 2-core development machine; 1.9 s on an H100 host whose rows fell behind)
-  $PY -c "import hashlib, os, time
+  # (2 million MD5s in a loop: 0.7 s on a 2-core development machine; 1.9 s on an H100 host whose rows fell behind).
+  # HOST_MAX_S=1.3: stop here (exit 3) on a slower host, before any stage spends the call
+  $PY -c "import hashlib, os, sys, time
 t = time.perf_counter(); h = b'x'
 for _ in range(2_000_000): h = hashlib.md5(h).digest()
-print(f'host: {os.cpu_count()} cores, one core 2M MD5s in {time.perf_counter() - t:.2f} s, load {os.getloadavg()[0]:.1f}')"
+s = time.perf_counter() - t
+print(f'host: {os.cpu_count()} cores, one core 2M MD5s in {s:.2f} s, load {os.getloadavg()[0]:.1f}')
+limit = float(os.environ.get('HOST_MAX_S') or 'inf')
+sys.exit(f'host: slower than HOST_MAX_S={limit} s: no stage run' if s > limit else 0)" || exit 3
 }
 
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
