@@ -76,6 +76,37 @@ class RoomWithoutServer:
         pass
 
 
+class RoomTracks:
+    """The tracks AvatarRunner publishes, made before any session opens, handed out as it asks for them.
+
+    A connected room holds LiveKit's WebRTC runtime (its peer-connection factory), so the tracks a runner makes
+    at its first picture cost little. `RoomWithoutServer` connects nowhere and holds none: each track made then
+    builds a factory on the calling thread, probing NVIDIA's codecs, and on a GPU host with 16 room processes
+    that held each room's event loop 6-9 s after its session opened (the server then closed the session:
+    its client stopped answering ICE). Published to `RoomWithoutServer` a track goes nowhere, so tracks of
+    sources of their own, made first, stand in for the runner's."""
+
+    def __init__(self, n: int):
+        self._made = {rtc.LocalVideoTrack: [rtc.LocalVideoTrack.create_video_track("bench", rtc.VideoSource(16, 16))
+                                            for _ in range(n)],
+                      rtc.LocalAudioTrack: [rtc.LocalAudioTrack.create_audio_track("bench", rtc.AudioSource(TTS_RATE, 1))
+                                            for _ in range(n)]}
+        self._makers = {kind: kind.__dict__[name] for kind, name in ((rtc.LocalVideoTrack, "create_video_track"),
+                                                                     (rtc.LocalAudioTrack, "create_audio_track"))}
+        for kind, maker in self._makers.items():
+            setattr(kind, maker.__func__.__name__, staticmethod(self._taker(kind, maker.__func__)))
+
+    def _taker(self, kind, make):
+        def take(name, source):
+            return self._made[kind].pop() if self._made[kind] else make(name, source)
+        return take
+
+    def close(self) -> None:
+        """LiveKit's own track makers back."""
+        for kind, maker in self._makers.items():
+            setattr(kind, maker.__func__.__name__, maker)
+
+
 class Window:
     """The measured stretch [since, until) (time.monotonic()), set once every runner is running: setting up
     (opening a session, a room's sources, the first pictures) is left out of the figures."""
@@ -209,19 +240,14 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     stall, running_stall = LoopStall(), LoopStall()
 
-    warmed_s = None
+    tracks_made_s = None
 
     async def main() -> list:
-        nonlocal warmed_s
+        nonlocal tracks_made_s
         stall.start()
-        warm = []  # an ablation: LiveKit's first tracks made, and kept, before any session opens. With no
-        # connected room holding LiveKit's runtime, each track made builds a WebRTC factory (a connected room
-        # holds one), and the first probes NVIDIA's codecs: AvatarRunner makes its two at its first picture
-        if os.environ.get("LIPSTREAM_BENCH_WARM_TRACKS"):
-            t = time.monotonic()
-            warm += [rtc.LocalVideoTrack.create_video_track("warm", rtc.VideoSource(16, 16)),
-                     rtc.LocalAudioTrack.create_audio_track("warm", rtc.AudioSource(TTS_RATE, 1))]
-            warmed_s = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        tracks = RoomTracks(n)  # the runners' tracks, made before any session opens (see RoomTracks)
+        tracks_made_s = round(time.monotonic() - t, 3)
         t = time.monotonic()
         sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
         opened = time.monotonic()
@@ -242,12 +268,13 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
             return await runs
         finally:
             running_stall.stop()
+            tracks.close()
             await asyncio.gather(*(s.aclose() for s in sessions if not isinstance(s, BaseException)),
                                  return_exceptions=True)
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"] = stall.max_ms(), running_stall.max_ms()
-    row["startup_loop_stall_where"], row["tracks_warmed_s"] = stall.where, warmed_s
+    row["startup_loop_stall_where"], row["tracks_made_s"] = stall.where, tracks_made_s
     return row
 
 
@@ -351,13 +378,13 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     row = _row(results, n, seconds, fps)
     row["processes"], row["processes_failed"] = n, sum(not isinstance(r, dict) for r in results)
     # the worst room's: its event loop's longest stalls while starting and running, and where the first were;
-    # with LIPSTREAM_BENCH_WARM_TRACKS, how long its first LiveKit tracks took
+    # and how long making its runners' LiveKit tracks took, before its sessions opened
     worst = max(rooms_, key=lambda r: r.get("startup_loop_stall_max_ms") or 0.0, default={})
     row["startup_loop_stall_max_ms"] = worst.get("startup_loop_stall_max_ms")
     row["startup_loop_stall_where"] = worst.get("startup_loop_stall_where") or []
     row["loop_stall_max_ms"] = max((r.get("loop_stall_max_ms") or 0.0 for r in rooms_), default=None)
-    row["tracks_warmed_s"] = max((r["tracks_warmed_s"] for r in rooms_ if r.get("tracks_warmed_s") is not None),
-                                 default=None)
+    row["tracks_made_s"] = max((r["tracks_made_s"] for r in rooms_ if r.get("tracks_made_s") is not None),
+                               default=None)
     row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
     return row
 
