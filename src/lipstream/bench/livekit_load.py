@@ -32,7 +32,7 @@ import numpy as np
 from livekit import rtc
 from livekit.agents.voice.avatar import AvatarRunner, QueueAudioOutput
 
-from lipstream.bench.proc import rows_of_processes
+from lipstream.bench.proc import rows_of_processes, tell_tasks_after
 from lipstream.fixtures import speech_like
 from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
@@ -244,6 +244,8 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     async def main() -> list:
         nonlocal tracks_made_s
+        if start_at is not None:  # a room process: where it waits, should it outlive its parent's patience
+            tell_tasks_after(max(0.0, start_at - time.time()) + seconds + ROOM_TELL_S)
         stall.start()
         t = time.monotonic()
         tracks = RoomTracks(n)  # the runners' tracks, made before any session opens (see RoomTracks)
@@ -353,6 +355,7 @@ def _row(results: list, n: int, seconds: float, fps: float, keep_gaps: bool = Fa
 
 
 ROOM_START_S = 25.0  # room processes import LiveKit and connect before they start together
+ROOM_TELL_S = 75.0  # a room process still running this long after its window prints its tasks (the parent waits 90)
 
 
 def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] | None = None, fps: float = 25, *,

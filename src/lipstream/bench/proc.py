@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -50,9 +52,10 @@ CLIENT_NICE = 10  # client processes (viewers, bots, rooms) share the server's m
 
 def rows_of_processes(module: str, args: list[list[str]], timeout_s: float, env: dict) -> list[dict | str]:
     """`python -m module` once per entry of `args` (each given `--out FILE` as well), all at once, at CLIENT_NICE;
-    each process's row read from its file, or, for one that wrote none, the last line it printed to stderr."""
-    env = {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                 env.get("PYTHONPATH", "")])}
+    each process's row read from its file, or, for one that wrote none, the last line it printed to stderr (for
+    one still running after `timeout_s`, where its threads were)."""
+    env = {**env, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                                            env.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="lipstream-clients-") as tmp:
         procs = []
         for k, more in enumerate(args):
@@ -61,15 +64,49 @@ def rows_of_processes(module: str, args: list[list[str]], timeout_s: float, env:
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                            preexec_fn=lambda: os.nice(CLIENT_NICE)), out))
         results: list[dict | str] = []
+        deadline = time.monotonic() + timeout_s
         for p, out in procs:
             try:
-                _, err = p.communicate(timeout=timeout_s)
+                _, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                late = None
             except subprocess.TimeoutExpired:
-                p.kill()
-                _, err = p.communicate()
+                late = _where_it_hung(p)
+                err = b""
             if out.exists():
                 results.append(json.loads(out.read_text()))
+            elif late is not None:
+                results.append(f"no row after {timeout_s:.0f} s; where its threads were:\n{late}")
             else:
                 lines = (err or b"").decode(errors="replace").strip().splitlines()
                 results.append(lines[-1] if lines else f"exit {p.returncode}")
     return results
+
+
+def _where_it_hung(p: subprocess.Popen) -> str:
+    """A client past its time: SIGABRT, which its faulthandler (PYTHONFAULTHANDLER) answers with every thread's
+    stack on stderr, then SIGKILL; that dump."""
+    p.send_signal(signal.SIGABRT)
+    try:
+        _, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+    text = (err or b"").decode(errors="replace")
+    tasks = text[text.find("tasks still waiting"):text.find("Fatal Python error")] if "tasks still waiting" in text else ""
+    threads = text[text.find("Fatal Python error"):] if "Fatal Python error" in text else text
+    return (tasks.strip()[-12000:] + "\n" + threads.strip()[-3000:]).strip()
+
+
+def tell_tasks_after(seconds: float) -> None:
+    """In a client process's running event loop: if it is still running `seconds` from now, print every task
+    and where it waits to stderr (what a thread dump of an idle loop cannot show), for the parent to report
+    of a client past its time."""
+    import asyncio
+
+    def tell() -> None:
+        print(f"tasks still waiting after {seconds:.0f} s:", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    asyncio.get_running_loop().call_later(seconds, tell)
