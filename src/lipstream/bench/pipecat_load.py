@@ -42,6 +42,7 @@ from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from lipstream.aio import wait_for
 from lipstream.bench.proc import rows_of_processes
 from lipstream.fixtures import speech_like
 from lipstream.integrations.pipecat import UTTERANCE_KEY, LipStreamVideoService
@@ -243,7 +244,7 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
     window: list[float] = [0.0, 0.0]
 
     async def drive() -> None:
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        await wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         if start_at is not None:  # bots in processes of their own start speaking together
             await asyncio.sleep(max(0.0, start_at - time.time()))
         delay = playout_delay_s or (engine.o.playout_delay_s if engine is not None else 0.25)

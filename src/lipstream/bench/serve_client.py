@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from lipstream.aio import wait_for
+
 RATE = 16_000
 DRAIN_S = 2.0  # after the last utterance: its last frames still arrive
 
@@ -50,7 +52,7 @@ class Recorder:
 
         while time.monotonic() < until:
             try:
-                frame = await asyncio.wait_for(track.recv(), timeout=max(0.01, until - time.monotonic()))
+                frame = await wait_for(track.recv(), timeout=max(0.01, until - time.monotonic()))
             except (asyncio.TimeoutError, MediaStreamError):
                 return
             now = time.monotonic()

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from lipstream.aio import wait_for
 from lipstream.bench.serve_load import resident_avatars
 from lipstream.media.encode_pool import SHM_PREFIX
 
@@ -240,7 +241,7 @@ async def _one_session(url: str, key: str, avatar: str, speech: np.ndarray, tall
         session.push_audio(speech, SPEECH_RATE)
         session.end_utterance()
         try:  # its utterance finishes, a second more of pictures is read; a stalled stream is a failure
-            await asyncio.wait_for(listen(), speech.size / SPEECH_RATE + 30.0)
+            await wait_for(listen(), speech.size / SPEECH_RATE + 30.0)
         except asyncio.TimeoutError:
             pass
         if finished:

@@ -28,6 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from lipstream.aio import wait_for
 from lipstream.client.jobs import key_refusal
 from lipstream.errors import LipStreamError, require
 from lipstream.live.interface import SessionRefused
@@ -483,7 +484,7 @@ class RemoteSession:
                 continue
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), wait)
+                await wait_for(self._wake.wait(), wait)
             except (TimeoutError, asyncio.TimeoutError):
                 pass
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lipstream.aio import wait_for
 from lipstream.errors import require
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SpeechEvent
@@ -334,7 +335,7 @@ class LipStreamVideoService(FrameProcessor):
             if self._open_utterance:
                 self._boundary(None)
             try:
-                await asyncio.wait_for(self._played_out.wait(), self._pending_s + END_GRACE_S)
+                await wait_for(self._played_out.wait(), self._pending_s + END_GRACE_S)
             except TimeoutError:
                 await self.push_error("LipStream: the queued speech did not finish playing before the end")
         await self._close()

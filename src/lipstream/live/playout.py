@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from lipstream.aio import wait_for
 from lipstream.live.items import LiveFrame, SessionClock, SpeechEvent
 from lipstream.live.request import SpeechRequest
 from lipstream.live.utterance import Utterance
@@ -162,7 +163,7 @@ class Playout:
             if f not in self._ready and now < deadline:
                 self._arrived.clear()
                 try:
-                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
+                    await wait_for(self._arrived.wait(), deadline - now)
                 except TimeoutError:
                     pass
                 continue

@@ -18,6 +18,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from lipstream.aio import wait_for
 from lipstream.media.processes import AsyncWorker, start_worker_async
 from lipstream.media.wire import frame_parts, read_message_async
 
@@ -120,7 +121,7 @@ class RtcWorkerProcess:
         future = self.replies[(sid, reply)] = asyncio.get_running_loop().create_future()
         self.send(header)
         try:
-            return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+            return await wait_for(future, REPLY_TIMEOUT_S)
         finally:
             self.replies.pop((sid, reply), None)
 
@@ -205,7 +206,7 @@ class RtcWorkerProcess:
         if self.proc.returncode is None:
             self.proc.stdin.close()
             try:
-                await asyncio.wait_for(self.proc.wait(), 5.0)
+                await wait_for(self.proc.wait(), 5.0)
             except asyncio.TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()

@@ -31,6 +31,7 @@ import numpy as np
 from livekit import rtc
 from livekit.agents.voice.avatar import AudioSegmentEnd, AvatarOptions, VideoGenerator
 
+from lipstream.aio import wait_for
 from lipstream.live.interface import SpeakingSession
 from lipstream.live.items import LiveFrame, SpeechEvent
 from lipstream.media.pixels import i420_resize, pcm16
@@ -87,7 +88,7 @@ class LipStreamVideoGenerator(VideoGenerator):
         held = self._audio_held
         if held is not None:  # the runner counts that audio when its push returns: let it, then it reports
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(held.wait(), CLEAR_WAIT_S)
+                await wait_for(held.wait(), CLEAR_WAIT_S)
 
     def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
         return self._stream()

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from lipstream.aio import wait_for
 from lipstream.media.wire import pack, read_message_async
 from lipstream.serve.fleet.speech import CHANNEL_BATCH_S, SPEECH_BATCH_S
 
@@ -118,7 +119,7 @@ class SpeechListener:
         peer = writer.get_extra_info("peername")
         self._writers.add(writer)
         try:
-            hello, _ = await asyncio.wait_for(read_message(reader), 10.0)
+            hello, _ = await wait_for(read_message(reader), 10.0)
             if not hmac.compare_digest(str(hello.get("token", "")).encode(), self.token.encode()):
                 log.warning(json.dumps({"event": "speech_channel_refused", "peer": str(peer)}))
                 return
@@ -153,7 +154,7 @@ class SpeechChannel:
     async def connect(self) -> None:
         """The connection and the token's answer, within CONNECT_TIMEOUT_S."""
         try:
-            await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+            await wait_for(self._connect(), CONNECT_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
@@ -162,7 +163,7 @@ class SpeechChannel:
         if self._writer is None:
             await self.connect()
         try:
-            return await asyncio.wait_for(self._exchange(batch), self.timeout_s)
+            return await wait_for(self._exchange(batch), self.timeout_s)
         except BaseException:
             self.close()
             raise

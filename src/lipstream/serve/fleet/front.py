@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from lipstream.aio import wait_for
 from lipstream.live.interface import SessionRefused
 from lipstream.serve.auth import Caller
 from lipstream.serve.fleet.channel import SpeechRoute
@@ -61,7 +62,7 @@ class FleetSessions:
         if name not in self.front.replicas():
             return None
         try:
-            return await asyncio.wait_for(getattr(self.front.replica(name), method).remote(*args), CALL_TIMEOUT_S)
+            return await wait_for(getattr(self.front.replica(name), method).remote(*args), CALL_TIMEOUT_S)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
             log.warning(json.dumps({"event": "replica_call_failed", "replica": name, "method": method,
                                     "error": type(e).__name__}))
@@ -74,7 +75,7 @@ class FleetSessions:
         out = {}
         for name in list(self.front.replicas()):
             try:
-                out[name] = await asyncio.wait_for(getattr(self.front.replica(name), method).remote(*args),
+                out[name] = await wait_for(getattr(self.front.replica(name), method).remote(*args),
                                                    CALL_TIMEOUT_S)
             except (ray.exceptions.RayError, asyncio.TimeoutError):
                 continue
@@ -91,7 +92,7 @@ class FleetSessions:
         tried = []
         for name in ranked:
             try:
-                answer = await asyncio.wait_for(self.front.replica(name).open_session.remote(
+                answer = await wait_for(self.front.replica(name).open_session.remote(
                     owner, avatar, offer, playout_delay_s, fps, latency), CALL_TIMEOUT_S)
             except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                 tried.append(f"{name}: {type(e).__name__}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from lipstream.aio import wait_for
 from lipstream.serve.auth import Caller
 from lipstream.serve.fleet.channel import SpeechListener
 from lipstream.live.interface import SessionRefused
@@ -175,7 +176,7 @@ class EngineReplica:
         live = sessions.open.get(sid)
         while live is not None and sessions.open.get(sid) is live:
             try:
-                event = await asyncio.wait_for(live.events.get(), EVENT_POLL_S)
+                event = await wait_for(live.events.get(), EVENT_POLL_S)
             except asyncio.TimeoutError:
                 continue
             if event is None:  # the session's last (LiveSessions.close)
