@@ -172,7 +172,8 @@ def work(a, say) -> None:
     say(what="unet work", tflop_per_frame_pass=round(per_pass / 1e12, 3))
     padded = max(a.frames, CLIP)
     padded += (STEP - (padded - 1) % STEP) % STEP
-    slots = sum(len(clip) for chunk in plan(padded).chunks for clip in chunk.clips) + CLIP * len(plan(padded).segments)
+    schedule = plan(padded)
+    slots = sum(len(clip) for chunk in schedule.chunks for clip in chunk.clips) + CLIP * len(schedule.segments)
     for preset in a.presets.split(","):
         o = KEYSYNC_PRESETS[preset]
         levels = sigmas(o.steps)[:-1]

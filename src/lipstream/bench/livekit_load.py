@@ -250,10 +250,11 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
         t = time.monotonic()
         tracks = RoomTracks(n)  # the runners' tracks, made before any session opens (see RoomTracks)
         tracks_made_s = round(time.monotonic() - t, 3)
-        t = time.monotonic()
-        sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
-        opened = time.monotonic()
-        try:
+        sessions: list = []
+        try:  # LiveKit's track makers are given back whatever happens
+            t = time.monotonic()
+            sessions = await asyncio.gather(*(opener() for _ in range(n)), return_exceptions=True)
+            opened = time.monotonic()
             window, ready = Window(), [asyncio.Event() for _ in sessions]
             runs = asyncio.gather(*(_one(session, i, n, window, ready[i], size, speech, opened, opened - t)
                                     if not isinstance(session, BaseException) else _failed(session)
