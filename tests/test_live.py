@@ -26,7 +26,7 @@ from lipstream.fixtures.stream import nal_types
 from lipstream.live import SessionRefused, LiveEngine, LiveFrame, LiveOptions, SpeechEvent
 from lipstream.live.features import streamed_features
 from lipstream.live.request import Candidate
-from lipstream.live.scheduler import PlanTimer, Scheduler
+from lipstream.live.scheduler import OfflineJob, PlanTimer, Scheduler
 from lipstream.media.rates import AUDIO_RATE
 from lipstream.engine.options import EngineOptions
 from lipstream.render.options import RenderOptions
@@ -794,8 +794,9 @@ class _Frames:
 
     avatar, id, fps = 0, 0, 25
 
-    def __init__(self, deadlines: list[float]):
+    def __init__(self, deadlines: list[float], options: LiveOptions | None = None):
         self.deadlines, self.taken = deadlines, []
+        self.o = options or LiveOptions()
         self.request, self.playout, self.handoff = self, self, self
         self.play_frame = self.next_frame = 0
 
@@ -850,6 +851,29 @@ def test_a_loaded_engine_steps_between_8_and_16_frames_without_padding_to_16():
     assert [scheduler.step_duration(n) for n in (9, 11, 13)] == [0.024, 0.0276, 0.0335]
     # 16 sessions of 25 fps: a 12-frame step keeps up (12 / 27.6 ms = 435 frames a second) where 8 does not
     assert 12 / scheduler.step_duration(12) > 16 * 25 > 8 / scheduler.step_duration(8)
+
+
+def test_a_step_takes_no_more_frames_than_the_closest_session_s_step_budget_allows():
+    """With a low-latency session open, a step is no longer than its 30 ms budget (the H100's 12 frames in
+    27.6 ms, not 16 in 33.5) and the frames past it, offline ones too, go in the next step by deadline; a
+    default session's 55 ms takes every bucket, and nothing measured takes every bucket too."""
+    from lipstream.live.options import SESSION_LATENCY
+
+    low = LiveOptions().replace(**SESSION_LATENCY["low"])
+    scheduler = Scheduler(max_batch=16)
+    burst = [1.0 + 0.001 * i for i in range(20)]
+    assert len(scheduler.plan([_Frames(burst, low)], now=0.0).live) == 16  # nothing measured: every bucket
+    scheduler.take_steps({1: 0.0097, 4: 0.0141, 8: 0.0205, 12: 0.0276, 16: 0.0335})
+    frames = _Frames(burst, low)
+    assert scheduler.batch_limit([frames, _Frames([])]) == 12
+    plan = scheduler.plan([frames], now=0.0)
+    assert [c.frame for c in plan.live] == list(range(12)) == frames.taken
+    job = OfflineJob(0, [0, 1], torch.zeros(2, 50, 384), np.zeros((2, 6, 4), np.uint8), [0, 1])
+    scheduler.add_offline(job)
+    assert len(scheduler.plan([_Frames(burst[:11], low)], now=0.0)) == 12  # one job frame fills the twelfth
+    assert scheduler.batch_limit([_Frames(burst)]) == 16  # default sessions only: every bucket fits 55 ms
+    scheduler.take_steps({1: 0.05, 4: 0.05, 8: 0.05, 12: 0.05, 16: 0.05})
+    assert scheduler.batch_limit([frames]) == 16  # none fits: admission refuses such sessions, no limit here
 
 
 def test_admission_keeps_low_latency_sessions_to_the_steps_short_enough_for_them(streaming):

@@ -171,13 +171,16 @@ class Scheduler:
         A speech frame whose audio is not all in is rendered anyway once its deadline is a step
         (step_estimate) away (with silence for the missing audio); a frame whose deadline has
         passed is skipped.
+
+        A step takes at most `batch_limit(sessions)` frames, offline ones included.
         """
         margin = self.step_estimate() + UNDERRUN_SLACK_S
+        most = self.batch_limit(sessions)
         frames: list[Candidate] = []
         skipped: list[Candidate] = []
         per_session = []
         for s in sessions:
-            mine, given_up = s.request.candidates(now, self.max_batch, margin, s.playout.play_frame, idle_cached)
+            mine, given_up = s.request.candidates(now, most, margin, s.playout.play_frame, idle_cached)
             if given_up:  # played before the core reached them: their audio still goes to the encoder
                 s.handoff.skip(given_up)
             per_session.append((s, mine))
@@ -187,8 +190,8 @@ class Scheduler:
                 elif not (c.utterance is None and c.avatar in idle_cached):
                     frames.append(c)
         frames.sort(key=lambda c: c.deadline)  # EDF; each session's frames stay in order (rising deadlines)
-        live = frames[:self.max_batch]
-        deferred = (self.fill_slack_s > 0 and 0 < len(live) < self.max_batch and not self.offline
+        live = frames[:most]
+        deferred = (self.fill_slack_s > 0 and 0 < len(live) < most and not self.offline
                     and live[0].deadline - now > self.fill_slack_s)
         if deferred:
             live = []
@@ -204,7 +207,7 @@ class Scheduler:
                 else:
                     break
         offline: list[tuple[OfflineJob, int]] = []
-        room = self.max_batch - len(live)
+        room = most - len(live)
         for job in self.offline:
             if job.future.cancelled():
                 job.done = len(job.frames)  # what is left of it is dropped
@@ -225,6 +228,19 @@ class Scheduler:
             if gone:
                 by_id[sid].handoff.skip(gone)
         return StepPlan(live, offline, skipped, cached_frames, deferred, by_id)
+
+    def batch_limit(self, sessions: list[Session]) -> int:
+        """The most frames a step may take: the largest bucket whose step (measured at start) is no longer than
+        the session closest to the speech allows (step_budget_s). A frame waits up to one step to be taken and
+        runs in the next, so under a burst a longer step makes its own frames late and, waited on, the next
+        step's: at 16 low-latency sessions on an H100, padded 16-frame steps of 33 ms where 30 ms is the budget
+        (the frames over the limit go in the next step, first by deadline). Every bucket when nothing is
+        measured yet or no bucket is short enough (admission then refuses such sessions)."""
+        if not self.step_s or not sessions:
+            return self.max_batch
+        budget = min(step_budget_s(s.o) for s in sessions)
+        short = [b for b, took in self.step_s.items() if took <= budget and b <= self.max_batch]
+        return max(short) if short else self.max_batch
 
     def idle_wait(self, sessions: list[Session], now: float, idle_cached: Container[int] = ()) -> float:
         """Until the next idle frame falls due (a push wakes the core earlier), rounded up to a tick
