@@ -72,8 +72,8 @@ def engine(tiny_models, avatars):
     live.close()
 
 
-def RoomWithoutServer():  # noqa: N802 (the mock room, the one mock here: bench/livekit_load.py's)
-    from lipstream.bench.livekit_load import RoomWithoutServer as Room
+def RoomWithoutServer():  # noqa: N802 (the mock room, the one mock here: bench/livekit_room.py)
+    from lipstream.bench.livekit_room import RoomWithoutServer as Room
 
     return Room(name="room-1", identity="agent-1")
 

@@ -32,6 +32,7 @@ import numpy as np
 from livekit import rtc
 from livekit.agents.voice.avatar import AvatarRunner, QueueAudioOutput
 
+from lipstream.bench.livekit_room import TTS_RATE, RoomTracks, RoomWithoutServer
 from lipstream.bench.proc import rows_of_processes, tell_tasks_after
 from lipstream.fixtures import speech_like
 from lipstream.integrations.livekit import LipStreamVideoGenerator
@@ -39,72 +40,7 @@ from lipstream.live import LiveEngine
 
 SETTLE_S = 1.0  # runners start staggered over the first second: left out of every figure
 MEDIA_WAIT_S = 60.0  # at most this long for a runner's first picture (a server's handshakes under load)
-TTS_RATE = 24_000
 CHUNK_S = 0.02
-
-
-class _Publication:
-    async def wait_for_subscription(self) -> None:
-        return None
-
-
-class _Participant:
-    def __init__(self, identity: str):
-        self.identity = identity
-        self.published: list = []  # the tracks AvatarRunner published
-
-    async def publish_track(self, track, options) -> _Publication:
-        self.published.append(track)
-        return _Publication()
-
-
-class RoomWithoutServer:
-    """What AvatarRunner needs of an rtc.Room when no server is there: connected; published tracks are kept,
-    and go nowhere (the bench's room, and the one mock of tests/test_livekit.py)."""
-
-    def __init__(self, name: str = "bench", identity: str = "bench-agent"):
-        self.name = name
-        self.local_participant = _Participant(identity)
-
-    def isconnected(self) -> bool:
-        return True
-
-    def on(self, event, callback=None):
-        return callback
-
-    def off(self, event, callback) -> None:
-        pass
-
-
-class RoomTracks:
-    """The tracks AvatarRunner publishes, made before any session opens, handed out as it asks for them.
-
-    A connected room holds LiveKit's WebRTC runtime (its peer-connection factory), so the tracks a runner makes
-    at its first picture cost little. `RoomWithoutServer` connects nowhere and holds none: each track made then
-    builds a factory on the calling thread, probing NVIDIA's codecs, and on a GPU host with 16 room processes
-    that held each room's event loop 6-9 s after its session opened (the server then closed the session:
-    its client stopped answering ICE). Published to `RoomWithoutServer` a track goes nowhere, so tracks of
-    sources of their own, made first, stand in for the runner's."""
-
-    def __init__(self, n: int):
-        self._made = {rtc.LocalVideoTrack: [rtc.LocalVideoTrack.create_video_track("bench", rtc.VideoSource(16, 16))
-                                            for _ in range(n)],
-                      rtc.LocalAudioTrack: [rtc.LocalAudioTrack.create_audio_track("bench", rtc.AudioSource(TTS_RATE, 1))
-                                            for _ in range(n)]}
-        self._makers = {kind: kind.__dict__[name] for kind, name in ((rtc.LocalVideoTrack, "create_video_track"),
-                                                                     (rtc.LocalAudioTrack, "create_audio_track"))}
-        for kind, maker in self._makers.items():
-            setattr(kind, maker.__func__.__name__, staticmethod(self._taker(kind, maker.__func__)))
-
-    def _taker(self, kind, make):
-        def take(name, source):
-            return self._made[kind].pop() if self._made[kind] else make(name, source)
-        return take
-
-    def close(self) -> None:
-        """LiveKit's own track makers back."""
-        for kind, maker in self._makers.items():
-            setattr(kind, maker.__func__.__name__, maker)
 
 
 class Window:
