@@ -38,7 +38,7 @@
 #               preset in PRESETS (fast,reference); PROFILE=1: where a UNet call goes. AS_TYPED=1: then RUNS (1)
 #               `lipstream render --model keysync` of the monologue as typed (KS_PRESET, fast). KS_T (400 s) a
 #               command. REFERENCE=1 (carry .keysync-ref too: a KeySync checkout's sgm/, or KEYSYNC_REF=DIR):
-#               first keysync_speed.py --versus-reference on REF_FRAMES (100) frames; KS_SPEED=0: without
+#               first keysync_speed.py --versus-reference on REF_FRAMES (100) frames, LipStream in PRESETS; KS_SPEED=0: without
 #               keysync_speed.py. Out: keysync/keysync_speed.jsonl, keysync/keysync_reference.jsonl,
 #               keysync/unet_profile.txt, keysync_render_N.txt.
 # show          (after render, same machine; ~150 s) benchmarks/show_cost.py: the monologue broadcast plain and
@@ -374,7 +374,8 @@ stage_keysync() {
   install_wheels
   if [ -n "${REFERENCE:-}" ]; then  # KeySync's own code against LipStream's on REF_FRAMES frames
     LIPSTREAM_KEYSYNC_REFERENCE=${KEYSYNC_REF:-$PWD/.keysync-ref} timeout ${KS_T:-400} $PY \
-      benchmarks/keysync_speed.py "$OUT/keysync" --versus-reference --frames ${REF_FRAMES:-100} 2>&1 | grep "^{" | tail -12
+      benchmarks/keysync_speed.py "$OUT/keysync" --versus-reference --frames ${REF_FRAMES:-100} \
+      --presets ${PRESETS:-fast,reference} 2>&1 | grep "^{" | tail -12
   fi
   [ "${KS_SPEED:-1}" = 0 ] || timeout ${KS_T:-400} $PY benchmarks/keysync_speed.py "$OUT/keysync" \
     --frames ${FRAMES:-650} --presets ${PRESETS:-fast,reference} ${PROFILE:+--profile} 2>&1 | tail -14
