@@ -572,6 +572,7 @@ def test_rooms_in_processes_of_their_own_against_a_server(server):
     print("rooms' set-up:", row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"],
           [g["setup"] for g in row["generators"]])
     assert all(g["setup"]["first_picture_after_open_s"] is not None for g in row["generators"]), row["generators"]
+    assert 0 < row["process_cores_median"] <= row["process_cores_sum"] <= row["host_busy_cores"] + 0.5, row
 
 
 PROBE = ("import sys; from lipstream.cli import main; code = main(sys.argv[1:]); "

@@ -544,4 +544,8 @@ def test_bots_in_processes_of_their_own_through_a_transport_against_a_server(ser
     assert all(p["client_images"] > 5 and p["client_audio_frames"] > 50 for p in row["pipelines"]), row["pipelines"]
     # the transport's own draws are counted beside what the viewer got: a viewer cannot get more than was drawn
     assert 0 < row["transport_fps_min"] and 0 < row["client_share_min"] <= 1.05, row
-    print("bots:", {k: row[k] for k in ("fps_min", "transport_fps_min", "client_fps_min", "client_share_min")})
+    # what the bots cost the machine they share with the server: each process's own cores, the machine's
+    assert 0 < row["process_cores_median"] <= row["process_cores_sum"] <= row["host_busy_cores"] + 0.5, row
+    assert row["host_busy_cores"] <= row["host_cores"] + 0.5, row
+    print("bots:", {k: row[k] for k in ("fps_min", "transport_fps_min", "client_fps_min", "client_share_min",
+                                        "process_cores_sum", "host_busy_cores")})

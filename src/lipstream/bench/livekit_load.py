@@ -33,7 +33,7 @@ from livekit import rtc
 from livekit.agents.voice.avatar import AvatarRunner, QueueAudioOutput
 
 from lipstream.bench.livekit_room import TTS_RATE, RoomTracks, RoomWithoutServer
-from lipstream.bench.proc import rows_of_processes, tell_tasks_after
+from lipstream.bench.proc import CoresUsed, cores_of_processes, rows_of_processes, tell_tasks_after
 from lipstream.fixtures import speech_like
 from lipstream.integrations.livekit import LipStreamVideoGenerator
 from lipstream.live import LiveEngine
@@ -175,6 +175,7 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
         return await connect(url, str(avatar), api_key=api_key, fps=rate)
 
     stall, running_stall = LoopStall(), LoopStall()
+    cores, used = CoresUsed(), {}  # this process's CPU (runners, synchronizers, WebRTC clients) over the window
 
     tracks_made_s = None
 
@@ -204,7 +205,10 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
             stall.stop()
             running_stall.start()
             window.start(time.monotonic() + SETTLE_S, seconds)
-            return await runs
+            cores.start()
+            done = await runs
+            used.update(cores.stop())
+            return done
         finally:
             running_stall.stop()
             tracks.close()
@@ -213,6 +217,7 @@ def run(engine: LiveEngine | None, avatar: int | str, n: int, seconds: float, si
 
     row = _row(asyncio.run(main()), n, seconds, fps, keep_gaps=start_at is not None)
     row["startup_loop_stall_max_ms"], row["loop_stall_max_ms"] = stall.max_ms(), running_stall.max_ms()
+    row.update(used)
     row["startup_loop_stall_where"], row["tracks_made_s"] = stall.where, tracks_made_s
     return row
 
@@ -326,6 +331,7 @@ def rooms(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int] |
     row["tracks_made_s"] = max((r["tracks_made_s"] for r in rooms_ if r.get("tracks_made_s") is not None),
                                default=None)
     row["ended_by_server"] = sorted({r["ended_by_server"] for r in results if isinstance(r, dict) and r["ended_by_server"]})
+    row.update(cores_of_processes(rooms_))  # the rooms' own CPU, and how busy the machine they share was
     return row
 
 

@@ -43,7 +43,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
 from lipstream.aio import wait_for
-from lipstream.bench.proc import rows_of_processes
+from lipstream.bench.proc import CoresUsed, cores_of_processes, rows_of_processes
 from lipstream.fixtures import speech_like
 from lipstream.integrations.pipecat import UTTERANCE_KEY, LipStreamVideoService
 from lipstream.live import LiveEngine
@@ -242,6 +242,7 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
     await runner.add_workers(*workers)
     stats: list = [None] * n
     window: list[float] = [0.0, 0.0]
+    cores, used = CoresUsed(), {}  # this process's CPU (its pipelines, transports, viewers) while they speak
 
     async def drive() -> None:
         await wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
@@ -249,9 +250,11 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
             await asyncio.sleep(max(0.0, start_at - time.time()))
         delay = playout_delay_s or (engine.o.playout_delay_s if engine is not None else 0.25)
         window[0] = time.monotonic() + delay
+        cores.start()
         await asyncio.gather(*(_feed(w, seconds, seed=k) for k, w in enumerate(workers)))
         await asyncio.sleep(delay + 0.5)  # the last speech plays out
         window[1] = time.monotonic()
+        used.update(cores.stop())
         for k, s in enumerate(services):
             stats[k] = s.session.stats if s.session is not None else None
         for w in workers:
@@ -282,7 +285,7 @@ async def _run(engine: LiveEngine | None, avatar: str | int, n: int, seconds: fl
                 "client_share_min": min(_share(r) for r in rows),
                 "transport_fps_min": min(r["transport_fps"] for r in rows),
                 "client_interval_max_ms": max((r["client_interval_max_ms"] or 0) for r in rows)} if viewers else {}),
-            "pipelines": rows}
+            **used, "pipelines": rows}
 
 
 def _share(row: dict) -> float:
@@ -327,7 +330,8 @@ def bots(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int], f
          api_key: str | None = None, playout_delay_s: float | None = None) -> dict:
     """N bots as they are deployed: N processes of one pipeline each against the `lipstream serve` at `url`,
     each through a real transport (SmallWebRTC) to a viewer of its own, all speaking from one moment; the
-    figures of this N, the pipelines' as `run` gives them (`processes_failed`: bots that reported nothing)."""
+    figures of this N, the pipelines' as `run` gives them (`processes_failed`: bots that reported nothing), and
+    the cores the bots used while speaking beside how busy the machine was (they share it with the server)."""
     env = {**os.environ, "LIPSTREAM_API_KEY": api_key or os.environ.get("LIPSTREAM_API_KEY", "")}
     start = time.time() + BOT_START_S
     cmd = ["--url", url, "--avatar", avatar, "--n", "1", "--seconds", str(seconds), "--fps", str(fps), "--size",
@@ -349,7 +353,7 @@ def bots(url: str, avatar: str, n: int, seconds: float, size: tuple[int, int], f
             "client_share_min": min((row["client_share_min"] for row in rows), default=0.0) if not failed else 0.0,
             "transport_fps_min": min((row["transport_fps_min"] for row in rows), default=0.0) if not failed else 0.0,
             "client_interval_max_ms": max((row["client_interval_max_ms"] for row in rows), default=None),
-            "pipelines": pipelines}
+            **cores_of_processes(rows), "pipelines": pipelines}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,6 +46,37 @@ def host_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+class CoresUsed:
+    """How many cores this process (all its threads) and the whole machine kept busy between `start()` and
+    `stop()`: a client process's own share and whether the machine it shares with the server was full."""
+
+    def __init__(self):
+        self._at = None
+
+    def start(self) -> None:
+        self._at = (time.monotonic(), time.process_time(), host_busy_s())
+
+    def stop(self) -> dict:
+        """{"process_cores", "host_busy_cores"} over the span (None where it cannot be read or never started)."""
+        if self._at is None:
+            return {"process_cores": None, "host_busy_cores": None}
+        t0, cpu0, busy0 = self._at
+        span, busy1 = max(1e-6, time.monotonic() - t0), host_busy_s()
+        return {"process_cores": round((time.process_time() - cpu0) / span, 2),
+                "host_busy_cores": round((busy1 - busy0) / span, 1) if busy0 is not None and busy1 is not None else None}
+
+
+def cores_of_processes(rows: list[dict]) -> dict:
+    """The client processes' own CPU (each row's `process_cores`: the median and the sum), beside how busy the
+    machine was over their windows (the median of what each saw) and how many cores it has."""
+    own = [r["process_cores"] for r in rows if r.get("process_cores") is not None]
+    host = [r["host_busy_cores"] for r in rows if r.get("host_busy_cores") is not None]
+    return {"process_cores_median": round(float(sorted(own)[len(own) // 2]), 2) if own else None,
+            "process_cores_sum": round(sum(own), 1) if own else None,
+            "host_busy_cores": round(float(sorted(host)[len(host) // 2]), 1) if host else None,
+            "host_cores": os.cpu_count()}
+
+
 CLIENT_NICE = 10  # client processes (viewers, bots, rooms) share the server's machine: they yield to it when cores
 # are short, as they would not compete with it on machines of their own
 
