@@ -375,7 +375,8 @@ stage_keysync() {
   if [ -n "${REFERENCE:-}" ]; then  # KeySync's own code against LipStream's on REF_FRAMES frames
     LIPSTREAM_KEYSYNC_REFERENCE=${KEYSYNC_REF:-$PWD/.keysync-ref} timeout ${KS_T:-400} $PY \
       benchmarks/keysync_speed.py "$OUT/keysync" --versus-reference --frames ${REF_FRAMES:-100} \
-      --presets ${PRESETS:-fast,reference} 2>&1 | grep "^{" | tail -12
+      --presets ${PRESETS:-fast,reference} > "$OUT/keysync_reference.txt" 2>&1
+    echo "versus-reference rc $?"; grep "^{" "$OUT/keysync_reference.txt" | tail -12; tail -3 "$OUT/keysync_reference.txt"
   fi
   [ "${KS_SPEED:-1}" = 0 ] || timeout ${KS_T:-400} $PY benchmarks/keysync_speed.py "$OUT/keysync" \
     --frames ${FRAMES:-650} --presets ${PRESETS:-fast,reference} ${PROFILE:+--profile} 2>&1 | tail -14
