@@ -940,6 +940,7 @@ def test_live_bench_rows_on_two_cores(streaming, tmp_path):
     row = run_sessions(streaming, 2, 2.0, [0, 1])
     assert row["sessions"] == 2 and row["frames_played"] >= 2 and row["cpu_cores_busy"] > 0
     assert set(row) >= {"latency_ms", "frames_late", "frames_skipped", "engine_fps", "idle_kept_fps", "holds"}
+    assert 0 < row["core_busy_pct"] <= 110, row  # the core thread's own CPU: one core at most
     report = {"device": "cpu", "date": "today", "commit": "", "command": "test", "fps": 10, "seconds": 2.0,
               "compile": "off", "options": {"audio_codec": "opus"}, "random_weights": True, "startup_s": 0.0,
               "step_s": {}, "rows": [{"size": "320x180", **row}]}

@@ -948,6 +948,7 @@ def test_serve_bench_clients_in_their_own_processes_measure_at_the_client(server
     # the engine's own counters over the row (its /metrics): steps ran, with the speech and the job in them
     assert row["engine_steps"] > 0 and row["engine_frames_per_step"] >= 1, row
     assert 0 <= row["engine_steps_after_idle"] <= row["engine_steps"]
+    assert 0 < row["engine_core_busy_pct"] <= 110, row  # the core thread's own CPU: at most one core
     assert "| 2 |" in (tmp_path / "serve_bench.md").read_text()
 
 

@@ -147,7 +147,8 @@ def run_row(url: str, key: str, n: int, seconds: float, avatars: list[str], *, r
 
 
 ENGINE_COUNTERS = {"steps": "lipstream_engine_steps", "steps_after_idle": "lipstream_engine_steps_after_idle",
-                   "gpu_busy_s": "lipstream_engine_gpu_busy_seconds", "frames": "lipstream_live_frames_rendered",
+                   "gpu_busy_s": "lipstream_engine_gpu_busy_seconds", "core_cpu_s": "lipstream_engine_core_cpu_seconds",
+                   "frames": "lipstream_live_frames_rendered",
                    "offline_frames": "lipstream_offline_frames"}
 
 
@@ -169,14 +170,16 @@ def engine_counters(http: httpx.Client) -> dict[str, float]:
 
 
 def _engine_row(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
-    """What the engine did during a row: steps, frames a step, GPU busy, steps launched after the GPU ran dry."""
+    """What the engine did during a row: steps, frames a step, GPU busy, steps launched after the GPU ran dry,
+    and how busy its core thread was (near 100%: the core's Python is what falls behind, not the GPU)."""
     if not before or not after or "steps" not in after:
         return {}
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_COUNTERS}
     return {"engine_steps": int(d["steps"]),
             "engine_frames_per_step": round((d["frames"] + d["offline_frames"]) / d["steps"], 2) if d["steps"] else None,
             "engine_steps_after_idle": int(d["steps_after_idle"]),
-            "engine_gpu_busy_pct": round(100 * d["gpu_busy_s"] / wall, 1) if wall > 0 else None}
+            "engine_gpu_busy_pct": round(100 * d["gpu_busy_s"] / wall, 1) if wall > 0 else None,
+            "engine_core_busy_pct": round(100 * d["core_cpu_s"] / wall, 1) if wall > 0 else None}
 
 
 def _stages(per_client: list[dict[str, list[float]]]) -> dict:

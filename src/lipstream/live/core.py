@@ -62,6 +62,7 @@ class EngineStats:
     whisper_runs: int = 0  # encoder calls: windows per call is the batching the feature tick buys
     gpu_busy_s: float = 0.0  # GPU time of the steps (CUDA events), 0 on the CPU
     steps_after_idle: int = 0  # steps launched after the one before had ended (the GPU ran dry between them)
+    core_cpu_s: float = 0.0  # CPU time of the core thread itself (a full core: the engine keeps up no more)
     started_at: float = field(default_factory=time.monotonic)
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -140,6 +141,7 @@ class LiveCore:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     wait = self.step()
+                    self.stats.core_cpu_s = time.thread_time()
                     if wait is not None:
                         self.wake.wait(wait)
                         self.wake.clear()

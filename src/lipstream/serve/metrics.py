@@ -62,6 +62,9 @@ class _Live:
                                 value=stats.steps_after_idle)
         yield GaugeMetricFamily("lipstream_engine_gpu_busy_seconds", "GPU time of the steps (0 on a CPU)",
                                 value=stats.gpu_busy_s)
+        yield GaugeMetricFamily("lipstream_engine_core_cpu_seconds",
+                                "CPU time of the engine's core thread (one core at most: when it is full, frames are late)",
+                                value=stats.core_cpu_s)
         yield GaugeMetricFamily("lipstream_live_frames_late", "frames played late, over all sessions so far",
                                 value=sum(s.stats.late for s in list(live.sessions.values())) + self.closed_late())
         yield GaugeMetricFamily("lipstream_engine_capacity_fps", "frames/s admission counts with",
