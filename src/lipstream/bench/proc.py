@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,9 +72,9 @@ def cores_of_processes(rows: list[dict]) -> dict:
     machine was over their windows (the median of what each saw) and how many cores it has."""
     own = [r["process_cores"] for r in rows if r.get("process_cores") is not None]
     host = [r["host_busy_cores"] for r in rows if r.get("host_busy_cores") is not None]
-    return {"process_cores_median": round(float(sorted(own)[len(own) // 2]), 2) if own else None,
+    return {"process_cores_median": round(statistics.median(own), 2) if own else None,
             "process_cores_sum": round(sum(own), 1) if own else None,
-            "host_busy_cores": round(float(sorted(host)[len(host) // 2]), 1) if host else None,
+            "host_busy_cores": round(statistics.median(host), 1) if host else None,
             "host_cores": os.cpu_count()}
 
 
